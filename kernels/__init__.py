@@ -1,0 +1,115 @@
+"""Convolution and pooling kernels, one dispatch for every backend.
+
+Three implementations share one set of signatures:
+
+==============  =========================  ===========================================
+module          runs on                    role
+==============  =========================  ===========================================
+``reference``   NumPy (or CuPy) arrays     the definition: clear, vectorized array code
+``cpu``         NumPy arrays               Numba ``@njit(parallel=True)`` kernels
+``cuda``        CuPy arrays                Numba CUDA kernels (``numba.cuda.jit``)
+==============  =========================  ===========================================
+
+The functions below pick the implementation from the array (CuPy array -> ``cuda``, NumPy
+array -> ``cpu``). Setting the environment variable ``MPIDL_KERNELS=reference`` forces the
+reference everywhere (for debugging a suspected kernel bug); ``MPIDL_KERNELS=cpu`` or
+``cuda`` forces one of the others. The choice is read at each call, so tests can flip it.
+
+Layouts (NCHW everywhere)
+-------------------------
+``im2col(x, kh, kw, stride, pad)`` with ``x : (N, C, H, W)`` returns
+``cols : (C*kh*kw, N*OH*OW)``; row ``(c*kh + i)*kw + j`` holds input channel ``c`` at kernel
+offset ``(i, j)``, column ``(n*OH + oh)*OW + ow`` is output pixel ``(oh, ow)`` of sample
+``n``, and ``cols[r, col] = x[n, c, oh*stride + i - pad, ow*stride + j - pad]`` (0 outside).
+``OH = (H + 2*pad - kh)//stride + 1`` (same for ``OW``). ``col2im`` is its adjoint: it
+scatter-adds ``cols`` back into an ``(N, C, H, W)`` array.
+
+Pooling takes ``(k, stride, pad)``; max pooling pads with -inf and returns ``argmax``, int32,
+the index ``h*W + w`` of the winning input pixel in its ``(H, W)`` plane; average pooling pads
+with zeros and always divides by ``k*k`` (PyTorch's ``count_include_pad=True``).
+"""
+
+from __future__ import annotations
+
+import os
+
+from . import reference
+
+__all__ = [
+    "conv_output_size",
+    "im2col",
+    "col2im",
+    "maxpool2d_forward",
+    "maxpool2d_backward",
+    "avgpool2d_forward",
+    "avgpool2d_backward",
+    "implementation_for",
+]
+
+conv_output_size = reference.conv_output_size
+
+_FORCE_VALUES = ("", "reference", "cpu", "cuda")
+
+
+def _load(name: str):
+    if name == "reference":
+        return reference
+    if name == "cpu":
+        try:
+            from . import cpu  # noqa: PLC0415 - Numba compilation is deferred until needed
+        except ImportError:
+            return None
+        return cpu
+    if name == "cuda":
+        from . import cuda  # noqa: PLC0415
+
+        return cuda
+    raise ValueError(name)
+
+
+def implementation_for(x):
+    """The kernel module that will run for array ``x`` (see the module docstring)."""
+    forced = os.environ.get("MPIDL_KERNELS", "").strip().lower()
+    if forced not in _FORCE_VALUES:
+        raise ValueError(
+            f"MPIDL_KERNELS={forced!r} is not one of reference, cpu, cuda (or unset)"
+        )
+    on_gpu = type(x).__module__.startswith("cupy")
+    if forced:
+        if forced == "cuda" and not on_gpu:
+            raise ValueError("MPIDL_KERNELS=cuda needs CuPy arrays")
+        if forced == "cpu" and on_gpu:
+            raise ValueError("MPIDL_KERNELS=cpu needs NumPy arrays")
+        return _load(forced)
+    module = _load("cuda") if on_gpu else _load("cpu")
+    return module if module is not None else reference
+
+
+def im2col(x, kh, kw, stride=1, pad=0, out=None):
+    """``x : (N, C, H, W)`` -> ``cols : (C*kh*kw, N*OH*OW)``; ``out`` is an optional workspace."""
+    return implementation_for(x).im2col(x, kh, kw, stride, pad, out=out)
+
+
+def col2im(cols, x_shape, kh, kw, stride=1, pad=0, out=None):
+    """Adjoint of :func:`im2col`: ``cols : (C*kh*kw, N*OH*OW)`` -> ``dx : x_shape``."""
+    return implementation_for(cols).col2im(cols, x_shape, kh, kw, stride, pad, out=out)
+
+
+def maxpool2d_forward(x, k, stride, pad=0):
+    """``x : (N, C, H, W)`` -> ``(y : (N, C, OH, OW), argmax : int32 (N, C, OH, OW))``."""
+    return implementation_for(x).maxpool2d_forward(x, k, stride, pad)
+
+
+def maxpool2d_backward(dy, argmax, x_shape, k, stride, pad=0):
+    """Route each ``dy`` to its window's winner: ``dx[n, c].flat[argmax] += dy``."""
+    return implementation_for(dy).maxpool2d_backward(dy, argmax, x_shape, k, stride, pad)
+
+
+def avgpool2d_forward(x, k, stride, pad=0):
+    """``y[n, c, oh, ow] = sum of the k*k window / (k*k)``."""
+    return implementation_for(x).avgpool2d_forward(x, k, stride, pad)
+
+
+def avgpool2d_backward(dy, x_shape, k, stride, pad=0):
+    """Spread each ``dy / (k*k)`` over its window."""
+    return implementation_for(dy).avgpool2d_backward(dy, x_shape, k, stride, pad)
