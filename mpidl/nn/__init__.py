@@ -1,0 +1,32 @@
+"""Layers: each a forward / backward pair written once against ``xp`` (NumPy or CuPy).
+
+See :mod:`mpidl.nn.module` for the contract (backward overwrites parameter gradients and
+returns the input gradient; parameters are views into one flat buffer).
+"""
+
+from mpidl.nn.activation import LeakyReLU, ReLU
+from mpidl.nn.conv import Conv2d
+from mpidl.nn.dropout import Dropout
+from mpidl.nn.linear import Flatten, Linear
+from mpidl.nn.loss import SoftmaxCrossEntropy
+from mpidl.nn.module import Module, Sequential
+from mpidl.nn.norm import BatchNorm2d
+from mpidl.nn.pool import AvgPool2d, GlobalAvgPool2d, MaxPool2d
+from mpidl.nn.residual import Residual
+
+__all__ = [
+    "Module",
+    "Sequential",
+    "Conv2d",
+    "MaxPool2d",
+    "AvgPool2d",
+    "GlobalAvgPool2d",
+    "Linear",
+    "Flatten",
+    "ReLU",
+    "LeakyReLU",
+    "Dropout",
+    "BatchNorm2d",
+    "Residual",
+    "SoftmaxCrossEntropy",
+]

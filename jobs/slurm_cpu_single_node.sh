@@ -1,0 +1,39 @@
+#!/bin/bash
+# sbatch jobs/slurm_cpu_single_node.sh --data data/samson.h5 --epochs 50
+#
+# One CPU node, one MPI rank per Slurm task. Options after the script name go to
+# `python -m mpidl.train` (sbatch passes them on); run from the repository root.
+#
+# (A comment on an #SBATCH line itself is not safe on every Slurm version, so each one is
+# explained on the line above it.)
+#
+# A name to find the job by in squeue / sacct.
+#SBATCH --job-name=mpidl-cpu
+# Everything on one node: every strategy then reduces through shared memory only.
+#SBATCH --nodes=1
+# One MPI rank per task.
+#SBATCH --ntasks=8
+# Cores for each rank's BLAS / Numba threads (OMP_NUM_THREADS below follows it).
+#SBATCH --cpus-per-task=4
+#SBATCH --time=01:00:00
+# %x = job name, %j = job id: one log per job, next to where it was submitted.
+#SBATCH --output=%x-%j.out
+
+# Stop at the first failing command and at unset variables.
+set -euo pipefail
+
+# sbatch exports the submitting shell's environment, so `python` is the one of the venv that
+# was active at submission; PYTHON overrides it.
+PYTHON=${PYTHON:-python}
+
+# Let each rank use exactly the cores Slurm gave its task, no more (oversubscription) and
+# no fewer (idle cores).
+export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1} NUMBA_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
+
+mkdir -p runs
+# srun starts the ranks itself and hands them their MPI wiring through PMIx (`srun --mpi=list`
+# shows what the site supports; mpi4py's MPI must be built with PMIx/Slurm support).
+# --cpu-bind=cores pins each rank to its own cores so the speeds it measures stay stable.
+# The metrics file is named after the job; a --metrics in "$@" comes later and wins.
+srun --mpi=pmix --cpu-bind=cores \
+    "$PYTHON" -m mpidl.train --metrics "runs/${SLURM_JOB_ID}.jsonl" "$@"

@@ -1,0 +1,341 @@
+"""Reference convolution and pooling kernels: the definition the fast kernels are tested against.
+
+Written once against ``xp`` (NumPy or CuPy, from :func:`mpidl.backend.get_array_module`),
+vectorized over the batch, the channels and the output pixels. The only Python loops run over
+the ``kh*kw`` kernel offsets: for a fixed offset ``(i, j)`` the input pixels that meet it form
+one strided slice of the (padded) input,
+
+    x_padded[:, :, i : i + stride*OH : stride, j : j + stride*OW : stride]   # (N, C, OH, OW)
+
+so every kernel is "for each offset: one slice, one array operation". The layouts are the ones
+fixed in :mod:`mpidl.kernels` (read its docstring): ``cols : (C*kh*kw, N*OH*OW)`` with row
+``(c*kh + i)*kw + j`` and column ``(n*OH + oh)*OW + ow``.
+
+Conventions shared by all three implementations
+-----------------------------------------------
+* ``OH = (H + 2*pad - kh) // stride + 1``; an empty output is a ``ValueError``.
+* Max pooling pads with ``-inf`` and returns ``argmax`` (int32), the index ``h*W + w`` of the
+  winner in its unpadded ``(H, W)`` input plane. Ties go to the first maximum in row-major
+  window order (offset ``(i, j)`` before ``(i, j+1)`` before ``(i+1, 0)``). ``pad`` may be at
+  most ``k // 2`` (as in PyTorch), so every window holds at least one real pixel.
+* Average pooling pads with zeros and always divides by ``k*k`` (``count_include_pad=True``).
+* ``out=`` (im2col / col2im only): a preallocated, C-contiguous result buffer of the exact
+  shape and dtype; it is filled and returned, so a layer can reuse one workspace every step.
+"""
+
+from __future__ import annotations
+
+from mpidl.backend import get_array_module
+
+__all__ = [
+    "conv_output_size",
+    "im2col",
+    "col2im",
+    "maxpool2d_forward",
+    "maxpool2d_backward",
+    "avgpool2d_forward",
+    "avgpool2d_backward",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# geometry and argument checks
+# --------------------------------------------------------------------------------------------
+
+
+def conv_output_size(size: int, k: int, stride: int = 1, pad: int = 0) -> int:
+    """Output length of a convolution / pooling window sliding over ``size`` input pixels.
+
+    Notes
+    -----
+    ``out = (size + 2*pad - k) // stride + 1`` (the floor drops a last partial window).
+
+    Raises
+    ------
+    ValueError
+        For ``k < 1``, ``stride < 1``, ``pad < 0`` or when the output would be empty
+        (the window is larger than the padded input).
+    """
+    if k < 1 or stride < 1 or pad < 0:
+        raise ValueError(f"need k >= 1, stride >= 1, pad >= 0; got k={k}, stride={stride}, pad={pad}")
+    out = (size + 2 * pad - k) // stride + 1
+    if out < 1:
+        raise ValueError(
+            f"window k={k} (stride={stride}, pad={pad}) does not fit in an input of size {size}: "
+            f"the output would be empty"
+        )
+    return out
+
+
+def _check_4d(x, what: str = "x") -> tuple[int, int, int, int]:
+    if x.ndim != 4:
+        raise ValueError(f"{what} must be 4-D (N, C, H, W); got shape {tuple(x.shape)}")
+    return tuple(int(s) for s in x.shape)
+
+
+def _check_out(out, shape: tuple, dtype, what: str):
+    """Validate a caller-provided result buffer (it must be writable in place as ``shape``)."""
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{what}: out has shape {tuple(out.shape)}, expected {tuple(shape)}")
+    if out.dtype != dtype:
+        raise ValueError(f"{what}: out has dtype {out.dtype}, expected {dtype}")
+    # A non-contiguous buffer would make the reshapes below copies, and the result would be
+    # written into the copy instead of the caller's buffer.
+    if not out.flags.c_contiguous:
+        raise ValueError(f"{what}: out must be C-contiguous")
+    return out
+
+
+def _pad_planes(x, pad: int, value: float = 0.0):
+    """``(N, C, H, W)`` -> ``(N, C, H + 2*pad, W + 2*pad)`` with ``value`` in the border."""
+    if pad == 0:
+        return x
+    xp = get_array_module(x)
+    return xp.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)), mode="constant", constant_values=value)
+
+
+def _window_slice(i: int, j: int, stride: int, oh: int, ow: int):
+    """Index of the padded-input pixels that meet kernel offset ``(i, j)``: ``(N, C, OH, OW)``."""
+    return (
+        slice(None),
+        slice(None),
+        slice(i, i + stride * (oh - 1) + 1, stride),
+        slice(j, j + stride * (ow - 1) + 1, stride),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# im2col / col2im
+# --------------------------------------------------------------------------------------------
+
+
+def im2col(x, kh: int, kw: int, stride: int = 1, pad: int = 0, out=None):
+    """Unfold every receptive field of ``x`` into one column, so convolution becomes one GEMM.
+
+    Parameters
+    ----------
+    x : (N, C, H, W)
+    kh, kw, stride, pad : kernel height / width, stride and zero padding (same for H and W)
+    out : optional (C*kh*kw, N*OH*OW) buffer of x's dtype, filled and returned
+
+    Returns
+    -------
+    cols : (C*kh*kw, N*OH*OW)
+
+    Notes
+    -----
+    ``cols[(c*kh + i)*kw + j, (n*OH + oh)*OW + ow] = x[n, c, oh*stride + i - pad, ow*stride + j - pad]``
+    (zero where the index falls in the padding). Viewed as a 6-D array
+    ``(C, kh, kw, N, OH, OW)``, the slab at offset ``(i, j)`` is one strided slice of the padded
+    input with its ``N`` and ``C`` axes swapped.
+    """
+    xp = get_array_module(x)
+    n, c, h, w = _check_4d(x)
+    oh = conv_output_size(h, kh, stride, pad)
+    ow = conv_output_size(w, kw, stride, pad)
+    shape = (c * kh * kw, n * oh * ow)
+    cols = xp.empty(shape, dtype=x.dtype) if out is None else _check_out(out, shape, x.dtype, "im2col")
+
+    x_padded = _pad_planes(x, pad)
+    cols6 = cols.reshape(c, kh, kw, n, oh, ow)  # a view: writes land in `cols`
+    for i in range(kh):
+        for j in range(kw):
+            cols6[:, i, j] = x_padded[_window_slice(i, j, stride, oh, ow)].transpose(1, 0, 2, 3)
+    return cols
+
+
+def col2im(cols, x_shape, kh: int, kw: int, stride: int = 1, pad: int = 0, out=None):
+    """Adjoint of :func:`im2col`: scatter-add every column back onto the pixels it came from.
+
+    Parameters
+    ----------
+    cols : (C*kh*kw, N*OH*OW)
+    x_shape : (N, C, H, W), the shape of the image ``cols`` was unfolded from
+    out : optional ``x_shape`` buffer of cols' dtype, filled and returned
+
+    Returns
+    -------
+    dx : (N, C, H, W)
+
+    Notes
+    -----
+    ``dx[n, c, h, w] = sum over (i, j, oh, ow) with oh*stride + i - pad = h and
+    ow*stride + j - pad = w of cols[(c*kh + i)*kw + j, (n*OH + oh)*OW + ow]``.
+    Being the adjoint, ``<im2col(x), cols> == <x, col2im(cols)>`` for all ``x`` and ``cols``;
+    this is how the convolution's input gradient is formed from ``dcols = W.T @ dY``.
+    Within one offset ``(i, j)`` the strided slice touches each pixel at most once, so a plain
+    ``+=`` per offset is a correct scatter-add.
+    """
+    xp = get_array_module(cols)
+    n, c, h, w = (int(s) for s in x_shape)
+    oh = conv_output_size(h, kh, stride, pad)
+    ow = conv_output_size(w, kw, stride, pad)
+    expected = (c * kh * kw, n * oh * ow)
+    if tuple(cols.shape) != expected:
+        raise ValueError(f"col2im: cols has shape {tuple(cols.shape)}, expected {expected} for x_shape {tuple(x_shape)}")
+    if out is not None:
+        _check_out(out, (n, c, h, w), cols.dtype, "col2im")
+
+    dx_padded = xp.zeros((n, c, h + 2 * pad, w + 2 * pad), dtype=cols.dtype)
+    cols6 = cols.reshape(c, kh, kw, n, oh, ow)
+    for i in range(kh):
+        for j in range(kw):
+            dx_padded[_window_slice(i, j, stride, oh, ow)] += cols6[:, i, j].transpose(1, 0, 2, 3)
+    dx = dx_padded[:, :, pad : pad + h, pad : pad + w]
+    if out is None:
+        return dx if pad == 0 else xp.ascontiguousarray(dx)
+    out[...] = dx
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# max pooling
+# --------------------------------------------------------------------------------------------
+
+
+def _pool_geometry(x_shape, k: int, stride: int, pad: int):
+    n, c, h, w = (int(s) for s in x_shape)
+    return n, c, h, w, conv_output_size(h, k, stride, pad), conv_output_size(w, k, stride, pad)
+
+
+def _offset_plane_index(xp, i: int, j: int, stride: int, pad: int, oh: int, ow: int, w: int):
+    """For kernel offset ``(i, j)``: the input row, column and plane index ``h*W + w`` that
+    each output pixel ``(oh, ow)`` reads, as ``(OH, 1)``, ``(1, OW)`` and ``(OH, OW)`` arrays."""
+    rows = (xp.arange(oh) * stride + i - pad)[:, None]
+    cols = (xp.arange(ow) * stride + j - pad)[None, :]
+    return rows, cols, (rows * w + cols).astype(xp.int32)
+
+
+def maxpool2d_forward(x, k: int, stride: int, pad: int = 0):
+    """Max over each ``k x k`` window, and where the max was.
+
+    Parameters
+    ----------
+    x : (N, C, H, W)
+    k, stride, pad : window size, stride, padding (with -inf; ``pad <= k // 2``)
+
+    Returns
+    -------
+    y : (N, C, OH, OW), x's dtype
+    argmax : (N, C, OH, OW) int32, index ``h*W + w`` of the winner in its input plane
+
+    Notes
+    -----
+    ``y[n, c, oh, ow] = max_{i,j < k} x[n, c, oh*stride + i - pad, ow*stride + j - pad]``.
+    Offsets are visited in row-major order and a later offset wins only if strictly greater,
+    so ties go to the first maximum.
+    """
+    xp = get_array_module(x)
+    n, c, h, w, oh, ow = _pool_geometry(_check_4d(x), k, stride, pad)
+    if pad > k // 2:
+        raise ValueError(f"max pooling needs pad <= k // 2 (k={k}), got pad={pad}")
+
+    x_padded = _pad_planes(x, pad, value=-xp.inf)
+    best = xp.full((n, c, oh, ow), -xp.inf, dtype=x.dtype)
+    argmax = xp.full((n, c, oh, ow), -1, dtype=xp.int32)
+    for i in range(k):
+        for j in range(k):
+            rows, cols, index = _offset_plane_index(xp, i, j, stride, pad, oh, ow, w)
+            inside = (rows >= 0) & (rows < h) & (cols >= 0) & (cols < w)
+            candidate = x_padded[_window_slice(i, j, stride, oh, ow)]
+            # `argmax < 0`: nothing taken yet, so the first real pixel is taken even if it is
+            # -inf (an all -inf window must still point at a pixel inside the window).
+            better = (candidate > best) | ((argmax < 0) & inside)
+            best = xp.where(better, candidate, best)
+            argmax = xp.where(better, index, argmax)
+    return best, argmax
+
+
+def maxpool2d_backward(dy, argmax, x_shape, k: int, stride: int, pad: int = 0):
+    """Route each output gradient to the input pixel that won its window.
+
+    Parameters
+    ----------
+    dy : (N, C, OH, OW)
+    argmax : (N, C, OH, OW) int32, from :func:`maxpool2d_forward`
+    x_shape : (N, C, H, W)
+
+    Returns
+    -------
+    dx : (N, C, H, W), dy's dtype
+
+    Notes
+    -----
+    ``dx[n, c].flat[argmax[n, c, oh, ow]] += dy[n, c, oh, ow]`` (overlapping windows add up).
+    Given ``(oh, ow)``, the winner's index fixes the kernel offset ``(i, j)``, so looping over
+    the offsets and adding ``dy`` where ``argmax`` equals that offset's index is a scatter-add
+    made of strided slices only (no ``add.at``, which is slow on NumPy and CuPy alike).
+    """
+    xp = get_array_module(dy)
+    n, c, h, w, oh, ow = _pool_geometry(x_shape, k, stride, pad)
+    if tuple(dy.shape) != (n, c, oh, ow) or tuple(argmax.shape) != (n, c, oh, ow):
+        raise ValueError(
+            f"maxpool2d_backward: dy {tuple(dy.shape)} and argmax {tuple(argmax.shape)} "
+            f"must both be {(n, c, oh, ow)} for x_shape {tuple(x_shape)}"
+        )
+    dx_padded = xp.zeros((n, c, h + 2 * pad, w + 2 * pad), dtype=dy.dtype)
+    for i in range(k):
+        for j in range(k):
+            _, _, index = _offset_plane_index(xp, i, j, stride, pad, oh, ow, w)
+            dx_padded[_window_slice(i, j, stride, oh, ow)] += xp.where(argmax == index, dy, 0)
+    return xp.ascontiguousarray(dx_padded[:, :, pad : pad + h, pad : pad + w])
+
+
+# --------------------------------------------------------------------------------------------
+# average pooling
+# --------------------------------------------------------------------------------------------
+
+
+def avgpool2d_forward(x, k: int, stride: int, pad: int = 0):
+    """Mean over each ``k x k`` window (zero padding counted).
+
+    Parameters
+    ----------
+    x : (N, C, H, W)
+
+    Returns
+    -------
+    y : (N, C, OH, OW)
+
+    Notes
+    -----
+    ``y[n, c, oh, ow] = (1 / k^2) * sum_{i,j < k} x[n, c, oh*stride + i - pad, ow*stride + j - pad]``.
+    """
+    xp = get_array_module(x)
+    n, c, h, w, oh, ow = _pool_geometry(_check_4d(x), k, stride, pad)
+    x_padded = _pad_planes(x, pad)
+    total = xp.zeros((n, c, oh, ow), dtype=x.dtype)
+    for i in range(k):
+        for j in range(k):
+            total += x_padded[_window_slice(i, j, stride, oh, ow)]
+    total /= k * k
+    return total
+
+
+def avgpool2d_backward(dy, x_shape, k: int, stride: int, pad: int = 0):
+    """Spread each output gradient evenly over its window.
+
+    Parameters
+    ----------
+    dy : (N, C, OH, OW)
+    x_shape : (N, C, H, W)
+
+    Returns
+    -------
+    dx : (N, C, H, W)
+
+    Notes
+    -----
+    ``dx[n, c, oh*stride + i - pad, ow*stride + j - pad] += dy[n, c, oh, ow] / k^2`` for every
+    offset ``(i, j)``; the share that lands in the padding is dropped.
+    """
+    xp = get_array_module(dy)
+    n, c, h, w, oh, ow = _pool_geometry(x_shape, k, stride, pad)
+    if tuple(dy.shape) != (n, c, oh, ow):
+        raise ValueError(f"avgpool2d_backward: dy has shape {tuple(dy.shape)}, expected {(n, c, oh, ow)}")
+    share = dy / (k * k)
+    dx_padded = xp.zeros((n, c, h + 2 * pad, w + 2 * pad), dtype=dy.dtype)
+    for i in range(k):
+        for j in range(k):
+            dx_padded[_window_slice(i, j, stride, oh, ow)] += share
+    return xp.ascontiguousarray(dx_padded[:, :, pad : pad + h, pad : pad + w])

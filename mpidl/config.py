@@ -1,0 +1,279 @@
+"""The run configuration: one validated dataclass built from the command line.
+
+Every bad value is refused here, with a message that names the option, *before* any MPI
+collective: every rank parses the same arguments and validates them the same way, so every
+rank raises the same :class:`ConfigError` and nobody is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields
+
+MODEL_NAMES = ("hsicnn", "hsicnn_bn", "resnet8")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+SCHEDULES = ("constant", "step", "cosine")
+STRATEGIES = ("flat", "hierarchical", "node")
+WEIGHTINGS = ("balanced", "uniform")
+BALANCES = ("speed", "none")
+ON_NAN = ("stop", "skip")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message names the option."""
+
+
+@dataclass
+class Config:
+    """Everything a training run needs to know. Field names match the command-line options
+    (``--batch-size`` -> ``batch_size``)."""
+
+    # data and model
+    data: str | None = None
+    model: str = "hsicnn"
+    augment: bool = False
+    # optimisation
+    epochs: int = 10
+    batch_size: int = 64
+    lr: float = 0.05
+    momentum: float = 0.9
+    nesterov: bool = False
+    weight_decay: float = 5e-4
+    optimizer: str = "sgd"
+    schedule: str = "cosine"
+    warmup_steps: int = 0
+    max_steps: int | None = None
+    seed: int = 0
+    dtype: str = "float32"
+    device: str = "cpu"
+    # distribution
+    strategy: str = "flat"
+    weighting: str = "balanced"
+    sync_every: int = 50
+    sync_optimizer_state: bool = False
+    balance: str = "speed"
+    speeds: str = "auto"
+    rebalance: bool = False
+    ranks_per_node: int | None = None
+    check_replicas: bool = False
+    # emulation (experiments on one machine)
+    emulate_slowdown: str | None = None
+    emulate_link: str | None = None
+    # output
+    metrics: str | None = None
+    save: str | None = None
+    checkpoint: str | None = None
+    checkpoint_every: int = 1
+    resume: bool = False
+    timing_dir: str | None = None
+    quiet: bool = False
+    log_level: str = "info"
+    progress_every_s: float = 5.0
+    # failures
+    on_nan: str = "stop"
+    inject_fault: str | None = None
+
+    # parsed forms of the string options, filled by validate()
+    speed_list: list[float] | None = field(default=None, repr=False)
+    slowdown_list: list[float] | None = field(default=None, repr=False)
+    link: tuple[float, float] | None = field(default=None, repr=False)
+    fault: tuple[int, int, str] | None = field(default=None, repr=False)
+
+    def validate(self, world_size: int = 1) -> "Config":
+        """Check every value; parse list-valued options. Raises :class:`ConfigError`.
+
+        ``world_size`` is the number of ranks, needed for checks such as ``B >= P``.
+        """
+        _choice("--model", self.model, MODEL_NAMES)
+        _choice("--optimizer", self.optimizer, OPTIMIZERS)
+        _choice("--schedule", self.schedule, SCHEDULES)
+        _choice("--strategy", self.strategy, STRATEGIES)
+        _choice("--weighting", self.weighting, WEIGHTINGS)
+        _choice("--balance", self.balance, BALANCES)
+        _choice("--on-nan", self.on_nan, ON_NAN)
+        _choice("--log-level", self.log_level, LOG_LEVELS)
+        _choice("--dtype", self.dtype, ("float32", "float64"))
+        _choice("--device", self.device, ("cpu", "gpu"))
+        _positive_int("--epochs", self.epochs)
+        _positive_int("--batch-size", self.batch_size)
+        _positive_int("--sync-every", self.sync_every)
+        _positive_int("--checkpoint-every", self.checkpoint_every)
+        if self.max_steps is not None:
+            _positive_int("--max-steps", self.max_steps)
+        if self.ranks_per_node is not None:
+            _positive_int("--ranks-per-node", self.ranks_per_node)
+        elif os.environ.get("MPIDL_RANKS_PER_NODE", "").strip():
+            env = os.environ["MPIDL_RANKS_PER_NODE"].strip()
+            if not env.isdigit() or int(env) < 1:
+                raise ConfigError(f"MPIDL_RANKS_PER_NODE must be an integer >= 1, got {env!r}")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ConfigError(f"--lr must be a positive number, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"--momentum must be in [0, 1), got {self.momentum}")
+        if self.nesterov and self.optimizer != "sgd":
+            raise ConfigError("--nesterov applies to --optimizer sgd only")
+        if self.nesterov and self.momentum == 0:
+            raise ConfigError("--nesterov needs --momentum > 0")
+        if not self.weight_decay >= 0:
+            raise ConfigError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if not self.progress_every_s > 0:
+            raise ConfigError(f"--progress-every must be > 0 seconds, got {self.progress_every_s}")
+        if self.batch_size < world_size:
+            raise ConfigError(
+                f"--batch-size {self.batch_size} is smaller than the number of ranks {world_size}: "
+                "every rank needs at least one sample of each global batch"
+            )
+        if self.speeds != "auto":
+            self.speed_list = _float_list("--speeds", self.speeds, world_size, positive=True)
+        if self.emulate_slowdown is not None:
+            self.slowdown_list = _float_list(
+                "--emulate-slowdown", self.emulate_slowdown, world_size, positive=True
+            )
+            if any(f < 1 for f in self.slowdown_list):
+                raise ConfigError("--emulate-slowdown factors stretch compute and must be >= 1")
+        if self.emulate_link is not None:
+            parts = _float_list("--emulate-link", self.emulate_link, 2, positive=False)
+            if parts[0] < 0 or parts[1] <= 0:
+                raise ConfigError(
+                    "--emulate-link is LATENCY_US,GBIT_S with latency >= 0 and bandwidth > 0, "
+                    f"got {self.emulate_link!r}"
+                )
+            self.link = (parts[0], parts[1])
+        if self.inject_fault is not None:
+            parts = self.inject_fault.split(":")
+            try:
+                if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ("raise", "nan")):
+                    raise ValueError
+                self.fault = (int(parts[0]), int(parts[1]), parts[2] if len(parts) == 3 else "raise")
+            except ValueError:
+                raise ConfigError(
+                    f"--inject-fault is RANK:STEP[:raise|nan] (e.g. 1:5), got {self.inject_fault!r}"
+                ) from None
+            if not 0 <= self.fault[0] < world_size or self.fault[1] < 0:
+                raise ConfigError(
+                    f"--inject-fault {self.inject_fault}: rank must be in [0, {world_size}) "
+                    "and step >= 0"
+                )
+        if self.resume and not self.checkpoint:
+            raise ConfigError("--resume needs --checkpoint DIR (the folder to resume from)")
+        if self.data is not None and not os.path.isfile(self.data):
+            raise ConfigError(f"--data {self.data}: no such file")
+        return self
+
+    def to_dict(self) -> dict:
+        """The user-facing options (JSON-serializable), for metrics, checkpoints and saved models."""
+        hidden = {"speed_list", "slowdown_list", "link", "fault"}
+        return {k: v for k, v in asdict(self).items() if k not in hidden}
+
+
+def _choice(option: str, value: str, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{option} {value!r} is not one of: {', '.join(allowed)}")
+
+
+def _positive_int(option: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{option} must be a positive integer, got {value!r}")
+
+
+def _float_list(option: str, text: str, expected_len: int, positive: bool) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"{option}: {text!r} is not a comma-separated list of numbers") from None
+    if len(values) != expected_len:
+        raise ConfigError(
+            f"{option} has {len(values)} entries but {expected_len} are needed "
+            f"(one per rank)" if expected_len > 2 or option != "--emulate-link" else
+            f"{option} needs exactly {expected_len} numbers, got {len(values)}"
+        )
+    if any(not math.isfinite(v) for v in values) or (positive and any(v <= 0 for v in values)):
+        raise ConfigError(f"{option}: every entry must be a {'positive ' if positive else ''}finite number, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m mpidl.train`` (and ``mpiexec -n N python -m mpidl.train``)."""
+    d = Config()
+    p = argparse.ArgumentParser(
+        prog="python -m mpidl.train",
+        description="Train a model data-parallel over MPI ranks (run under mpiexec -n N). "
+        "With no --data, trains on the built-in synthetic hyperspectral scene.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("data and model")
+    g.add_argument("--data", help="HDF5 dataset in the mpidl layout (default: built-in synthetic scene)")
+    g.add_argument("--model", default=d.model, help=f"one of {', '.join(MODEL_NAMES)}")
+    g.add_argument("--augment", action="store_true", help="random flips / 90-degree rotations of patches")
+
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--epochs", type=int, default=d.epochs)
+    g.add_argument("--batch-size", type=int, default=d.batch_size,
+                   help="the GLOBAL batch B, split over the ranks in proportion to their speed")
+    g.add_argument("--lr", type=float, default=d.lr)
+    g.add_argument("--momentum", type=float, default=d.momentum)
+    g.add_argument("--nesterov", action="store_true")
+    g.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    g.add_argument("--optimizer", default=d.optimizer, help=f"one of {', '.join(OPTIMIZERS)}")
+    g.add_argument("--schedule", default=d.schedule, help=f"one of {', '.join(SCHEDULES)}")
+    g.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    g.add_argument("--max-steps", type=int, default=None, help="stop after this many global steps")
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--dtype", default=d.dtype, help="float32 or float64")
+    g.add_argument("--device", default=d.device, help="cpu or gpu (CuPy)")
+
+    g = p.add_argument_group("distribution")
+    g.add_argument("--strategy", default=d.strategy,
+                   help="gradient exchange: flat (world Allreduce), hierarchical (node Reduce, "
+                        "leaders Allreduce, node Bcast), node (node-local every step, nodes every K' steps)")
+    g.add_argument("--weighting", default=d.weighting,
+                   help="balanced: local mean gradient x b_i/B then SUM (exact); uniform: 1/P average (baseline)")
+    g.add_argument("--sync-every", type=int, default=d.sync_every, help="K': steps between inter-node syncs (node strategy)")
+    g.add_argument("--sync-optimizer-state", action="store_true",
+                   help="node strategy: average optimizer state too at each inter-node sync")
+    g.add_argument("--balance", default=d.balance, help="speed: batch sizes proportional to speed; none: equal")
+    g.add_argument("--speeds", default=d.speeds, help="'auto' (measured) or one relative speed per rank, e.g. 1,2,2,4")
+    g.add_argument("--rebalance", action="store_true", help="re-measure speeds from each epoch and re-split the batch")
+    g.add_argument("--ranks-per-node", type=int, default=None,
+                   help="group consecutive ranks into emulated nodes of K ranks (default: real nodes; "
+                        "env MPIDL_RANKS_PER_NODE)")
+    g.add_argument("--check-replicas", action="store_true", help="debug: compare parameter checksums after each global sync")
+
+    g = p.add_argument_group("emulation (experiments on one machine; always reported as emulation)")
+    g.add_argument("--emulate-slowdown", default=None, metavar="F0,F1,...",
+                   help="stretch rank i's compute time by factor f_i >= 1")
+    g.add_argument("--emulate-link", default=None, metavar="LATENCY_US,GBIT_S",
+                   help="add the alpha-beta modelled time of each inter-node collective")
+
+    g = p.add_argument_group("output")
+    g.add_argument("--metrics", default=None, metavar="PATH", help="JSON Lines metrics file (rank 0)")
+    g.add_argument("--save", default=None, metavar="PATH", help="write the final model as HDF5")
+    g.add_argument("--checkpoint", default=None, metavar="DIR", help="write checkpoints into DIR")
+    g.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="epochs between checkpoints")
+    g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint DIR")
+    g.add_argument("--timing-dir", default=None, metavar="DIR", help="every rank writes its per-step timing here")
+    g.add_argument("--quiet", action="store_true", help="print only errors and the final summary")
+    g.add_argument("--log-level", default=d.log_level, help=f"one of {', '.join(LOG_LEVELS)}")
+    g.add_argument("--progress-every", dest="progress_every_s", type=float, default=d.progress_every_s,
+                   metavar="SECONDS", help="progress line within an epoch at most this often")
+
+    g = p.add_argument_group("failures")
+    g.add_argument("--on-nan", default=d.on_nan, help="NaN/Inf in the reduced gradient: stop (default) or skip the step")
+    g.add_argument("--inject-fault", default=None, metavar="RANK:STEP[:KIND]",
+                   help="TESTING AID: at global step STEP, rank RANK raises an exception (KIND raise, "
+                        "the default) or puts NaN into its local gradient (KIND nan)")
+    return p
+
+
+def parse_config(argv=None, world_size: int = 1) -> Config:
+    """Parse and validate a command line. argparse errors exit with code 2 (its usual way);
+    value errors raise :class:`ConfigError`."""
+    ns = build_parser().parse_args(argv)
+    names = {f.name for f in fields(Config)}
+    cfg = Config(**{k: v for k, v in vars(ns).items() if k in names})
+    return cfg.validate(world_size)

@@ -1,0 +1,164 @@
+"""EMULATION of a heterogeneous cluster on one machine: slow ranks and slow links.
+
+Nothing here makes anything faster or more real; it stretches time so that the effects the
+framework is built for (uneven rank speeds, a slow network between nodes) can be seen and
+tested on a laptop. Every number produced under emulation must be reported as emulated.
+
+* :class:`Slowdown` makes a rank ``f`` times slower: after a compute interval of ``t``
+  seconds it sleeps ``(f - 1) t``, so the interval takes ``f t`` in total.
+* :class:`LinkModel` is the alpha-beta (latency-bandwidth) model of an inter-node link; the
+  reducers sleep the modelled time of every collective on the inter-node level.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from numbers import Real
+from typing import Callable
+
+
+def _parse_numbers(text: str, what: str) -> list[float]:
+    parts = [p.strip() for p in str(text).split(",")]
+    values = []
+    for i, part in enumerate(parts):
+        try:
+            values.append(float(part))
+        except ValueError:
+            raise ValueError(f"{what}: entry {i} ({part!r}) is not a number in {text!r}") from None
+        if not math.isfinite(values[-1]):
+            raise ValueError(f"{what}: entry {i} ({part!r}) must be finite")
+    return values
+
+
+# --------------------------------------------------------------------------- slow ranks
+@dataclass
+class Slowdown:
+    """EMULATED slow rank: stretch every measured compute interval by ``factor``.
+
+    ``factor = 1`` is a no-op; ``factor = 3`` makes the rank three times slower. ``sleep`` is
+    injectable so tests can record instead of wait.
+
+    Usage::
+
+        with slowdown.stretching():     # or: t = measure(); slowdown.stretch(t)
+            compute()
+    """
+
+    factor: float = 1.0
+    sleep: Callable[[float], None] = field(default=time.sleep, repr=False)
+    slept_seconds: float = 0.0  # total extra time this rank has slept (to report it)
+
+    def __post_init__(self):
+        if isinstance(self.factor, bool) or not isinstance(self.factor, Real) \
+                or not math.isfinite(self.factor) or self.factor < 1:
+            raise ValueError(f"slowdown factor must be a finite number >= 1, got {self.factor!r}")
+        self.factor = float(self.factor)
+
+    def extra_seconds(self, elapsed: float) -> float:
+        """``(factor - 1) * elapsed``: the sleep that makes ``elapsed`` last ``factor`` times longer."""
+        return (self.factor - 1.0) * max(float(elapsed), 0.0)
+
+    def stretch(self, elapsed: float) -> float:
+        """Sleep ``(factor - 1) * elapsed`` after a compute interval; return the seconds slept."""
+        extra = self.extra_seconds(elapsed)
+        if extra > 0:
+            self.sleep(extra)
+            self.slept_seconds += extra
+        return extra
+
+    @contextlib.contextmanager
+    def stretching(self):
+        """Time the enclosed block, then :meth:`stretch` it. Synchronize a GPU inside the
+        block first, or only the launch time is stretched."""
+        start = time.perf_counter()
+        yield self
+        self.stretch(time.perf_counter() - start)
+
+
+def parse_slowdowns(text: str, world_size: int) -> list[float]:
+    """Parse ``"1,1,2,4"`` (one slowdown factor per rank, each >= 1) for ``--emulate-slowdown``."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    values = _parse_numbers(text, "slowdowns")
+    if len(values) != world_size:
+        raise ValueError(f"slowdowns: {len(values)} entries in {text!r} but there are "
+                         f"{world_size} ranks; give one factor per rank")
+    for i, v in enumerate(values):
+        if v < 1:
+            raise ValueError(f"slowdowns: entry {i} ({v}) must be >= 1 (1 = full speed)")
+    return values
+
+
+# --------------------------------------------------------------------------- slow links
+@dataclass(frozen=True)
+class LinkModel:
+    """EMULATED inter-node link: alpha-beta model of latency and bandwidth.
+
+    Parameters
+    ----------
+    latency_us : float
+        ``alpha``, the start-up time of one message, in microseconds (>= 0).
+    gbit_s : float
+        Link bandwidth in Gbit/s (> 0); ``beta = gbit_s * 1e9 / 8`` bytes per second.
+
+    Notes
+    -----
+    Time of one collective on ``n`` bytes among ``L`` participants (0 when ``L <= 1``):
+
+    * ring allreduce (reduce-scatter + allgather, ``2 (L-1)`` steps of ``n / L`` bytes)::
+
+          T = 2 (L - 1) (alpha + n / (L beta))
+
+    * broadcast or reduce (modelled as one pipelined transfer)::
+
+          T = alpha + n / beta
+    """
+
+    latency_us: float
+    gbit_s: float
+
+    def __post_init__(self):
+        for name, value, ok in (("latency_us", self.latency_us, lambda v: v >= 0),
+                                ("gbit_s", self.gbit_s, lambda v: v > 0)):
+            if isinstance(value, bool) or not isinstance(value, Real) \
+                    or not math.isfinite(value) or not ok(value):
+                need = ">= 0" if name == "latency_us" else "> 0"
+                raise ValueError(f"link {name} must be a finite number {need}, got {value!r}")
+
+    @property
+    def alpha(self) -> float:
+        """Latency in seconds."""
+        return self.latency_us * 1e-6
+
+    @property
+    def beta(self) -> float:
+        """Bandwidth in bytes per second."""
+        return self.gbit_s * 1e9 / 8.0
+
+    def allreduce_seconds(self, nbytes: int, participants: int) -> float:
+        """``2 (L-1) (alpha + n / (L beta))`` for a ring allreduce of ``n`` bytes among ``L``."""
+        if participants <= 1:
+            return 0.0
+        return 2 * (participants - 1) * (self.alpha + nbytes / (participants * self.beta))
+
+    def bcast_seconds(self, nbytes: int, participants: int) -> float:
+        """``alpha + n / beta`` for a broadcast of ``n`` bytes (0 with one participant)."""
+        if participants <= 1:
+            return 0.0
+        return self.alpha + nbytes / self.beta
+
+    reduce_seconds = bcast_seconds
+
+    def describe(self) -> str:
+        return f"EMULATED inter-node link: {self.latency_us:g} us latency, {self.gbit_s:g} Gbit/s"
+
+
+def parse_link(text: str) -> LinkModel:
+    """Parse ``"50,1"`` = 50 microseconds latency, 1 Gbit/s, for ``--emulate-link``."""
+    values = _parse_numbers(text, "link")
+    if len(values) != 2:
+        raise ValueError(f"link: expected 'LATENCY_US,GBIT_S' (e.g. '50,1'), got {text!r}")
+    return LinkModel(latency_us=values[0], gbit_s=values[1])

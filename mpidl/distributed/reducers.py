@@ -1,0 +1,76 @@
+"""Gradient reducers: the communication strategies, one file each, and their factory.
+
+=================  ======================  ==========================================
+strategy           file                    what it does
+=================  ======================  ==========================================
+``flat``           ``flat.py``             one world ``Allreduce`` per step
+``hierarchical``   ``hierarchical.py``     node ``Reduce`` -> leaders ``Allreduce`` ->
+                                           node ``Bcast``; same result as ``flat``
+``node``           ``node.py``             node-local ``Allreduce`` every step; leaders
+                                           average the parameters every ``K'`` steps
+=================  ======================  ==========================================
+
+The shared machinery (weights, counters, GPU buffers) is in ``reducer_base.py``.
+"""
+
+from __future__ import annotations
+
+from mpidl.distributed.emulation import LinkModel
+from mpidl.distributed.flat import FlatReducer
+from mpidl.distributed.hierarchical import HierarchicalReducer
+from mpidl.distributed.node import NodeReducer, check_sync_every
+from mpidl.distributed.reducer_base import LEVELS, WEIGHTINGS, Reducer, mpi_is_cuda_aware
+from mpidl.distributed.topology import Topology
+
+STRATEGIES = {
+    FlatReducer.name: FlatReducer,
+    HierarchicalReducer.name: HierarchicalReducer,
+    NodeReducer.name: NodeReducer,
+}
+
+__all__ = ["make_reducer", "Reducer", "FlatReducer", "HierarchicalReducer", "NodeReducer",
+           "STRATEGIES", "WEIGHTINGS", "LEVELS", "mpi_is_cuda_aware"]
+
+
+def make_reducer(strategy: str, topology: Topology, weighting: str = "balanced",
+                 sync_every: int = 50, emulate_link: LinkModel | str | None = None) -> Reducer:
+    """Create the gradient reducer for ``strategy``.
+
+    ==================  ======  ===========================================================
+    strategy            exact   when to use it
+    ==================  ======  ===========================================================
+    ``'flat'``          yes     The reference. One node, or a fast uniform network, or
+                                few ranks: MPI's own allreduce is then hard to beat.
+    ``'hierarchical'``  yes     Several ranks per node and a slower network between nodes:
+                                same result as flat, but one message per node crosses the
+                                network (fewer, larger inter-node messages).
+    ``'node'``          no      Many ranks per node and a slow network (the TNNLS scheme):
+                                nodes exchange only every ``sync_every`` (K') steps, so
+                                inter-node traffic falls by about K' x ranks per node, at
+                                the price of replicas that differ between syncs. With one
+                                node it is the flat scheme without any inter-node traffic.
+    ==================  ======  ===========================================================
+
+    Parameters
+    ----------
+    strategy : 'flat' | 'hierarchical' | 'node'
+    topology : Topology
+    weighting : 'balanced' | 'uniform'
+        balanced: rank i contributes ``(b_i / B) g_i`` (``B`` = samples of the ranks that
+        reduce together): the exact gradient of the batch's mean loss. uniform: ``g_i / n``,
+        the naive baseline, biased when local batches differ.
+    sync_every : int
+        ``K'``, the steps between parameter syncs of the node strategy (ignored otherwise,
+        but validated).
+    emulate_link : LinkModel or 'LATENCY_US,GBIT_S' or None
+        EMULATION: sleep the modelled time of every inter-node collective.
+
+    Raises ValueError for an unknown strategy or weighting, or ``sync_every < 1``.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown reduction strategy {strategy!r}; "
+                         f"choose one of {', '.join(STRATEGIES)}")
+    check_sync_every(sync_every)  # validated for every strategy: a bad value is a bad config
+    if strategy == NodeReducer.name:
+        return NodeReducer(topology, weighting, sync_every=sync_every, emulate_link=emulate_link)
+    return STRATEGIES[strategy](topology, weighting, emulate_link=emulate_link)

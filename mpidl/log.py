@@ -1,0 +1,90 @@
+"""Printing and metrics: rank 0 prints, every rank may log to its own file.
+
+- :class:`Printer` prints on rank 0 only, honouring ``--quiet`` and ``--log-level``.
+- :class:`MetricsWriter` appends JSON Lines records (rank 0), flushed after each line so a
+  killed job keeps every finished epoch.
+- :class:`RankTimingLog` is a per-rank JSON Lines file (``--timing-dir``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
+
+
+class Printer:
+    """Rank-0 console output with levels. ``quiet`` keeps only warnings, errors and the
+    final summary (printed with ``always=True``)."""
+
+    def __init__(self, rank: int = 0, level: str = "info", quiet: bool = False, stream=None):
+        self.rank = rank
+        self.threshold = LEVELS["warning"] if quiet else LEVELS[level]
+        self.stream = stream if stream is not None else sys.stdout
+
+    def log(self, level: str, message: str, always: bool = False) -> None:
+        if self.rank != 0:
+            return
+        if always or LEVELS[level] >= self.threshold:
+            print(message, file=self.stream, flush=True)
+
+    def debug(self, message: str) -> None:
+        self.log("debug", message)
+
+    def info(self, message: str) -> None:
+        self.log("info", message)
+
+    def warning(self, message: str) -> None:
+        self.log("warning", "warning: " + message)
+
+    def summary(self, message: str) -> None:
+        self.log("info", message, always=True)
+
+
+def _json_default(obj):
+    # numpy scalars and arrays appear in metrics; make them plain JSON
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    if hasattr(obj, "item"):
+        return obj.item()
+    raise TypeError(f"not JSON serializable: {type(obj).__name__}")
+
+
+class MetricsWriter:
+    """JSON Lines writer: one object per line, flushed immediately. Inactive when ``path``
+    is None or on ranks other than 0."""
+
+    def __init__(self, path: str | None, rank: int = 0, append: bool = False):
+        self.file = None
+        if path and rank == 0:
+            folder = os.path.dirname(os.path.abspath(path))
+            os.makedirs(folder, exist_ok=True)
+            self.file = open(path, "a" if append else "w", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        if self.file is None:
+            return
+        self.file.write(json.dumps(record, default=_json_default) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+class RankTimingLog(MetricsWriter):
+    """Per-rank timing file ``DIR/rank{r}.jsonl`` (every rank writes its own)."""
+
+    def __init__(self, folder: str | None, rank: int, append: bool = False):
+        self.file = None
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+            self.file = open(os.path.join(folder, f"rank{rank}.jsonl"), "a" if append else "w",
+                             encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        super().write({"time": time.time(), **record})

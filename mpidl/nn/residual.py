@@ -1,0 +1,45 @@
+"""Residual connection: y = body(x) + shortcut(x)."""
+
+from __future__ import annotations
+
+from mpidl.nn.module import Module
+
+__all__ = ["Residual"]
+
+
+class Residual(Module):
+    """Add a block's output to its (possibly projected) input.
+
+    Parameters
+    ----------
+    body : Module, ``x -> F(x)``
+    shortcut : Module or None; ``None`` is the identity (then ``F(x)`` must have x's shape),
+        otherwise e.g. a strided 1x1 convolution + batch norm when the shape changes
+
+    Notes
+    -----
+    ``y = F(x) + S(x)``; since the sum passes its gradient unchanged to both terms,
+    ``dL/dx = F'(dL/dy) + S'(dL/dy)`` (``S' = identity`` for the identity shortcut).
+    The activation that usually follows the sum (as in ResNet) is a separate layer.
+    """
+
+    def __init__(self, body: Module, shortcut: Module | None = None) -> None:
+        super().__init__()
+        self.body = body
+        self.shortcut = shortcut
+
+    def forward(self, x):
+        y = self.body.forward(x)
+        skip = x if self.shortcut is None else self.shortcut.forward(x)
+        if y.shape != skip.shape:
+            raise ValueError(
+                f"Residual: body output {tuple(y.shape)} and shortcut output {tuple(skip.shape)} differ; "
+                f"give a projection shortcut"
+            )
+        return y + skip
+
+    def backward(self, dy):
+        dx = self.body.backward(dy)
+        if self.shortcut is None:
+            return dx + dy
+        return dx + self.shortcut.backward(dy)

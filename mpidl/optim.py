@@ -1,0 +1,515 @@
+"""Optimizers and learning-rate schedules that work on the model's flat parameter buffer.
+
+A model keeps all its weights in ONE 1-D array ``params.data`` and all their gradients in ONE
+1-D array ``params.grad`` (see :mod:`mpidl.params`); every layer's ``weight`` is a view into
+them. So an optimizer step is a handful of whole-buffer, in-place ``xp`` operations, the same
+on NumPy and CuPy, and the optimizer state (momentum, Adam moments) is a few more flat
+buffers of the same size, which a reducer can average with one collective each
+(:meth:`Optimizer.state_buffers`).
+
+Memory discipline
+-----------------
+Every parameter-sized buffer is allocated once, in ``__init__``: the state buffers and ONE
+scratch buffer. :meth:`Optimizer.step` then only runs ufuncs with ``out=`` or augmented
+assignments (``p -= s``), so a step allocates nothing the size of the model. Two
+consequences of having a single scratch buffer are visible in the code:
+
+* the weight-decayed gradient ``g = grad + wd * p`` is formed in the scratch buffer, never in
+  ``params.grad``, so the reduced gradient stays inspectable after the step;
+* a few updates are written in an algebraically equal form that needs no second temporary
+  (Adam's first moment as ``m = g + beta1 * (m - g)``, Nesterov's step as two subtractions).
+  They round differently from the textbook form only in the last bit.
+
+The semantics follow ``torch.optim`` (SGD, Adam, AdamW) exactly, so results can be compared
+with PyTorch on the same numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from mpidl.backend import get_array_module, to_host
+
+__all__ = [
+    "Optimizer",
+    "SGD",
+    "Adam",
+    "AdamW",
+    "OPTIMIZERS",
+    "build_optimizer",
+    "Schedule",
+    "SCHEDULES",
+    "make_schedule",
+]
+
+
+# --------------------------------------------------------------------------------------
+# argument checks (shared by the optimizers and the schedules)
+# --------------------------------------------------------------------------------------
+
+
+def _check_number(name: str, value: Any, *, low: float, high: float | None = None,
+                  low_open: bool = False, high_open: bool = True) -> float:
+    """``float(value)`` if it is a finite number inside the given interval, else ValueError."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+    too_low = number <= low if low_open else number < low
+    too_high = high is not None and (number >= high if high_open else number > high)
+    if not math.isfinite(number) or too_low or too_high:
+        interval = ("(" if low_open else "[") + f"{low:g}, " + (
+            "inf)" if high is None else f"{high:g}" + (")" if high_open else "]"))
+        raise ValueError(f"{name} must be in {interval}, got {value!r}")
+    return number
+
+
+def _check_int(name: str, value: Any, *, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    return int(value)
+
+
+def _check_flat_params(params: Any) -> None:
+    """The optimizer needs ``params.data`` and ``params.grad``: 1-D float arrays of one shape
+    and dtype (the flat buffers of :class:`mpidl.params.FlatParameters`)."""
+    data = getattr(params, "data", None)
+    grad = getattr(params, "grad", None)
+    if data is None or grad is None:
+        raise ValueError(
+            "params must have flat 'data' and 'grad' arrays (a FlatParameters); "
+            f"got {type(params).__name__}"
+        )
+    if data.ndim != 1 or grad.shape != data.shape:
+        raise ValueError(
+            f"params.data and params.grad must be 1-D of one shape; got {data.shape} and {grad.shape}"
+        )
+    if data.dtype != grad.dtype or data.dtype.kind != "f":
+        raise ValueError(
+            f"params.data and params.grad must share one floating dtype; got {data.dtype} and {grad.dtype}"
+        )
+
+
+# --------------------------------------------------------------------------------------
+# optimizers
+# --------------------------------------------------------------------------------------
+
+
+class Optimizer:
+    """Base class: the flat buffers, the learning rate, the step count and the state.
+
+    Parameters
+    ----------
+    params : FlatParameters (anything with ``data`` and ``grad`` : (P,) xp arrays)
+        The model's flat parameter and gradient buffers. ``step()`` updates ``params.data``
+        in place and never writes ``params.grad``.
+    lr : float
+        Learning rate, > 0. The attribute ``lr`` may be reassigned at any time (a schedule
+        does so before each step); it must then be >= 0.
+
+    Subclasses set ``name``, allocate their state buffers in ``__init__`` and implement
+    :meth:`_update` and :meth:`_named_state`.
+    """
+
+    name: str = "optimizer"
+
+    def __init__(self, params: Any, lr: float):
+        _check_flat_params(params)
+        self.params = params
+        self._lr = _check_number("lr", lr, low=0.0, low_open=True)
+        self.step_count = 0
+        # The one temporary every update may use; allocated here so that step() never
+        # allocates a parameter-sized array.
+        self._scratch = get_array_module(params.data).zeros_like(params.data)
+
+    # -- learning rate ------------------------------------------------------------------
+
+    @property
+    def lr(self) -> float:
+        return self._lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        # 0 is allowed here (a cosine schedule ends at min_lr, which may be 0).
+        self._lr = _check_number("lr", value, low=0.0)
+
+    # -- the step -----------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Apply one update to ``params.data`` from ``params.grad`` (in place)."""
+        # Counted before the update so that the first step is t = 1, as in the formulas.
+        self.step_count += 1
+        self._update(self.params.data, self.params.grad, self._scratch)
+
+    def _update(self, p, grad, scratch) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _l2_gradient(self, p, grad, scratch, weight_decay: float):
+        """``g = grad + weight_decay * p`` formed in ``scratch`` (``grad`` itself when the
+        decay is 0), so that ``params.grad`` keeps the reduced gradient untouched."""
+        if weight_decay == 0:
+            return grad
+        xp = get_array_module(p)
+        xp.multiply(p, weight_decay, out=scratch)
+        scratch += grad
+        return scratch
+
+    # -- state --------------------------------------------------------------------------
+
+    def _named_state(self) -> list[tuple[str, Any]]:
+        """``[(name, flat state buffer), ...]`` in a fixed order (empty when stateless)."""
+        return []
+
+    def state_buffers(self) -> list:
+        """The flat state buffers (P,) (e.g. to average them across replicas); the scratch
+        buffer is not state and is not included."""
+        return [buffer for _, buffer in self._named_state()]
+
+    def state_dict_host(self) -> dict[str, Any]:
+        """A host copy of the state: ``name`` (str), ``step_count`` (int), ``lr`` (float)
+        and one NumPy array (P,) per state buffer."""
+        state: dict[str, Any] = {"name": self.name, "step_count": self.step_count, "lr": self.lr}
+        for key, buffer in self._named_state():
+            state[key] = np.array(to_host(buffer), copy=True)
+        return state
+
+    def load_state_dict_host(self, state: dict[str, Any]) -> None:
+        """Restore state in place: the state buffers keep their identity (a reducer or a view
+        may hold them), only their values change. Two forms are accepted:
+
+        * what :meth:`state_dict_host` returned (buffers by name, ``name`` checked, ``lr`` restored);
+        * the checkpoint form ``{"state": [arrays in state_buffers() order], "step_count": int}``
+          (``lr`` is left alone: the schedule sets it before the next step).
+
+        Nothing is written unless every buffer matches (``ValueError`` / ``KeyError`` otherwise).
+        """
+        named = self._named_state()
+        checkpoint_form = "state" in state
+        if checkpoint_form:
+            required = ["step_count"]
+        else:
+            if state.get("name") != self.name:
+                raise ValueError(f"state dict is for optimizer {state.get('name')!r}, not {self.name!r}")
+            required = ["step_count", "lr"] + [key for key, _ in named]
+        missing = [key for key in required if key not in state]
+        if missing:
+            raise KeyError(f"optimizer state dict lacks {', '.join(missing)}")
+        values = list(state["state"]) if checkpoint_form else [state[key] for key, _ in named]
+        if len(values) != len(named):
+            raise ValueError(f"{self.name} has {len(named)} state buffers, the state list holds {len(values)}")
+        for (key, buffer), value in zip(named, values):
+            if np.shape(value) != buffer.shape:
+                raise ValueError(
+                    f"optimizer state {key!r} has shape {np.shape(value)}, expected {buffer.shape}"
+                )
+        step_count = _check_int("step_count", state["step_count"], low=0)
+        lr = self.lr if checkpoint_form else _check_number("lr", state["lr"], low=0.0)
+
+        xp = get_array_module(self.params.data)
+        for (_, buffer), value in zip(named, values):
+            xp.copyto(buffer, xp.asarray(value, dtype=buffer.dtype))
+        self.step_count = step_count
+        self.lr = lr
+
+
+class SGD(Optimizer):
+    """Stochastic gradient descent with momentum, dampening, Nesterov and L2 weight decay,
+    with the semantics of ``torch.optim.SGD``.
+
+    Parameters
+    ----------
+    params : FlatParameters (``data``, ``grad`` : (P,))
+    lr : float, > 0
+    momentum : float in [0, 1)
+    dampening : float in [0, 1]
+    nesterov : bool (needs momentum > 0 and dampening = 0)
+    weight_decay : float >= 0
+
+    Notes
+    -----
+    With ``p`` the parameters, ``grad`` their gradient, ``mu`` the momentum, ``tau`` the
+    dampening, ``lambda`` the weight decay and ``t = 1, 2, ...`` the step::
+
+        g   = grad + lambda * p                      (L2 penalty lambda/2 * |p|^2)
+        b_1 = g                                      (first step: buffer initialised to g)
+        b_t = mu * b_{t-1} + (1 - tau) * g           (t > 1)
+        d   = g + mu * b_t    if nesterov
+              b_t             otherwise              (d = g when mu = 0)
+        p  <- p - lr * d
+    """
+
+    name = "sgd"
+
+    def __init__(self, params: Any, lr: float, momentum: float = 0.0, dampening: float = 0.0,
+                 nesterov: bool = False, weight_decay: float = 0.0):
+        super().__init__(params, lr)
+        self.momentum = _check_number("momentum", momentum, low=0.0, high=1.0)
+        self.dampening = _check_number("dampening", dampening, low=0.0, high=1.0, high_open=False)
+        self.weight_decay = _check_number("weight_decay", weight_decay, low=0.0)
+        self.nesterov = bool(nesterov)
+        if self.nesterov and (self.momentum == 0 or self.dampening != 0):
+            raise ValueError("nesterov=True requires momentum > 0 and dampening = 0")
+        xp = get_array_module(params.data)
+        self.momentum_buffer = xp.zeros_like(params.data) if self.momentum > 0 else None
+
+    def _named_state(self):
+        return [] if self.momentum_buffer is None else [("momentum_buffer", self.momentum_buffer)]
+
+    def _update(self, p, grad, scratch) -> None:
+        xp = get_array_module(p)
+        g = self._l2_gradient(p, grad, scratch, self.weight_decay)  # grad, or scratch
+        if self.momentum == 0:
+            xp.multiply(g, self.lr, out=scratch)
+            p -= scratch
+            return
+
+        buf = self.momentum_buffer
+        if self.step_count == 1:
+            xp.copyto(buf, g)
+        else:
+            buf *= self.momentum
+            if self.dampening != 0:
+                # Overwriting g (possibly scratch itself) is safe: Nesterov, the only rule
+                # that reads g again below, is refused with dampening.
+                xp.multiply(g, 1.0 - self.dampening, out=scratch)
+                buf += scratch
+            else:
+                buf += g
+
+        if self.nesterov:
+            # d = g + mu * b needs g and b side by side, i.e. a second temporary; applying the
+            # two terms one after the other gives the same p with no extra buffer.
+            xp.multiply(g, self.lr, out=scratch)
+            p -= scratch
+            xp.multiply(buf, self.lr * self.momentum, out=scratch)
+            p -= scratch
+        else:
+            xp.multiply(buf, self.lr, out=scratch)
+            p -= scratch
+
+    def __repr__(self) -> str:
+        return (f"SGD(lr={self.lr:g}, momentum={self.momentum:g}, dampening={self.dampening:g}, "
+                f"nesterov={self.nesterov}, weight_decay={self.weight_decay:g})")
+
+
+class Adam(Optimizer):
+    """Adam with bias correction and L2 weight decay added to the gradient, with the
+    semantics of ``torch.optim.Adam`` (``amsgrad=False``).
+
+    Parameters
+    ----------
+    params : FlatParameters (``data``, ``grad`` : (P,))
+    lr : float, > 0
+    betas : (float, float), each in [0, 1)
+    eps : float >= 0
+    weight_decay : float >= 0
+
+    Notes
+    -----
+    With ``t = 1, 2, ...`` the step and ``m_0 = v_0 = 0``::
+
+        g   = grad + lambda * p                       (Adam: L2 into the gradient)
+        m_t = beta1 * m_{t-1} + (1 - beta1) * g
+        v_t = beta2 * v_{t-1} + (1 - beta2) * g^2
+        p  <- p - lr / (1 - beta1^t) * m_t / (sqrt(v_t) / sqrt(1 - beta2^t) + eps)
+
+    The factors ``1 - beta^t`` undo the bias of the zero-initialised moments (at t = 1,
+    ``m_1 / (1 - beta1) = g`` exactly).
+    """
+
+    name = "adam"
+    #: False: weight decay is an L2 term in g (Adam); True: it shrinks p directly (AdamW).
+    decoupled_weight_decay = False
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0):
+        super().__init__(params, lr)
+        try:
+            beta1, beta2 = betas
+        except (TypeError, ValueError):
+            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}") from None
+        self.betas = (_check_number("betas[0]", beta1, low=0.0, high=1.0),
+                      _check_number("betas[1]", beta2, low=0.0, high=1.0))
+        self.eps = _check_number("eps", eps, low=0.0)
+        self.weight_decay = _check_number("weight_decay", weight_decay, low=0.0)
+        xp = get_array_module(params.data)
+        self.exp_avg = xp.zeros_like(params.data)      # m: first moment
+        self.exp_avg_sq = xp.zeros_like(params.data)   # v: second moment
+
+    def _named_state(self):
+        return [("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)]
+
+    def _update(self, p, grad, scratch) -> None:
+        xp = get_array_module(p)
+        beta1, beta2 = self.betas
+        t = self.step_count
+        if self.decoupled_weight_decay:
+            if self.weight_decay != 0:
+                p *= 1.0 - self.lr * self.weight_decay
+            g = grad
+        else:
+            g = self._l2_gradient(p, grad, scratch, self.weight_decay)  # grad, or scratch
+
+        m, v = self.exp_avg, self.exp_avg_sq
+        # m = beta1*m + (1-beta1)*g, written as m = g + beta1*(m - g): the same value, but it
+        # needs no temporary while g may itself occupy the scratch buffer.
+        m -= g
+        m *= beta1
+        m += g
+        # g is not needed after this point, so the scratch buffer can hold (1-beta2)*g^2.
+        xp.multiply(g, g, out=scratch)
+        scratch *= 1.0 - beta2
+        v *= beta2
+        v += scratch
+
+        bias_correction1 = 1.0 - beta1 ** t
+        bias_correction2 = 1.0 - beta2 ** t
+        xp.sqrt(v, out=scratch)
+        scratch /= math.sqrt(bias_correction2)
+        scratch += self.eps                      # denominator
+        xp.divide(m, scratch, out=scratch)
+        scratch *= self.lr / bias_correction1
+        p -= scratch
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(lr={self.lr:g}, betas=({self.betas[0]:g}, {self.betas[1]:g}), "
+                f"eps={self.eps:g}, weight_decay={self.weight_decay:g})")
+
+
+class AdamW(Adam):
+    """Adam with decoupled weight decay, with the semantics of ``torch.optim.AdamW``.
+
+    Same parameters as :class:`Adam`; ``weight_decay`` defaults to PyTorch's 1e-2.
+
+    Notes
+    -----
+    The decay shrinks the parameters directly instead of entering the moments::
+
+        p  <- p - lr * lambda * p                     (i.e. p *= 1 - lr * lambda)
+        g   = grad
+        then the Adam update of :class:`Adam` with this g.
+    """
+
+    name = "adamw"
+    decoupled_weight_decay = True
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2):
+        super().__init__(params, lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+OPTIMIZERS: dict[str, type[Optimizer]] = {"sgd": SGD, "adam": Adam, "adamw": AdamW}
+
+
+def build_optimizer(name: str, params: Any, lr: float, momentum: float = 0.9,
+                    weight_decay: float = 0.0, nesterov: bool = False,
+                    betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> Optimizer:
+    """Build an optimizer by name (the command line's ``--optimizer``).
+
+    ========  ===========================================================================
+    name      when to use it
+    ========  ===========================================================================
+    ``sgd``   SGD + momentum (optionally Nesterov) and L2 decay: the usual choice for CNNs
+              trained with a step or cosine schedule; uses ``momentum``, ``nesterov``.
+    ``adam``  Adam with L2 decay in the gradient: fast start, little tuning; uses ``betas``,
+              ``eps``.
+    ``adamw`` Adam with decoupled decay: prefer it to ``adam`` when weight decay matters.
+    ========  ===========================================================================
+
+    ``momentum`` is ignored by the Adam variants (their momentum is ``betas[0]``);
+    ``nesterov=True`` with them is refused, as is any argument out of range.
+    """
+    key = str(name).lower()
+    if key not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+    if key == "sgd":
+        return SGD(params, lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay)
+    if nesterov:
+        raise ValueError(f"nesterov applies to 'sgd' only, not {key!r}")
+    return OPTIMIZERS[key](params, lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+# --------------------------------------------------------------------------------------
+# learning-rate schedules
+# --------------------------------------------------------------------------------------
+
+SCHEDULES = ("constant", "step", "cosine")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A learning rate as a function of the (0-based) global step: ``lr = schedule(t)``.
+
+    Build it with :func:`make_schedule`, which validates the arguments.
+
+    Notes
+    -----
+    With ``w`` warm-up steps, ``T`` total steps, ``lr_0`` the base rate::
+
+        warm-up (t < w):  lr(t) = lr_0 * (t + 1) / w
+        constant:         lr(t) = lr_0
+        step:             lr(t) = lr_0 * gamma ** floor(t / step_size)
+                          (boundaries at absolute steps step_size, 2*step_size, ...)
+        cosine:           lr(t) = min_lr + (lr_0 - min_lr) * (1 + cos(pi * s)) / 2,
+                          s = min(1, (t - w) / (T - w))
+                          (starts at lr_0 right after warm-up, reaches min_lr at t = T and
+                          stays there)
+    """
+
+    name: str
+    base_lr: float
+    total_steps: int
+    warmup_steps: int = 0
+    step_size: int = 1
+    gamma: float = 0.1
+    min_lr: float = 0.0
+
+    def __call__(self, step: int) -> float:
+        t = _check_int("step", step, low=0)
+        if t < self.warmup_steps:
+            return self.base_lr * (t + 1) / self.warmup_steps
+        if self.name == "constant":
+            return self.base_lr
+        if self.name == "step":
+            return self.base_lr * self.gamma ** (t // self.step_size)
+        # cosine
+        progress = min(1.0, (t - self.warmup_steps) / (self.total_steps - self.warmup_steps))
+        return self.min_lr + (self.base_lr - self.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def make_schedule(name: str, base_lr: float, total_steps: int, warmup_steps: int = 0,
+                  step_size: int | None = None, gamma: float = 0.1,
+                  min_lr: float = 0.0) -> Callable[[int], float]:
+    """Build a :class:`Schedule` (see its Notes for the formulas).
+
+    Parameters
+    ----------
+    name : 'constant' | 'step' | 'cosine'
+    base_lr : float > 0
+    total_steps : int >= 1, the steps of the whole run
+    warmup_steps : int in [0, total_steps), linear warm-up length
+    step_size : int >= 1 ('step' only), default ``max(1, total_steps // 3)``; must be
+        >= warmup_steps, or the warm-up would climb to a rate the decay has already left
+    gamma : float in (0, 1] ('step' only), the factor at each boundary
+    min_lr : float in [0, base_lr] ('cosine' only), the final rate
+    """
+    key = str(name).lower()
+    if key not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    base_lr = _check_number("base_lr", base_lr, low=0.0, low_open=True)
+    total_steps = _check_int("total_steps", total_steps, low=1)
+    warmup_steps = _check_int("warmup_steps", warmup_steps, low=0)
+    if warmup_steps >= total_steps and warmup_steps > 0:
+        raise ValueError(f"warmup_steps ({warmup_steps}) must be < total_steps ({total_steps})")
+    step_size = max(1, total_steps // 3) if step_size is None else _check_int("step_size", step_size, low=1)
+    if key == "step" and warmup_steps > step_size:
+        raise ValueError(f"warmup_steps ({warmup_steps}) must be <= step_size ({step_size})")
+    gamma = _check_number("gamma", gamma, low=0.0, high=1.0, low_open=True, high_open=False)
+    min_lr = _check_number("min_lr", min_lr, low=0.0, high=base_lr, high_open=False)
+    return Schedule(key, base_lr, total_steps, warmup_steps, step_size, gamma, min_lr)

@@ -1,0 +1,451 @@
+"""MPI tests of the gradient reducers against NumPy references; any world size.
+
+mpiexec -n 4 -ppn 2 -hosts localhost,127.0.0.1 -launcher fork python -m pytest --with-mpi -q tests/mpi
+
+Rank r's local mean gradient is a deterministic function of r, so every rank can compute
+the expected reduced result itself. Results are gathered on all ranks before asserting,
+so a failure on one rank never leaves the others waiting in a collective.
+"""
+
+import math
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpidl.distributed.balance import batch_sizes, gather_speeds
+from mpidl.distributed.emulation import LinkModel
+from mpidl.distributed.reducers import (FlatReducer, HierarchicalReducer, NodeReducer,
+                                        make_reducer)
+from mpidl.distributed.topology import Topology
+
+pytestmark = pytest.mark.mpi
+
+WORLD = MPI.COMM_WORLD
+P = WORLD.Get_size()
+RANK = WORLD.Get_rank()
+N = 13  # gradient length (odd on purpose)
+TOL = 1e-12
+
+# How the world is cut into nodes: the launch's own (shared memory or MPIDL_RANKS_PER_NODE),
+# one rank per node, two halves (2 nodes whenever P >= 2; unequal 2+1 for P = 3), one node.
+LAYOUTS = ["launch", 1, "halves", "one"]
+
+
+def build_topology(layout) -> Topology:
+    if layout == "launch":
+        return Topology.from_comm()
+    k = {"halves": max(1, math.ceil(P / 2)), "one": P}.get(layout, layout)
+    return Topology.from_comm(ranks_per_node=k)
+
+
+# Module scope: each layout's communicators are built once (tests are grouped by layout in
+# the same order on every rank), which keeps the oversubscribed test runs short.
+@pytest.fixture(scope="module", params=LAYOUTS, ids=lambda layout: f"layout={layout}")
+def topology(request):
+    topo = build_topology(request.param)
+    yield topo
+    topo.free()
+
+
+def local_grad(rank: int, round_: int = 0, dtype=np.float64) -> np.ndarray:
+    """Rank r's local mean gradient, different for every rank and round."""
+    i = np.arange(N)
+    return (np.sin(0.7 * i * (rank + 1) + round_) + 0.1 * rank + 0.01 * round_).astype(dtype)
+
+
+def make_counts(pattern: str, round_: int = 0) -> list[int]:
+    """Samples per rank this step: 'equal', 'unequal', or 'zero' (the last rank got none)."""
+    if pattern == "equal":
+        return [8] * P
+    counts = [3 + 5 * r + round_ for r in range(P)]
+    if pattern == "zero" and P > 1:
+        counts[-1] = 0
+    return counts
+
+
+def all_grads(counts, round_=0, dtype=np.float64) -> np.ndarray:
+    """(P, N): every rank's local gradient as it is passed (zeros where a rank has no samples)."""
+    return np.stack([local_grad(r, round_, dtype) if counts[r] > 0 else np.zeros(N, dtype)
+                     for r in range(P)])
+
+
+def weighted_sum(grads, counts, group, weighting) -> np.ndarray:
+    """Reference: sum over `group` of w_r g_r (balanced w_r = b_r / sum b, uniform 1/|group|)."""
+    group = list(group)
+    total = sum(counts[r] for r in group)
+    if weighting == "uniform":
+        weights = {r: 1.0 / len(group) for r in group}
+    else:
+        weights = {r: (counts[r] / total if total else 0.0) for r in group}
+    return sum(weights[r] * grads[r].astype(np.float64) for r in group)
+
+
+def everywhere(ok: bool) -> bool:
+    """True on every rank iff ``ok`` holds on every rank (collective)."""
+    return WORLD.allreduce(bool(ok), op=MPI.LAND)
+
+
+def all_identical(comm, array) -> bool:
+    """Are the arrays bitwise identical on all ranks of ``comm``? (collective over comm)."""
+    return len(set(comm.allgather(array.tobytes()))) == 1
+
+
+def max_error(a, b) -> float:
+    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+
+
+# ----------------------------------------------------------------------------- exact strategies
+@pytest.mark.parametrize("strategy", ["flat", "hierarchical"])
+@pytest.mark.parametrize("weighting", ["balanced", "uniform"])
+@pytest.mark.parametrize("pattern", ["unequal", "zero"])  # 'equal': see balanced == uniform
+def test_exact_strategies_give_the_weighted_mean(topology, strategy, weighting, pattern):
+    reducer = make_reducer(strategy, topology, weighting)
+    errors, identical = [], []
+    for round_ in range(2):  # twice: catches state left over from the first call
+        counts = make_counts(pattern, round_)
+        grads = all_grads(counts, round_)
+        grad = grads[RANK].copy()
+        reducer.reduce_gradients(grad, counts)
+        errors.append(max_error(grad, weighted_sum(grads, counts, range(P), weighting)))
+        identical.append(all_identical(WORLD, grad))
+    assert everywhere(max(errors) < TOL), errors
+    assert all(identical)  # every replica receives the very same bits
+
+
+def test_flat_equals_hierarchical(topology):
+    counts = make_counts("unequal")
+    results = []
+    for cls in (FlatReducer, HierarchicalReducer):
+        grad = local_grad(RANK)
+        cls(topology).reduce_gradients(grad, counts)
+        results.append(grad)
+    assert everywhere(max_error(*results) < TOL)
+
+
+def test_balanced_is_the_large_batch_gradient_and_uniform_is_not():
+    """The balanced gradient of uneven local means equals the mean gradient of all samples;
+    the uniform average does not (it over-weights the small batches)."""
+    if P < 2:
+        pytest.skip("needs 2 ranks with different batch sizes")
+    topo = build_topology("launch")
+    counts = make_counts("unequal")
+    # per-sample gradients: sample k of rank r has gradient x_{r,k}; the local mean is g_r
+    rng = np.random.default_rng(0)
+    samples = [rng.normal(size=(c, N)) for c in counts]
+    large_batch = np.concatenate(samples).mean(axis=0)
+    results = {}
+    for weighting in ("balanced", "uniform"):
+        grad = samples[RANK].mean(axis=0)
+        make_reducer("flat", topo, weighting).reduce_gradients(grad, counts)
+        results[weighting] = grad
+    topo.free()
+    assert everywhere(max_error(results["balanced"], large_batch) < TOL)
+    assert everywhere(max_error(results["uniform"], large_batch) > 1e-3)
+
+
+@pytest.mark.parametrize("strategy", ["flat", "hierarchical", "node"])
+def test_balanced_equals_uniform_with_equal_counts(topology, strategy):
+    counts = make_counts("equal")
+    results = []
+    for weighting in ("balanced", "uniform"):
+        grad = local_grad(RANK)
+        make_reducer(strategy, topology, weighting).reduce_gradients(grad, counts)
+        results.append(grad)
+    assert everywhere(max_error(*results) < TOL)
+
+
+def test_float32_buffers_keep_their_dtype(topology):
+    counts = make_counts("unequal")
+    grads = all_grads(counts, dtype=np.float32)
+    grad = grads[RANK].copy()
+    reducer = make_reducer("hierarchical", topology)
+    reducer.reduce_gradients(grad, counts)
+    ok = grad.dtype == np.float32 and max_error(grad, weighted_sum(grads, counts, range(P),
+                                                                   "balanced")) < 1e-5
+    calls = sum(level["calls"] for level in reducer.counters.values())
+    ok = ok and sum(level["bytes"] for level in reducer.counters.values()) == calls * 4 * N
+    assert everywhere(ok)
+
+
+# ----------------------------------------------------------------------------- node strategy
+@pytest.mark.parametrize("weighting", ["balanced", "uniform"])
+@pytest.mark.parametrize("pattern", ["unequal", "zero"])
+def test_node_strategy_reduces_gradients_within_the_node(topology, weighting, pattern):
+    reducer = make_reducer("node", topology, weighting, sync_every=1000)
+    errors, identical_in_node = [], []
+    for round_ in range(2):
+        counts = make_counts(pattern, round_)
+        grads = all_grads(counts, round_)
+        grad = grads[RANK].copy()
+        reducer.reduce_gradients(grad, counts)
+        errors.append(max_error(grad, weighted_sum(grads, counts, topology.node_ranks, weighting)))
+        identical_in_node.append(all_identical(topology.node, grad))
+    assert everywhere(max(errors) < TOL and all(identical_in_node))
+
+
+def test_node_strategy_with_one_node_is_flat_without_inter_node_traffic():
+    topo = build_topology("one")
+    node, flat = make_reducer("node", topo, sync_every=2), make_reducer("flat", topo)
+    params = np.ones(N)
+    errors, synced = [], []
+    for step in range(1, 5):
+        counts = make_counts("unequal", step)
+        a, b = local_grad(RANK, step), local_grad(RANK, step)
+        node.reduce_gradients(a, counts)
+        flat.reduce_gradients(b, counts)
+        errors.append(max_error(a, b))
+        synced.append(node.after_step(params, step))
+    node.sync_parameters(params)
+    topo.free()
+    ok = max(errors) < TOL and not any(synced)
+    ok = ok and node.counters["inter"]["calls"] == 0 and node.counters["world"]["calls"] == 0
+    # one node-local allreduce per step, nothing else (none at all with one rank)
+    ok = ok and node.counters["intra"]["calls"] == (4 if P > 1 else 0)
+    assert everywhere(ok)
+
+
+def sgd_run(reducer, steps, lr=0.1, pattern="unequal"):
+    """Train a toy model with plain SGD (p -= lr g); the gradient depends on the parameters,
+    so replicas that drift apart would show. Returns the parameters after each step and
+    whether after_step reported a sync."""
+    params = np.linspace(-1.0, 1.0, N)
+    history = []
+    for step in range(1, steps + 1):
+        counts = make_counts(pattern, step)
+        grad = local_grad(RANK, step) + 0.5 * params if counts[RANK] else np.zeros(N)
+        reducer.reduce_gradients(grad, counts)
+        params -= lr * grad
+        synced = reducer.after_step(params, step)
+        history.append((params.copy(), synced))
+    return history
+
+
+@pytest.mark.parametrize("pattern", ["unequal", "zero"])
+def test_node_strategy_syncing_every_step_equals_flat(topology, pattern):
+    node_history = sgd_run(make_reducer("node", topology, sync_every=1), steps=6, pattern=pattern)
+    flat_history = sgd_run(make_reducer("flat", topology), steps=6, pattern=pattern)
+    errors = [max_error(a, b) for (a, _), (b, _) in zip(node_history, flat_history)]
+    identical = [all_identical(WORLD, p) for p, _ in node_history]
+    synced = [s for _, s in node_history]
+    ok = max(errors) < TOL and all(identical)
+    ok = ok and all(synced) == (topology.num_nodes > 1)
+    assert everywhere(ok), errors
+
+
+def test_node_strategy_parameter_sync_is_the_node_weighted_average(topology):
+    """Between syncs nodes drift apart; at a sync the leaders average the parameters with
+    weights S_n / S (samples per node since the last sync) and all replicas become equal."""
+    sync_every = 3
+    reducer = make_reducer("node", topology, sync_every=sync_every)
+    params = np.linspace(-1.0, 1.0, N)
+    samples_per_node = np.zeros(topology.num_nodes)
+    ok = True
+    for step in range(1, 2 * sync_every + 2):
+        counts = make_counts("unequal", step)
+        for r, c in enumerate(counts):
+            samples_per_node[topology.node_of_rank[r]] += c
+        grad = local_grad(RANK, step) + 0.5 * params
+        reducer.reduce_gradients(grad, counts)
+        params -= 0.1 * grad
+        # before the sync: every rank's parameters, one node's replicas identical
+        before = np.array(WORLD.allgather(params))
+        ok = ok and all_identical(topology.node, params)
+        synced = reducer.after_step(params, step)
+        ok = ok and synced == (step % sync_every == 0 and topology.num_nodes > 1)
+        if synced:
+            leaders = [topology.ranks_of_node(n)[0] for n in range(topology.num_nodes)]
+            weights = samples_per_node / samples_per_node.sum()
+            expected = sum(w * before[r] for w, r in zip(weights, leaders))
+            ok = ok and max_error(params, expected) < TOL and all_identical(WORLD, params)
+            samples_per_node[:] = 0
+    # after the steps (one past a sync), an epoch-end forced sync makes all replicas equal
+    reducer.sync_parameters(params)
+    ok = ok and all_identical(WORLD, params)
+    assert everywhere(ok)
+
+
+def test_node_strategy_uniform_parameter_weights(topology):
+    reducer = make_reducer("node", topology, "uniform", sync_every=1)
+    params = np.full(N, float(topology.node_id))  # node n holds n everywhere
+    reducer.reduce_gradients(local_grad(RANK), make_counts("unequal"))
+    reducer.sync_parameters(params)
+    expected = (topology.num_nodes - 1) / 2  # mean of 0 .. L-1
+    assert everywhere(max_error(params, np.full(N, expected)) < TOL)
+
+
+def test_sync_optimizer_state_uses_the_last_sync_weights(topology):
+    reducer = make_reducer("node", topology, sync_every=1)
+    counts = make_counts("unequal")
+    reducer.reduce_gradients(local_grad(RANK), counts)
+    params = np.zeros(N)
+    reducer.after_step(params, 1)
+    weights = reducer.node_weights() if topology.num_nodes == 1 else reducer._last_sync_weights
+    node_totals = [sum(counts[r] for r in topology.ranks_of_node(n)) for n in range(topology.num_nodes)]
+    expected_weights = [t / sum(node_totals) for t in node_totals]
+    momentum = np.full(N, 1.0 + topology.node_id)
+    second = np.full(N, 10.0 * (1 + topology.node_id))
+    reducer.sync_optimizer_state([momentum, second])
+    ids = np.arange(topology.num_nodes)
+    ok = topology.num_nodes == 1 or max_error(weights, expected_weights) < TOL
+    ok = ok and max_error(momentum, np.full(N, np.dot(expected_weights, 1.0 + ids))) < TOL
+    ok = ok and max_error(second, np.full(N, np.dot(expected_weights, 10.0 * (1 + ids)))) < TOL
+    ok = ok and all_identical(WORLD, momentum) and all_identical(WORLD, second)
+    assert everywhere(ok)
+
+
+# ----------------------------------------------------------------------------- counters
+def test_node_strategy_counters_two_nodes_100_steps():
+    """K' = 50 over 100 steps on 2 nodes: 100 node allreduces and 2 parameter syncs
+    (each: one leaders' allreduce and one node broadcast), plus one per forced sync."""
+    if P < 2:
+        pytest.skip("needs 2 nodes")
+    topo = build_topology("halves")
+    reducer = make_reducer("node", topo, sync_every=50)
+    params, grad = np.zeros(N), np.zeros(N)
+    counts = make_counts("equal")
+    syncs = 0
+    for step in range(1, 101):
+        grad[:] = local_grad(RANK)
+        reducer.reduce_gradients(grad, counts)
+        syncs += reducer.after_step(params, step)
+    after_steps = {level: dict(c) for level, c in reducer.counters.items()}
+    reducer.sync_parameters(params)
+    after_forced = {level: dict(c) for level, c in reducer.counters.items()}
+    reducer.reset_counters()
+    after_reset = reducer.counters
+    nbytes = params.nbytes
+    in_node = topo.local_size > 1  # a node of one rank skips its (empty) node collectives
+    leader = topo.is_leader
+    expected = {
+        "intra": {"calls": (100 + 2) * in_node, "bytes": (100 + 2) * in_node * nbytes},
+        "inter": {"calls": 2 * leader, "bytes": 2 * leader * nbytes},
+        "world": {"calls": 0, "bytes": 0},
+    }
+    expected_forced = {
+        "intra": {"calls": (103) * in_node, "bytes": 103 * in_node * nbytes},
+        "inter": {"calls": 3 * leader, "bytes": 3 * leader * nbytes},
+        "world": {"calls": 0, "bytes": 0},
+    }
+    zero = {level: {"calls": 0, "bytes": 0} for level in ("intra", "inter", "world")}
+    topo.free()
+    results = WORLD.allgather((syncs, after_steps == expected, after_forced == expected_forced,
+                               after_reset == zero and reducer.comm_seconds == 0.0))
+    assert results == [(2, True, True, True)] * P, (after_steps, after_forced)
+
+
+def test_exact_strategy_counters(topology):
+    steps = 5
+    flat, hier = make_reducer("flat", topology), make_reducer("hierarchical", topology)
+    counts = make_counts("unequal")
+    synced = []
+    for _ in range(2):  # twice, with a reset in between
+        flat.reset_counters()
+        hier.reset_counters()
+        for step in range(1, steps + 1):
+            for reducer in (flat, hier):
+                reducer.reduce_gradients(local_grad(RANK), counts)
+                synced.append(reducer.after_step(np.zeros(N), step))
+    nbytes = local_grad(RANK).nbytes
+    world_calls = steps * (P > 1)
+    intra_calls = 2 * steps * (topology.local_size > 1)
+    inter_calls = steps * (topology.is_leader and topology.num_nodes > 1)
+    ok = not any(synced)  # exact strategies never need a parameter sync
+    ok = ok and flat.counters == {"intra": {"calls": 0, "bytes": 0}, "inter": {"calls": 0, "bytes": 0},
+                           "world": {"calls": world_calls, "bytes": world_calls * nbytes}}
+    ok = ok and hier.counters == {"intra": {"calls": intra_calls, "bytes": intra_calls * nbytes},
+                                  "inter": {"calls": inter_calls, "bytes": inter_calls * nbytes},
+                                  "world": {"calls": 0, "bytes": 0}}
+    ok = ok and flat.comm_seconds >= 0 and hier.comm_seconds >= 0
+    assert everywhere(ok)
+
+
+def test_emulated_link_sleeps_the_modelled_time_on_the_inter_node_level():
+    topo = build_topology("halves")
+    link = LinkModel(latency_us=1.0, gbit_s=100.0)  # microseconds: the test stays fast
+    hier = make_reducer("hierarchical", topo, emulate_link=link)
+    flat = make_reducer("flat", topo, emulate_link="1,100")
+    node = make_reducer("node", topo, sync_every=2, emulate_link=link)
+    counts = make_counts("unequal")
+    params = np.zeros(N)
+    for step in range(1, 5):
+        for reducer in (hier, flat, node):
+            reducer.reduce_gradients(local_grad(RANK), counts)
+            reducer.after_step(params, step)
+    nbytes = params.nbytes
+    multi = topo.num_nodes > 1
+    per_inter = link.allreduce_seconds(nbytes, topo.num_nodes)
+    expect_hier = 4 * per_inter if topo.is_leader and multi else 0.0
+    expect_flat = 4 * link.allreduce_seconds(nbytes, P) if multi else 0.0
+    expect_node = 2 * per_inter if topo.is_leader and multi else 0.0
+    ok = all(math.isclose(r.emulated_seconds, e, rel_tol=1e-9, abs_tol=1e-15)
+             for r, e in ((hier, expect_hier), (flat, expect_flat), (node, expect_node)))
+    ok = ok and all(r.comm_seconds >= r.emulated_seconds for r in (hier, flat, node))
+    ok = ok and "EMULATED" in hier.describe()
+    topo.free()
+    assert everywhere(ok)
+
+
+@pytest.mark.parametrize("strategy", ["flat", "hierarchical", "node"])
+def test_average_buffers_over_the_world(topology, strategy):
+    """E.g. BatchNorm running statistics, which differ on every rank under every strategy."""
+    reducer = make_reducer(strategy, topology)
+    counts = make_counts("unequal")
+    running_mean, running_var = np.full(N, float(RANK)), np.full(N, 1.0 + RANK ** 2)
+    reducer.average_buffers([running_mean, running_var], counts[RANK] / sum(counts))
+    shares = np.array(counts) / sum(counts)
+    ranks = np.arange(P)
+    ok = max_error(running_mean, np.full(N, shares @ ranks)) < TOL
+    ok = ok and max_error(running_var, np.full(N, shares @ (1.0 + ranks ** 2))) < TOL
+    ok = ok and reducer.counters["world"]["calls"] == 2 * (P > 1)
+    assert everywhere(ok)
+
+
+def test_gathered_speeds_give_the_same_batch_sizes_on_every_rank():
+    speeds = gather_speeds(WORLD, 1.0 + 0.5 * RANK)
+    sizes = batch_sizes(speeds, 16 * P)
+    results = WORLD.allgather((speeds, sizes))
+    assert results == [results[0]] * P
+    assert speeds == [1.0 + 0.5 * r for r in range(P)] and sum(sizes) == 16 * P
+
+
+def test_gather_speeds_refuses_a_bad_speed_on_every_rank():
+    # validation happens after the collective, so all ranks raise together
+    with pytest.raises(ValueError, match=rf"gathered speeds\[{P - 1}\]"):
+        gather_speeds(WORLD, 0.0 if RANK == P - 1 else 1.0)
+
+
+# ----------------------------------------------------------------------------- bad input
+def test_make_reducer_refuses_bad_arguments():
+    topo = build_topology("one")
+    for kwargs, match in [
+        (dict(strategy="ring"), "unknown reduction strategy 'ring'.*flat, hierarchical, node"),
+        (dict(strategy="flat", weighting="mean"), "unknown weighting"),
+        (dict(strategy="node", sync_every=0), "sync_every"),
+        (dict(strategy="node", sync_every=2.5), "sync_every"),
+        (dict(strategy="flat", emulate_link=3), "emulate_link"),
+        (dict(strategy="flat", emulate_link="1"), "LATENCY_US,GBIT_S"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            make_reducer(topology=topo, **kwargs)
+    topo.free()
+
+
+def test_reduce_gradients_refuses_bad_input_on_every_rank_before_communicating():
+    topo = build_topology("launch")
+    for cls in (FlatReducer, HierarchicalReducer, NodeReducer):
+        reducer = cls(topo)
+        for grad, counts, match in [
+            (np.zeros(N), [1] * (P + 1), "counts has"),
+            (np.zeros(N), [0] * P, "all zero"),
+            (np.zeros(N), [-1] + [1] * (P - 1), r"counts\[0\]"),
+            (np.zeros(N), [1.5] * P, r"counts\[0\]"),
+            (np.zeros((2, N)), [1] * P, "1-D"),
+            (np.zeros(2 * N)[::2], [1] * P, "contiguous"),
+        ]:
+            with pytest.raises(ValueError, match=match):
+                reducer.reduce_gradients(grad, counts)
+        with pytest.raises(ValueError, match="step"):
+            reducer.after_step(np.zeros(N), 0)
+        assert sum(c["calls"] for c in reducer.counters.values()) == 0
+    topo.free()

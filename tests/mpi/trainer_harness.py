@@ -1,0 +1,52 @@
+"""Build and run a :class:`mpidl.trainer.Trainer` on any communicator, for the MPI tests.
+
+The same function runs the distributed job (``comm=MPI.COMM_WORLD``) and its single-rank
+reference (``comm=MPI.COMM_SELF``), so the two differ only in the world they see.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from mpidl.backend import get_backend
+from mpidl.config import parse_config
+from mpidl.data import ArrayDataset
+from mpidl.distributed.topology import Topology
+from mpidl.log import Printer
+from mpidl.models import build_model
+from mpidl.trainer import Trainer
+
+
+def tiny_dataset(n: int = 50, seed: int = 0, shape=(5, 5, 5), classes: int = 3) -> ArrayDataset:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, *shape)).astype(np.float32)
+    y = rng.integers(0, classes, n)
+    return ArrayDataset(x, y, [f"c{k}" for k in range(classes)])
+
+
+def run(comm, argv, *, ranks_per_node=None, train=None, test=None, dtype="float64"):
+    """Train with the command-line options ``argv`` on ``comm``; return (trainer, end record)."""
+    cfg = parse_config(list(argv) + ["--dtype", dtype, "--quiet"], world_size=comm.Get_size())
+    if ranks_per_node is not None:
+        cfg.ranks_per_node = ranks_per_node
+    train = train if train is not None else tiny_dataset()
+    test = test if test is not None else tiny_dataset(n=20, seed=1)
+    topo = Topology.from_comm(comm, ranks_per_node=cfg.ranks_per_node)
+    backend = get_backend("cpu", dtype)
+    model = build_model(cfg.model, train.sample_shape, train.num_classes, backend=backend,
+                        seed=cfg.seed, channels=(4, 4), hidden=8)
+    trainer = Trainer(cfg, topo, backend, model, train, test, Printer(comm.Get_rank(), quiet=True))
+    trainer.setup()
+    end = trainer.run()
+    return trainer, end
+
+
+def speeds_for(size: int) -> str:
+    """Uneven speeds 1, 2, ..., P."""
+    return ",".join(str(i + 1) for i in range(size))
+
+
+def all_agree(comm, ok: bool) -> bool:
+    """True on every rank iff ``ok`` is True on every rank (assert after this, never before)."""
+    return bool(comm.allreduce(bool(ok), op=MPI.LAND))

@@ -1,0 +1,61 @@
+"""Configuration: every bad value is refused with a message naming the option."""
+
+import pytest
+
+from mpidl.config import Config, ConfigError, parse_config
+
+
+def test_defaults_are_valid():
+    cfg = parse_config([])
+    assert cfg.model == "hsicnn" and cfg.batch_size == 64 and cfg.strategy == "flat"
+    assert cfg.speed_list is None  # 'auto'
+
+
+def test_lists_are_parsed():
+    cfg = parse_config(["--speeds", "1,2,3,4", "--emulate-slowdown", "1,1,2,4",
+                        "--emulate-link", "50,1", "--inject-fault", "1:5"], world_size=4)
+    assert cfg.speed_list == [1, 2, 3, 4]
+    assert cfg.slowdown_list == [1, 1, 2, 4]
+    assert cfg.link == (50.0, 1.0)
+    assert cfg.fault == (1, 5, "raise")
+    assert parse_config(["--inject-fault", "0:2:nan"]).fault == (0, 2, "nan")
+
+
+@pytest.mark.parametrize(
+    "argv, world, message",
+    [
+        (["--model", "vgg99"], 1, "--model 'vgg99' is not one of"),
+        (["--batch-size", "0"], 1, "--batch-size must be a positive integer"),
+        (["--batch-size", "-3"], 1, "--batch-size must be a positive integer"),
+        (["--epochs", "0"], 1, "--epochs must be a positive integer"),
+        (["--batch-size", "3"], 4, "smaller than the number of ranks 4"),
+        (["--speeds", "1,2,3"], 4, "--speeds has 3 entries but 4 are needed"),
+        (["--speeds", "1,0,1,1"], 4, "--speeds: every entry must be a positive"),
+        (["--speeds", "1,x,1,1"], 4, "is not a comma-separated list"),
+        (["--sync-every", "0"], 1, "--sync-every must be a positive integer"),
+        (["--strategy", "ring"], 1, "--strategy 'ring' is not one of"),
+        (["--weighting", "weird"], 1, "--weighting"),
+        (["--lr", "0"], 1, "--lr must be a positive number"),
+        (["--momentum", "1.5"], 1, "--momentum must be in [0, 1)"),
+        (["--nesterov", "--momentum", "0"], 1, "--nesterov needs --momentum > 0"),
+        (["--nesterov", "--optimizer", "adam"], 1, "--nesterov applies to --optimizer sgd only"),
+        (["--emulate-slowdown", "1,0.5"], 2, "must be >= 1"),
+        (["--emulate-link", "50"], 1, "--emulate-link needs exactly 2 numbers"),
+        (["--emulate-link", "50,0"], 1, "bandwidth > 0"),
+        (["--inject-fault", "x"], 2, "--inject-fault is RANK:STEP[:raise|nan]"),
+        (["--inject-fault", "5:1"], 2, "rank must be in [0, 2)"),
+        (["--resume"], 1, "--resume needs --checkpoint"),
+        (["--data", "/nonexistent/file.h5"], 1, "--data /nonexistent/file.h5: no such file"),
+        (["--dtype", "float16"], 1, "--dtype 'float16' is not one of"),
+        (["--on-nan", "ignore"], 1, "--on-nan"),
+    ],
+)
+def test_bad_values_are_refused(argv, world, message):
+    with pytest.raises(ConfigError) as info:
+        parse_config(argv, world_size=world)
+    assert message in str(info.value)
+
+
+def test_to_dict_is_plain():
+    d = Config().validate().to_dict()
+    assert "speed_list" not in d and d["model"] == "hsicnn"

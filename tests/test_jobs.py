@@ -1,0 +1,100 @@
+# python -m pytest -q tests/test_jobs.py
+"""The launch scripts in jobs/: they parse, they say how they are run, they use only options
+that `python -m mpidl.train` knows, and the emulated two-node run really trains."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mpidl.config import build_parser
+
+REPO = Path(__file__).resolve().parents[1]
+JOBS = sorted((REPO / "jobs").glob("*.sh"))
+EXPECTED = {"local.sh", "local_cluster.sh", "slurm_cpu_single_node.sh", "slurm_cpu_multi_node.sh",
+            "slurm_gpu.sh", "slurm_hetjob.sh", "gpu_check.sh"}
+# Options of the launchers (srun, Open MPI's mpirun) that appear next to training options;
+# every other --option in a script must be one of `python -m mpidl.train`.
+LAUNCHER_OPTIONS = {"--mpi", "--cpu-bind", "--map-by", "--gpus-per-task"}
+
+
+def _ids(paths):
+    return [p.name for p in paths]
+
+
+def test_every_job_is_there():
+    assert EXPECTED <= {p.name for p in JOBS}
+
+
+@pytest.mark.parametrize("script", JOBS, ids=_ids(JOBS))
+def test_script_parses(script):
+    result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("script", JOBS, ids=_ids(JOBS))
+def test_script_starts_with_the_line_that_runs_it(script):
+    lines = script.read_text().splitlines()
+    first = lines[1] if lines[0].startswith("#!") else lines[0]
+    # e.g. "# sbatch jobs/slurm_gpu.sh ...", "# NP=4 bash jobs/local.sh ..."
+    runner = "sbatch" if any(line.startswith("#SBATCH") for line in lines) else "bash"
+    pattern = rf"# ([A-Z_]+=\S+ )*{runner} jobs/{re.escape(script.name)}( |$)"
+    assert re.match(pattern, first), f"{script.name}: first line {first!r} should match {pattern!r}"
+
+
+@pytest.mark.parametrize("script", JOBS, ids=_ids(JOBS))
+def test_script_uses_only_known_options(script):
+    """A misspelt option (--sync_every, --ranks_per_node) would only fail on the cluster."""
+    known = {opt for action in build_parser()._actions for opt in action.option_strings}
+    text = "\n".join(line for line in script.read_text().splitlines() if not line.startswith("#SBATCH"))
+    used = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text))
+    unknown = used - known - LAUNCHER_OPTIONS
+    assert not unknown, f"{script.name} uses options that mpidl.train does not know: {sorted(unknown)}"
+
+
+def test_hetjob_gives_each_component_its_device():
+    text = (REPO / "jobs" / "slurm_hetjob.sh").read_text()
+    assert "#SBATCH hetjob" in text
+    assert "--speeds auto" in text
+    launch = text[text.index("\nsrun "):]
+    cpu_part, gpu_part = launch.split("\n    : ")
+    assert "--device cpu" in cpu_part and "--device gpu" in gpu_part
+
+
+def _mpiexec():
+    """The mpiexec of this interpreter's environment (the `mpich` wheel), else the one on PATH."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if beside.exists() else shutil.which("mpiexec")
+
+
+def test_local_cluster_trains_on_two_emulated_nodes(tmp_path):
+    if not (REPO / "mpidl" / "trainer.py").exists():
+        pytest.skip("mpidl/trainer.py does not exist yet: nothing to launch")
+    mpiexec = _mpiexec()
+    if mpiexec is None:
+        pytest.skip("no mpiexec beside the interpreter or on PATH (pip install 'mpidl[mpich]')")
+    version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True).stdout
+    if "HYDRA" not in version:
+        pytest.skip(f"{mpiexec} is not MPICH's Hydra, which jobs/local_cluster.sh needs "
+                    "for -hosts and -launcher fork")
+
+    metrics = tmp_path / "metrics.jsonl"
+    # Tiny and fast: 3 steps, given speeds (no measuring), a small batch, an inter-node sync
+    # inside the 3 steps so the node strategy's parameter average runs too.
+    args = ["--epochs", "1", "--max-steps", "3", "--batch-size", "16", "--speeds", "1,1,1,1",
+            "--sync-every", "2", "--quiet", "--metrics", str(metrics)]
+    env = {**os.environ, "MPIEXEC": mpiexec, "PYTHON": sys.executable}
+    result = subprocess.run(["bash", str(REPO / "jobs" / "local_cluster.sh"), *args], cwd=REPO,
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
+
+    from mpidl.plot import load_metrics
+
+    start, epochs, _ = load_metrics(metrics)
+    # The point of the script: MPI itself sees two nodes of two ranks.
+    assert start["world_size"] == 4 and start["num_nodes"] == 2 and start["node_sizes"] == [2, 2]
+    assert epochs[-1]["strategy"] == "node"

@@ -1,0 +1,157 @@
+"""The model registry: every architecture builds, trains a little, and reports bad requests."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from gradcheck import numerical_gradient
+from mpidl.backend import get_backend
+from mpidl.models import MODELS, build_model
+from mpidl.nn import BatchNorm2d, Conv2d, SoftmaxCrossEntropy
+
+DEFAULT_SHAPES = {"hsicnn": (156, 9, 9), "hsicnn_bn": (156, 7, 7), "resnet8": (3, 32, 32)}
+# Narrow versions for the slower checks.
+TINY = {
+    "hsicnn": dict(input_shape=(3, 5, 5), channels=(3, 4), hidden=6),
+    "hsicnn_bn": dict(input_shape=(3, 4, 4), channels=(2, 3), hidden=5),
+    "resnet8": dict(input_shape=(2, 8, 8), widths=(2, 3, 4)),
+}
+
+
+def batch(input_shape, n=4, num_classes=3, seed=0, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((n, *input_shape)).astype(dtype), np.arange(n) % num_classes
+
+
+def test_registry_names():
+    assert set(MODELS) == {"hsicnn", "hsicnn_bn", "resnet8"}
+
+
+@pytest.mark.parametrize("name", sorted(DEFAULT_SHAPES))
+def test_builds_with_default_shapes_forward_and_backward(name):
+    model = build_model(name, DEFAULT_SHAPES[name], num_classes=5)
+    x, y = batch(DEFAULT_SHAPES[name], n=2, num_classes=5)
+    logits = model.forward(x)
+    assert logits.shape == (2, 5) and logits.dtype == np.float32
+    loss_fn = SoftmaxCrossEntropy()
+    loss_fn.forward(logits, y)
+    model.params.grad.fill(np.nan)  # backward must overwrite every gradient
+    model.backward(loss_fn.backward())
+    assert np.all(np.isfinite(model.params.grad))
+    for param in model.params:
+        assert np.any(param.grad != 0), f"{param.name} got no gradient"
+
+
+def test_hsicnn_has_no_batch_norm_and_hsicnn_bn_has():
+    plain = build_model("hsicnn", (8, 7, 7), 3)
+    assert not any(isinstance(m, BatchNorm2d) for m in plain.net.modules())
+    assert plain.buffers_host() == {}
+    with_bn = build_model("hsicnn_bn", (8, 7, 7), 3)
+    assert sum(isinstance(m, BatchNorm2d) for m in with_bn.net.modules()) == 2
+
+
+def test_hsicnn_default_widths_and_odd_patch():
+    model = build_model("hsicnn", (156, 9, 9), 4)
+    assert model.build_args["channels"] == [64, 64] and model.build_args["hidden"] == 128
+    # 9x9 -> pool -> 4x4, so the first linear layer has 64 * 4 * 4 inputs
+    assert model.params["6.weight"].shape == (128, 64 * 4 * 4)
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_build_args_are_json_and_rebuild_the_same_model(name):
+    model = build_model(name, num_classes=3, seed=5, **TINY[name])
+    args = json.loads(json.dumps(model.build_args))
+    assert args["name"] == name and args["num_classes"] == 3
+    again = build_model(**args)
+    assert again.params.names == model.params.names
+    assert again.params.data.tobytes() == model.params.data.tobytes()
+
+
+def test_unknown_model_lists_the_known_ones():
+    with pytest.raises(ValueError, match="hsicnn.*resnet8"):
+        build_model("vgg99", (3, 32, 32), 10)
+
+
+@pytest.mark.parametrize(
+    "name, shape, kwargs, match",
+    [
+        ("hsicnn", (10, 1, 1), {}, "2x2"),
+        ("hsicnn_bn", (10, 1, 9), {}, "2x2"),
+        ("resnet8", (3, 4, 4), {}, "8x8"),
+        ("hsicnn", (10, 5), {}, "three"),
+        ("hsicnn", (10, 5, 5), {"widths": (1, 2, 3)}, "widths"),
+        ("resnet8", (3, 8, 8), {"widths": (4, 8)}, "three"),
+    ],
+)
+def test_bad_requests_are_clear(name, shape, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        build_model(name, shape, 3, **kwargs)
+
+
+def test_bad_input_and_class_count():
+    with pytest.raises(ValueError, match="num_classes"):
+        build_model("hsicnn", (4, 5, 5), 1)
+    model = build_model("hsicnn", (4, 5, 5), 3)
+    with pytest.raises(ValueError, match=r"\(N, 4, 5, 5\)"):
+        model.forward(np.zeros((2, 4, 6, 6), np.float32))
+
+
+def test_first_layer_skips_its_input_gradient():
+    model = build_model("resnet8", (3, 8, 8), 3)
+    assert isinstance(model.net[0], Conv2d) and not model.net[0].compute_input_grad
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_parameter_gradients_of_whole_models_in_float64(name):
+    """End to end: d(mean loss)/d(params) against central differences, on a random sample of
+    coordinates that includes every parameter tensor (each layer is checked fully on its own)."""
+    kwargs = dict(TINY[name])
+    model = build_model(name, num_classes=3, seed=1, backend=get_backend("cpu", "float64"), **kwargs)
+    x, y = batch(kwargs["input_shape"], n=3, dtype=np.float64)
+    loss_fn = SoftmaxCrossEntropy()
+    loss_fn.forward(model.forward(x), y)
+    model.backward(loss_fn.backward())
+    rng = np.random.default_rng(0)
+    # two coordinates of every tensor, plus a random sample of all of them
+    coords = [start + rng.integers(0, p.size, size=2) for p, start in zip(model.params, model.params.offsets)]
+    coords = np.unique(np.concatenate(coords + [rng.integers(0, model.params.size, size=40)]))
+    numeric = numerical_gradient(lambda: loss_fn.forward(model.forward(x), y), model.params.data, indices=coords)
+    np.testing.assert_allclose(model.params.grad[coords], numeric, atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_a_few_sgd_steps_reduce_the_loss(name):
+    kwargs = dict(TINY[name])
+    model = build_model(name, num_classes=3, seed=0, **kwargs)
+    x, y = batch(kwargs["input_shape"], n=6, seed=2)
+    loss_fn = SoftmaxCrossEntropy()
+    losses = []
+    for _ in range(4):
+        losses.append(loss_fn.forward(model.forward(x), y))
+        model.backward(loss_fn.backward())
+        model.params.data -= 0.1 * model.params.grad
+    assert losses[-1] < losses[0]
+
+
+def test_train_eval_and_buffers_round_trip():
+    kwargs = dict(TINY["resnet8"])
+    model = build_model("resnet8", num_classes=3, **kwargs)
+    x, _ = batch(kwargs["input_shape"], n=4)
+    assert model.training
+    model.forward(x)  # updates the running statistics
+    saved = model.buffers_host()
+    assert all(isinstance(v, np.ndarray) for v in saved.values()) and len(saved) == 2 * 9  # stem, 2 per block, 1 per projection shortcut
+    model.eval()
+    assert not model.training
+    eval_logits = model.forward(x)
+    np.testing.assert_array_equal(model.forward(x), eval_logits)  # deterministic in eval
+
+    fresh = build_model("resnet8", num_classes=3, **kwargs).eval()
+    assert not np.allclose(fresh.forward(x), eval_logits)
+    fresh.load_buffers_host(saved)
+    np.testing.assert_array_equal(fresh.forward(x), eval_logits)
+    with pytest.raises(KeyError):
+        fresh.load_buffers_host({})

@@ -1,0 +1,127 @@
+"""The command line end to end: outputs, set-up errors, failures (subprocesses, some under mpiexec)."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from mpidl.checkpoint import load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+MPIEXEC = os.environ.get("MPIEXEC") or str(Path(sys.executable).parent / "mpiexec")
+FAST = ["--epochs", "1", "--max-steps", "3", "--speeds", "auto"]
+
+
+def train(args, np_=None, timeout=120):
+    cmd = [sys.executable, "-m", "mpidl.train", *args]
+    if np_ is not None:
+        if not Path(MPIEXEC).exists():
+            pytest.skip(f"no mpiexec at {MPIEXEC}")
+        cmd = [MPIEXEC, "-n", str(np_), "-launcher", "fork", *cmd]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    proc.seconds = time.perf_counter() - start
+    return proc
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def test_serial_run_writes_metrics_and_model(tmp_path):
+    metrics, model_path = tmp_path / "m.jsonl", tmp_path / "model.h5"
+    proc = train(FAST + ["--metrics", str(metrics), "--save", str(model_path)])
+    assert proc.returncode == 0, proc.stderr
+    assert "built-in synthetic scene" in proc.stdout and "done:" in proc.stdout
+    records = read_jsonl(metrics)
+    assert [r["event"] for r in records] == ["start", "epoch", "end"]
+    epoch = records[1]
+    for key in ("epoch", "step", "loss", "oa", "aa", "kappa", "time_s", "samples_per_s", "strategy",
+                "batch_sizes", "speeds", "comp_s", "comm_s", "idle_s", "comm"):
+        assert key in epoch, key
+    assert epoch["step"] == 3 and records[2]["stopped"] == "max_steps"
+    assert set(epoch["comm"]) == {"intra", "inter", "world"}
+    model = load_model(str(model_path))
+    with h5py.File(model_path) as f:
+        assert f.attrs["model"] == "hsicnn"
+        for p in model.params:
+            np.testing.assert_array_equal(f[p.name][()], model.params[p.name].data)
+
+
+def test_four_ranks_metrics_have_per_rank_fields(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    proc = train(FAST + ["--metrics", str(metrics), "--speeds", "1,2,3,4"], np_=4)
+    assert proc.returncode == 0, proc.stderr
+    epoch = read_jsonl(metrics)[1]
+    assert epoch["batch_sizes"] == [6, 13, 19, 26]  # 64 split 1:2:3:4 by largest remainder
+    assert len(epoch["comp_s"]) == len(epoch["comm_s"]) == len(epoch["idle_s"]) == 4
+    assert epoch["comm"]["world"]["calls"] == 3  # one world Allreduce per step
+    assert proc.stdout.count("done:") == 1  # rank 0 prints
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "nope"], "--model 'nope' is not one of"),
+        (["--batch-size", "0"], "--batch-size must be a positive integer"),
+        (["--epochs", "-1"], "--epochs must be a positive integer"),
+        (["--data", "missing.h5"], "--data missing.h5: no such file"),
+        (["--model", "resnet8"], "resnet8"),  # 7x7 patches are too small for resnet8
+    ],
+)
+def test_setup_errors_are_printed_once_and_exit_2(args, message):
+    proc = train(args, np_=2)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert proc.stderr.count("error") == 1 and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_data_file_without_layout_is_refused(tmp_path):
+    bad = tmp_path / "bad.h5"
+    with h5py.File(bad, "w") as f:
+        f["something"] = np.zeros(3)
+    proc = train(["--data", str(bad)])
+    assert proc.returncode == 2 and str(bad) in proc.stderr, proc.stderr
+
+
+def test_batch_smaller_than_world_is_refused_on_every_rank():
+    proc = train(["--batch-size", "3"], np_=4)
+    assert proc.returncode == 2
+    assert "smaller than the number of ranks 4" in proc.stderr and proc.stderr.count("error") == 1
+
+
+def test_exception_on_one_rank_ends_the_job_promptly():
+    proc = train(["--epochs", "50", "--speeds", "1,1,1,1", "--inject-fault", "1:5"], np_=4)
+    assert proc.returncode != 0
+    assert "rank 1 failed: InjectedFault" in proc.stderr
+    assert proc.stderr.count("rank 1 failed") == 1
+    assert proc.seconds < 30  # start-up included; the abort itself takes well under a second
+
+
+@pytest.mark.parametrize("strategy", ["flat", "node"])
+def test_nan_on_one_rank_stops_every_rank(tmp_path, strategy):
+    metrics = tmp_path / "m.jsonl"
+    proc = train(["--epochs", "2", "--speeds", "1,1,1,1", "--strategy", strategy, "--sync-every", "5",
+                  "--ranks-per-node", "2", "--inject-fault", "2:3:nan", "--metrics", str(metrics)], np_=4)
+    assert proc.returncode == 1, proc.stderr
+    assert "non-finite" in proc.stderr and proc.stderr.count("error:") == 1
+    end = read_jsonl(metrics)[-1]
+    assert end["event"] == "end" and end["stopped"] == "nan"
+    # flat: every rank sees the NaN in the reduced gradient of step 3 and none is applied;
+    # node: the poisoned node stops updating, and all agree at the next inter-node sync (step 5)
+    assert end["step"] == (3 if strategy == "flat" else 5)  # steps completed
+
+
+def test_nan_skip_keeps_training(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    proc = train(["--epochs", "1", "--max-steps", "6", "--speeds", "1,1", "--on-nan", "skip",
+                  "--inject-fault", "1:2:nan", "--metrics", str(metrics)], np_=2)
+    assert proc.returncode == 0, proc.stderr
+    assert "step skipped" in proc.stdout
+    assert read_jsonl(metrics)[-1]["step"] == 6
