@@ -3,7 +3,7 @@
 #
 # The one short check on a real GPU machine (well under 5 minutes): the GPU test suite and
 # the one-step GPU benchmark. Run from anywhere; it works in the repository root. It installs
-# nothing unless asked: GPU_CHECK_PIP="cupy-cuda12x" bash jobs/gpu_check.sh first runs
+# nothing unless asked: GPU_CHECK_PIP="cupy-cuda12x numba-cuda[cu12]" bash jobs/gpu_check.sh first runs
 # `pip install $GPU_CHECK_PIP` (that time is not part of the 5 minutes).
 # Exit code 0 only when the tests pass AND the benchmark ran.
 
@@ -25,11 +25,18 @@ else
     echo "gpu_check: nvidia-smi not found (no NVIDIA driver on PATH)"
 fi
 
+# Without a usable GPU every test skips and the benchmark only says so: fail, and say why.
+reason=$("$PYTHON" -c 'from mpidl.backend import gpu_unavailable_reason as r; print(r() or "")')
+if [[ -n "$reason" ]]; then
+    echo "gpu_check: no usable GPU: $reason" >&2
+    exit 1
+fi
+
 # Time limits per step keep the whole check under 5 minutes even if something hangs
 # (first CuPy use compiles kernels, so the tests get most of the budget).
 status=0
-echo "gpu_check: python -m pytest -q tests/gpu"
-timeout 180 "$PYTHON" -m pytest -q tests/gpu || status=$?
+echo "gpu_check: python -m pytest -q -rs tests/gpu"
+timeout 180 "$PYTHON" -m pytest -q -rs tests/gpu || status=$?
 
 # The benchmark comes from another part of the project; its absence is a failure to report,
 # not a reason to skip silently.

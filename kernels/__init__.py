@@ -61,10 +61,36 @@ def _load(name: str):
             return None
         return cpu
     if name == "cuda":
-        from . import cuda  # noqa: PLC0415
-
-        return cuda
+        return _cuda_or_reference()
     raise ValueError(name)
+
+
+_CUDA_MODULE = None
+
+
+def _cuda_or_reference():
+    """The Numba CUDA kernels, or, when Numba cannot compile for this GPU (no NVVM found, an
+    unsupported CUDA version), the reference, which runs on CuPy arrays too: warned once."""
+    global _CUDA_MODULE
+    if _CUDA_MODULE is None:
+        try:
+            from numba import cuda as numba_cuda  # noqa: PLC0415
+
+            if not numba_cuda.is_available():
+                raise RuntimeError("numba.cuda.is_available() is False")
+            from . import cuda  # noqa: PLC0415
+
+            _CUDA_MODULE = cuda
+        except Exception as exc:  # ImportError, CUDA driver or toolkit errors
+            import warnings  # noqa: PLC0415
+
+            warnings.warn(
+                f"Numba CUDA kernels unavailable ({exc}); using the reference kernels on CuPy arrays. "
+                "Install numba-cuda[cu12] (the 'gpu' extra) for the CUDA kernels.",
+                RuntimeWarning, stacklevel=3,
+            )
+            _CUDA_MODULE = reference
+    return _CUDA_MODULE
 
 
 def implementation_for(x):

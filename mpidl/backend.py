@@ -85,6 +85,9 @@ class Backend:
         """Host or device data -> an ``xp`` array on this backend's device (float arrays in
         ``dtype``, default the backend's dtype; integer arrays keep their type)."""
         xp = self.xp
+        if self.device == "cpu" and is_device_array(x):
+            # NumPy refuses implicit device -> host conversion of a CuPy array: copy explicitly.
+            x = x.get()
         if dtype is None:
             arr = np.asarray(x) if not is_device_array(x) else x
             dtype = self.dtype if arr.dtype.kind == "f" else arr.dtype
@@ -104,9 +107,67 @@ class Backend:
 
             cupy.cuda.get_current_stream().synchronize()
 
+    def select_device(self, local_rank: int) -> int | None:
+        """Bind this process to its GPU (see :func:`select_device`); a no-op on the CPU."""
+        return select_device(local_rank, self.device)
+
     @property
     def dtype_name(self) -> str:
         return np.dtype(self.dtype).name
+
+
+def select_device(local_rank: int, device: str = "gpu") -> int | None:
+    """Make GPU ``local_rank % device_count`` the current device of this process.
+
+    One rank per GPU on a multi-GPU node: rank ``r`` of the node (``local_rank``, from an
+    ``MPI_COMM_TYPE_SHARED`` split) takes GPU ``r % n``, with ``n`` the GPUs this process can
+    see. A launcher that already gives every rank one GPU (Slurm ``--gpus-per-task=1``,
+    ``CUDA_VISIBLE_DEVICES=<one id>``) leaves ``n = 1``, so the rank keeps the one it was
+    given. More ranks than GPUs share them round-robin.
+
+    Must run before anything is allocated on the GPU (CuPy allocates on the current
+    device), i.e. before the model is built. Both CuPy and Numba (whose CUDA kernels run on
+    CuPy's arrays) are pointed at the device, so they share one CUDA context.
+
+    Parameters
+    ----------
+    local_rank : this rank's index among the ranks of its node, >= 0
+    device : ``"gpu"`` selects; ``"cpu"`` does nothing and returns None
+
+    Returns
+    -------
+    The device ordinal chosen (among the visible ones), or None on the CPU.
+
+    Raises
+    ------
+    ValueError for a bad ``local_rank`` or ``device``; RuntimeError when the GPU backend is
+    unavailable.
+    """
+    if device not in DEVICES:
+        raise ValueError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
+    if isinstance(local_rank, bool) or not isinstance(local_rank, (int, np.integer)) or local_rank < 0:
+        raise ValueError(f"local_rank must be an integer >= 0, got {local_rank!r}")
+    if device == "cpu":
+        return None
+    cupy = cupy_or_none()
+    if cupy is None:
+        raise RuntimeError(f"cannot select a GPU: {gpu_unavailable_reason() or 'CuPy sees no CUDA device'}")
+    ordinal = int(local_rank) % cupy.cuda.runtime.getDeviceCount()
+    cupy.cuda.Device(ordinal).use()
+    try:
+        from numba import config as numba_config  # noqa: PLC0415 - the CUDA kernels' runtime
+        from numba import cuda as numba_cuda  # noqa: PLC0415
+    except ImportError:  # no Numba: mpidl.kernels says so if its CUDA kernels are ever needed
+        return ordinal
+    if not numba_config.ENABLE_CUDASIM:
+        # Numba launches the kernels in the context current on this thread, and creates one
+        # on device 0 if none is; binding it here keeps CuPy and Numba on the same device
+        # (both use the device's primary context).
+        try:
+            numba_cuda.select_device(ordinal)
+        except Exception as exc:  # CudaSupportError, CudaAPIError: report as a set-up error
+            raise RuntimeError(f"Numba cannot use GPU {ordinal} for the CUDA kernels: {exc}") from exc
+    return ordinal
 
 
 def get_backend(device: str = "cpu", dtype: str | Any = "float32") -> Backend:

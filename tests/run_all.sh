@@ -21,7 +21,7 @@ FORK=(-launcher fork)
 stage() { echo; echo "=== $*"; }
 
 stage "serial tests"
-NUMBA_NUM_THREADS=2 "${PYTEST[@]}" tests -m "not mpi" --ignore=tests/mpi --ignore=tests/cudasim
+"${PYTEST[@]}" tests -m "not mpi" --ignore=tests/mpi --ignore=tests/cudasim
 
 stage "CUDA kernels under the Numba CUDA simulator"
 NUMBA_ENABLE_CUDASIM=1 "${PYTEST[@]}" tests/cudasim

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from mpidl.backend import get_array_module
 
 __all__ = ["SoftmaxCrossEntropy"]
@@ -32,13 +34,17 @@ class SoftmaxCrossEntropy:
         xp = get_array_module(logits)
         if logits.ndim != 2 or logits.shape[0] < 1:
             raise ValueError(f"logits must be (N, K) with N >= 1, got {tuple(logits.shape)}")
-        labels = xp.asarray(labels)
         n, k = logits.shape
+        if not hasattr(labels, "shape"):  # a list or tuple of ints
+            labels = np.asarray(labels)
         if labels.shape != (n,) or labels.dtype.kind not in "iu":
             raise ValueError(f"labels must be integers of shape ({n},), got {labels.dtype} {tuple(labels.shape)}")
+        # Range check on the host when the labels are there (the trainer passes host labels):
+        # on device labels it would cost two GPU->host synchronisations per step.
         low, high = int(labels.min()), int(labels.max())
         if low < 0 or high >= k:
             raise ValueError(f"labels must lie in [0, {k}), got values in [{low}, {high}]")
+        labels = xp.asarray(labels)
 
         shifted = logits - logits.max(axis=1, keepdims=True)
         log_probs = shifted - xp.log(xp.exp(shifted).sum(axis=1, keepdims=True))

@@ -1,0 +1,555 @@
+"""Numba CUDA kernels: im2col / col2im and pooling on the GPU (``numba.cuda.jit``).
+
+Same functions, signatures and layouts as :mod:`mpidl.kernels.reference` (the layout contract
+is in :mod:`mpidl.kernels`). Every kernel runs one thread per element of its result, on a 1-D
+grid of ``ceil(total / 256)`` blocks of 256 threads, each thread checking ``t < total``.
+
+Every kernel is a gather
+------------------------
+The adjoint kernels (``col2im`` and the pooling backward passes) are scatter-adds when read
+from the output side. Here each thread instead owns one *input* pixel and sums everything
+that lands on it: for kernel offset ``i`` the only output row that can touch pixel ``h`` is
+``oh = (h + pad - i) / stride``, and only when that division is exact and
+``0 <= oh < OH``. So every result element is written by exactly one thread, with no atomics,
+no zero-fill and a deterministic result. The offsets are visited in increasing ``(i, j)``,
+the order in which the reference adds them, so the sums agree with it to the last bit.
+Max pooling backward is a gather too: the thread for pixel ``(h, w)`` adds ``dy`` of each
+window covering it whose ``argmax`` equals ``h*W + w``.
+
+Arrays this module takes
+------------------------
+* CuPy arrays (the normal case, dispatched here by :mod:`mpidl.kernels`): results are CuPy
+  arrays. Numba sees them zero-copy through ``__cuda_array_interface__`` and the kernels are
+  launched on CuPy's current stream, so they are ordered with the CuPy work around them.
+* Numba device arrays (``cuda.to_device``) or any other object exposing
+  ``__cuda_array_interface__``: results are Numba device arrays.
+* NumPy arrays, only under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``): results are
+  NumPy arrays. That is how the tests run these kernels on a machine without a GPU.
+
+Nothing here touches CUDA or imports CuPy at import time: the kernels compile at their first
+launch, and CuPy is imported only when a CuPy array comes in, so this module imports cleanly
+on a machine with neither.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import config as numba_config
+from numba import cuda
+
+from .reference import _check_out as _reference_check_out
+from .reference import conv_output_size
+
+__all__ = [
+    "THREADS_PER_BLOCK",
+    "blocks_for",
+    "conv_output_size",
+    "im2col",
+    "col2im",
+    "maxpool2d_forward",
+    "maxpool2d_backward",
+    "avgpool2d_forward",
+    "avgpool2d_backward",
+]
+
+THREADS_PER_BLOCK = 256
+_FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def blocks_for(total: int, threads_per_block: int = THREADS_PER_BLOCK) -> int:
+    """Blocks of a 1-D grid with one thread per element: ``ceil(total / threads_per_block)``
+    (at least 1; the threads past ``total`` return at their bounds check)."""
+    return max(1, (int(total) + threads_per_block - 1) // threads_per_block)
+
+
+# --------------------------------------------------------------------------------------------
+# the kernels (one thread per result element)
+# --------------------------------------------------------------------------------------------
+
+
+@cuda.jit
+def _im2col_kernel(x, kh, kw, stride, pad, out_h, out_w, cols):
+    """Thread ``t`` writes ``cols.flat[t]``: consecutive threads write consecutive columns of
+    one row (coalesced stores) and read neighbouring pixels of one input row."""
+    rows, width = cols.shape
+    t = cuda.grid(1)
+    if t >= rows * width:
+        return
+    r = t // width
+    col = t - r * width
+    c = r // (kh * kw)
+    i = (r // kw) % kh
+    j = r % kw
+    plane = out_h * out_w
+    n = col // plane
+    oh = (col % plane) // out_w
+    ow = col % out_w
+    h = oh * stride + i - pad
+    w = ow * stride + j - pad
+    if 0 <= h < x.shape[2] and 0 <= w < x.shape[3]:
+        cols[r, col] = x[n, c, h, w]
+    else:
+        cols[r, col] = 0
+
+
+@cuda.jit(device=True)
+def _source_index(pixel, pad, offset, stride, out_size):
+    """The output index ``o`` with ``o*stride + offset - pad == pixel``, or -1 if none exists
+    (the division is not exact, or ``o`` falls outside ``[0, out_size)``)."""
+    shifted = pixel + pad - offset
+    if shifted < 0 or shifted % stride != 0:
+        return -1
+    o = shifted // stride
+    if o >= out_size:
+        return -1
+    return o
+
+
+@cuda.jit(device=True)
+def _window_range(start, k, size):
+    """Offsets ``[lo, hi)`` of a ``k``-wide window starting at ``start`` that land inside
+    ``[0, size)`` (the rest is padding). Written with branches: the ``max``/``min`` builtins
+    do not type for CUDA device code in every Numba version."""
+    lo = -start if start < 0 else 0
+    hi = size - start if start + k > size else k
+    return lo, hi
+
+
+@cuda.jit
+def _col2im_kernel(cols, kh, kw, stride, pad, out_h, out_w, zero, dx):
+    """Thread ``t`` owns pixel ``dx.flat[t] = dx[n, c, h, w]`` and sums the (at most kh*kw)
+    columns that hold it, offsets in increasing ``(i, j)``."""
+    n_size, c_size, h_size, w_size = dx.shape
+    t = cuda.grid(1)
+    if t >= n_size * c_size * h_size * w_size:
+        return
+    w = t % w_size
+    h = (t // w_size) % h_size
+    c = (t // (w_size * h_size)) % c_size
+    n = t // (w_size * h_size * c_size)
+    total = zero
+    for i in range(kh):
+        oh = _source_index(h, pad, i, stride, out_h)
+        if oh < 0:
+            continue
+        for j in range(kw):
+            ow = _source_index(w, pad, j, stride, out_w)
+            if ow < 0:
+                continue
+            total += cols[(c * kh + i) * kw + j, (n * out_h + oh) * out_w + ow]
+    dx[n, c, h, w] = total
+
+
+@cuda.jit
+def _maxpool_forward_kernel(x, k, stride, pad, y, argmax):
+    """Thread ``t`` owns output pixel ``y.flat[t]``: first real pixel of the window, then a
+    later one only if strictly greater (ties to the first maximum, as in the reference)."""
+    n_size, c_size, out_h, out_w = y.shape
+    h_size, w_size = x.shape[2], x.shape[3]
+    t = cuda.grid(1)
+    if t >= n_size * c_size * out_h * out_w:
+        return
+    ow = t % out_w
+    oh = (t // out_w) % out_h
+    c = (t // (out_w * out_h)) % c_size
+    n = t // (out_w * out_h * c_size)
+    h0 = oh * stride - pad
+    w0 = ow * stride - pad
+    i_lo, i_hi = _window_range(h0, k, h_size)
+    j_lo, j_hi = _window_range(w0, k, w_size)
+    best = x[n, c, h0 + i_lo, w0 + j_lo]
+    best_index = (h0 + i_lo) * w_size + (w0 + j_lo)
+    for i in range(i_lo, i_hi):
+        for j in range(j_lo, j_hi):
+            v = x[n, c, h0 + i, w0 + j]
+            if v > best:
+                best = v
+                best_index = (h0 + i) * w_size + (w0 + j)
+    y[n, c, oh, ow] = best
+    argmax[n, c, oh, ow] = best_index
+
+
+@cuda.jit
+def _maxpool_backward_kernel(dy, argmax, k, stride, pad, zero, dx):
+    """Thread ``t`` owns input pixel ``dx.flat[t]`` and adds ``dy`` of each covering window
+    that this pixel won (gather: no atomics)."""
+    n_size, c_size, h_size, w_size = dx.shape
+    out_h, out_w = dy.shape[2], dy.shape[3]
+    t = cuda.grid(1)
+    if t >= n_size * c_size * h_size * w_size:
+        return
+    w = t % w_size
+    h = (t // w_size) % h_size
+    c = (t // (w_size * h_size)) % c_size
+    n = t // (w_size * h_size * c_size)
+    me = h * w_size + w
+    total = zero
+    for i in range(k):
+        oh = _source_index(h, pad, i, stride, out_h)
+        if oh < 0:
+            continue
+        for j in range(k):
+            ow = _source_index(w, pad, j, stride, out_w)
+            if ow >= 0 and argmax[n, c, oh, ow] == me:
+                total += dy[n, c, oh, ow]
+    dx[n, c, h, w] = total
+
+
+@cuda.jit
+def _avgpool_forward_kernel(x, k, stride, pad, window, zero, y):
+    """Thread ``t`` owns ``y.flat[t]``: the window's sum (padding adds zeros) over ``k*k``."""
+    n_size, c_size, out_h, out_w = y.shape
+    h_size, w_size = x.shape[2], x.shape[3]
+    t = cuda.grid(1)
+    if t >= n_size * c_size * out_h * out_w:
+        return
+    ow = t % out_w
+    oh = (t // out_w) % out_h
+    c = (t // (out_w * out_h)) % c_size
+    n = t // (out_w * out_h * c_size)
+    h0 = oh * stride - pad
+    w0 = ow * stride - pad
+    i_lo, i_hi = _window_range(h0, k, h_size)
+    j_lo, j_hi = _window_range(w0, k, w_size)
+    total = zero
+    for i in range(i_lo, i_hi):
+        for j in range(j_lo, j_hi):
+            total += x[n, c, h0 + i, w0 + j]
+    y[n, c, oh, ow] = total / window
+
+
+@cuda.jit
+def _avgpool_backward_kernel(dy, k, stride, pad, window, zero, dx):
+    """Thread ``t`` owns ``dx.flat[t]`` and sums ``dy / k^2`` of every window covering it."""
+    n_size, c_size, h_size, w_size = dx.shape
+    out_h, out_w = dy.shape[2], dy.shape[3]
+    t = cuda.grid(1)
+    if t >= n_size * c_size * h_size * w_size:
+        return
+    w = t % w_size
+    h = (t // w_size) % h_size
+    c = (t // (w_size * h_size)) % c_size
+    n = t // (w_size * h_size * c_size)
+    total = zero
+    for i in range(k):
+        oh = _source_index(h, pad, i, stride, out_h)
+        if oh < 0:
+            continue
+        for j in range(k):
+            ow = _source_index(w, pad, j, stride, out_w)
+            if ow >= 0:
+                total += dy[n, c, oh, ow] / window
+    dx[n, c, h, w] = total
+
+
+# --------------------------------------------------------------------------------------------
+# arrays in, arrays out: CuPy, Numba device arrays, or NumPy under the simulator
+# --------------------------------------------------------------------------------------------
+
+
+def _simulating() -> bool:
+    return bool(numba_config.ENABLE_CUDASIM)
+
+
+class _Device:
+    """How to allocate results like a given input array and how to launch on it.
+
+    ``kind`` is ``"cupy"``, ``"numba"`` (Numba device arrays and other
+    ``__cuda_array_interface__`` objects) or ``"numpy"`` (simulator only).
+    """
+
+    def __init__(self, like):
+        module = type(like).__module__
+        if module.startswith("cupy"):
+            self.kind = "cupy"
+        elif isinstance(like, np.ndarray):
+            if not _simulating():
+                raise ValueError(
+                    "the CUDA kernels take device arrays (CuPy, or Numba device arrays); got a "
+                    "NumPy array (use mpidl.kernels.cpu, or set NUMBA_ENABLE_CUDASIM=1 to simulate)"
+                )
+            self.kind = "numpy"
+        elif getattr(like, "__cuda_ndarray__", False) or hasattr(like, "__cuda_array_interface__"):
+            self.kind = "numba"
+        else:
+            raise ValueError(f"the CUDA kernels cannot take an array of type {type(like).__name__}")
+
+    def empty(self, shape, dtype):
+        if self.kind == "cupy":
+            import cupy  # noqa: PLC0415 - optional dependency, only needed for CuPy input
+
+            return cupy.empty(shape, dtype=dtype)
+        if self.kind == "numpy":
+            return np.empty(shape, dtype=dtype)
+        return cuda.device_array(shape, dtype=dtype)
+
+    def contiguous(self, a, dtype=None):
+        """``a`` as a C-contiguous array of this kind (a copy only when needed)."""
+        if self.kind == "cupy":
+            import cupy  # noqa: PLC0415
+
+            return cupy.ascontiguousarray(a, dtype=dtype)
+        if self.kind == "numpy":
+            return np.ascontiguousarray(a, dtype=dtype)
+        if not getattr(a, "__cuda_ndarray__", False):
+            a = cuda.as_cuda_array(a)
+        if not a.is_c_contiguous() or (dtype is not None and a.dtype != np.dtype(dtype)):
+            raise ValueError("Numba device arrays passed to the CUDA kernels must be C-contiguous and of the right dtype")
+        return a
+
+    def kernel_arg(self, a):
+        """What the jitted kernel receives for array ``a``: CuPy arrays become zero-copy Numba
+        views. ``sync=False``: the launch goes on CuPy's current stream (see ``launch``), which
+        already orders it after the work that produced ``a``, so a host-side wait is not needed."""
+        if self.kind == "cupy":
+            return cuda.as_cuda_array(a, sync=False)
+        return a
+
+    def launch(self, kernel, total, *args):
+        """Launch ``kernel`` with one thread per result element (``total`` of them)."""
+        args = tuple(self.kernel_arg(a) if _is_array(a) else a for a in args)
+        stream = 0  # Numba's default stream, for Numba device arrays and the simulator
+        if self.kind == "cupy":
+            import cupy  # noqa: PLC0415
+
+            # Run on CuPy's current stream, so the kernel is ordered with the CuPy operations
+            # before and after it (Numba's default stream could be a different one).
+            stream = cuda.external_stream(cupy.cuda.get_current_stream().ptr)
+        kernel[blocks_for(total), THREADS_PER_BLOCK, stream](*args)
+
+
+def _is_array(a) -> bool:
+    return hasattr(a, "shape") and hasattr(a, "dtype") and not np.isscalar(a)
+
+
+def _check_float(dtype, what):
+    if np.dtype(dtype) not in _FLOAT_DTYPES:
+        raise ValueError(f"{what}: the CUDA kernels take float32 or float64, got {np.dtype(dtype)}")
+
+
+def _check_4d(x, what="x"):
+    if len(x.shape) != 4:
+        raise ValueError(f"{what} must be 4-D (N, C, H, W); got shape {tuple(x.shape)}")
+    return tuple(int(s) for s in x.shape)
+
+
+def _check_out(device, out, shape, dtype, what):
+    if device.kind == "numba":
+        if tuple(out.shape) != tuple(shape) or out.dtype != dtype or not out.is_c_contiguous():
+            raise ValueError(f"{what}: out must be a C-contiguous {tuple(shape)} array of {dtype}")
+        return out
+    return _reference_check_out(out, shape, dtype, what)
+
+
+def _ints(*values):
+    return tuple(int(v) for v in values)
+
+
+# --------------------------------------------------------------------------------------------
+# the public functions
+# --------------------------------------------------------------------------------------------
+
+
+def im2col(x, kh: int, kw: int, stride: int = 1, pad: int = 0, out=None):
+    """Unfold every receptive field of ``x`` into one column, one thread per element of ``cols``.
+
+    Parameters
+    ----------
+    x : (N, C, H, W) device array, float32 or float64
+    kh, kw, stride, pad : kernel height / width, stride and zero padding
+    out : optional C-contiguous (C*kh*kw, N*OH*OW) device buffer of x's dtype, filled and returned
+
+    Returns
+    -------
+    cols : (C*kh*kw, N*OH*OW)
+
+    Notes
+    -----
+    ``cols[(c*kh + i)*kw + j, (n*OH + oh)*OW + ow] = x[n, c, oh*stride + i - pad, ow*stride + j - pad]``,
+    zero in the padding.
+    """
+    device = _Device(x)
+    n, c, h, w = _check_4d(x)
+    _check_float(x.dtype, "im2col")
+    kh, kw, stride, pad = _ints(kh, kw, stride, pad)
+    out_h = conv_output_size(h, kh, stride, pad)
+    out_w = conv_output_size(w, kw, stride, pad)
+    shape = (c * kh * kw, n * out_h * out_w)
+    cols = device.empty(shape, x.dtype) if out is None else _check_out(device, out, shape, x.dtype, "im2col")
+    device.launch(_im2col_kernel, shape[0] * shape[1], device.contiguous(x), kh, kw, stride, pad, out_h, out_w, cols)
+    return cols
+
+
+def col2im(cols, x_shape, kh: int, kw: int, stride: int = 1, pad: int = 0, out=None):
+    """Adjoint of :func:`im2col` as a gather: one thread per pixel of ``dx``, no atomics.
+
+    Parameters
+    ----------
+    cols : (C*kh*kw, N*OH*OW) device array
+    x_shape : (N, C, H, W)
+    out : optional C-contiguous ``x_shape`` device buffer of cols' dtype, overwritten and returned
+
+    Returns
+    -------
+    dx : (N, C, H, W)
+
+    Notes
+    -----
+    ``dx[n, c, h, w] = sum_{i, j} cols[(c*kh + i)*kw + j, (n*OH + oh)*OW + ow]`` over the offsets
+    for which ``oh = (h + pad - i) / stride`` and ``ow = (w + pad - j) / stride`` are exact and
+    inside the output.
+    """
+    device = _Device(cols)
+    _check_float(cols.dtype, "col2im")
+    kh, kw, stride, pad = _ints(kh, kw, stride, pad)
+    n, c, h, w = (int(s) for s in x_shape)
+    out_h = conv_output_size(h, kh, stride, pad)
+    out_w = conv_output_size(w, kw, stride, pad)
+    expected = (c * kh * kw, n * out_h * out_w)
+    if tuple(cols.shape) != expected:
+        raise ValueError(
+            f"col2im: cols has shape {tuple(cols.shape)}, expected {expected} for x_shape {tuple(x_shape)}"
+        )
+    shape = (n, c, h, w)
+    dx = device.empty(shape, cols.dtype) if out is None else _check_out(device, out, shape, cols.dtype, "col2im")
+    zero = cols.dtype.type(0)
+    device.launch(_col2im_kernel, n * c * h * w, device.contiguous(cols), kh, kw, stride, pad, out_h, out_w, zero, dx)
+    return dx
+
+
+def _pool_args(k, stride, pad):
+    k, stride, pad = _ints(k, stride, pad)
+    if k < 1 or stride < 1 or pad < 0:
+        raise ValueError(f"need k >= 1, stride >= 1, pad >= 0; got k={k}, stride={stride}, pad={pad}")
+    return k, stride, pad
+
+
+def maxpool2d_forward(x, k: int, stride: int, pad: int = 0):
+    """Max over each ``k x k`` window and where it was, one thread per output pixel.
+
+    Parameters
+    ----------
+    x : (N, C, H, W) device array
+    k, stride, pad : window size, stride, padding (with -inf; ``pad <= k // 2``)
+
+    Returns
+    -------
+    y : (N, C, OH, OW), x's dtype
+    argmax : (N, C, OH, OW) int32, index ``h*W + w`` of the winner in its input plane
+
+    Notes
+    -----
+    ``y[n, c, oh, ow] = max_{i,j < k} x[n, c, oh*stride + i - pad, ow*stride + j - pad]``;
+    ties go to the first maximum in row-major window order.
+    """
+    device = _Device(x)
+    n, c, h, w = _check_4d(x)
+    _check_float(x.dtype, "maxpool2d_forward")
+    k, stride, pad = _pool_args(k, stride, pad)
+    out_h = conv_output_size(h, k, stride, pad)
+    out_w = conv_output_size(w, k, stride, pad)
+    if pad > k // 2:
+        raise ValueError(f"max pooling needs pad <= k // 2 (k={k}), got pad={pad}")
+    y = device.empty((n, c, out_h, out_w), x.dtype)
+    argmax = device.empty((n, c, out_h, out_w), np.int32)
+    device.launch(_maxpool_forward_kernel, n * c * out_h * out_w, device.contiguous(x), k, stride, pad, y, argmax)
+    return y, argmax
+
+
+def maxpool2d_backward(dy, argmax, x_shape, k: int, stride: int, pad: int = 0):
+    """Route each output gradient to its window's winner, as a gather over input pixels.
+
+    Parameters
+    ----------
+    dy : (N, C, OH, OW) device array
+    argmax : (N, C, OH, OW) int32, from :func:`maxpool2d_forward`
+    x_shape : (N, C, H, W)
+
+    Returns
+    -------
+    dx : (N, C, H, W), dy's dtype
+
+    Notes
+    -----
+    ``dx[n, c, h, w] = sum of dy[n, c, oh, ow]`` over the windows ``(oh, ow)`` covering
+    ``(h, w)`` with ``argmax[n, c, oh, ow] == h*W + w``. An index outside the window can match
+    no thread, so a corrupt ``argmax`` loses gradient but never writes out of bounds.
+    """
+    device = _Device(dy)
+    _check_float(dy.dtype, "maxpool2d_backward")
+    k, stride, pad = _pool_args(k, stride, pad)
+    n, c, h, w = (int(s) for s in x_shape)
+    out_h = conv_output_size(h, k, stride, pad)
+    out_w = conv_output_size(w, k, stride, pad)
+    if tuple(dy.shape) != (n, c, out_h, out_w) or tuple(argmax.shape) != (n, c, out_h, out_w):
+        raise ValueError(
+            f"maxpool2d_backward: dy {tuple(dy.shape)} and argmax {tuple(argmax.shape)} "
+            f"must both be {(n, c, out_h, out_w)} for x_shape {tuple(x_shape)}"
+        )
+    dx = device.empty((n, c, h, w), dy.dtype)
+    zero = dy.dtype.type(0)
+    device.launch(
+        _maxpool_backward_kernel, n * c * h * w,
+        device.contiguous(dy), device.contiguous(argmax, np.int32), k, stride, pad, zero, dx,
+    )
+    return dx
+
+
+def avgpool2d_forward(x, k: int, stride: int, pad: int = 0):
+    """Mean over each ``k x k`` window (zero padding counted), one thread per output pixel.
+
+    Parameters
+    ----------
+    x : (N, C, H, W) device array
+
+    Returns
+    -------
+    y : (N, C, OH, OW)
+
+    Notes
+    -----
+    ``y[n, c, oh, ow] = (1 / k^2) * sum_{i,j < k} x[n, c, oh*stride + i - pad, ow*stride + j - pad]``.
+    """
+    device = _Device(x)
+    n, c, h, w = _check_4d(x)
+    _check_float(x.dtype, "avgpool2d_forward")
+    k, stride, pad = _pool_args(k, stride, pad)
+    out_h = conv_output_size(h, k, stride, pad)
+    out_w = conv_output_size(w, k, stride, pad)
+    y = device.empty((n, c, out_h, out_w), x.dtype)
+    # k*k and 0 as scalars of the array's dtype, so float32 arrays get float32 arithmetic.
+    window, zero = x.dtype.type(k * k), x.dtype.type(0)
+    device.launch(_avgpool_forward_kernel, n * c * out_h * out_w, device.contiguous(x), k, stride, pad, window, zero, y)
+    return y
+
+
+def avgpool2d_backward(dy, x_shape, k: int, stride: int, pad: int = 0):
+    """Spread each output gradient evenly over its window, as a gather over input pixels.
+
+    Parameters
+    ----------
+    dy : (N, C, OH, OW) device array
+    x_shape : (N, C, H, W)
+
+    Returns
+    -------
+    dx : (N, C, H, W)
+
+    Notes
+    -----
+    ``dx[n, c, h, w] = sum of dy[n, c, oh, ow] / k^2`` over the windows covering ``(h, w)``.
+    """
+    device = _Device(dy)
+    _check_float(dy.dtype, "avgpool2d_backward")
+    k, stride, pad = _pool_args(k, stride, pad)
+    n, c, h, w = (int(s) for s in x_shape)
+    out_h = conv_output_size(h, k, stride, pad)
+    out_w = conv_output_size(w, k, stride, pad)
+    if tuple(dy.shape) != (n, c, out_h, out_w):
+        raise ValueError(
+            f"avgpool2d_backward: dy has shape {tuple(dy.shape)}, expected {(n, c, out_h, out_w)}"
+        )
+    dx = device.empty((n, c, h, w), dy.dtype)
+    window, zero = dy.dtype.type(k * k), dy.dtype.type(0)
+    device.launch(_avgpool_backward_kernel, n * c * h * w, device.contiguous(dy), k, stride, pad, window, zero, dx)
+    return dx

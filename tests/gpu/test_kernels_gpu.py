@@ -1,0 +1,109 @@
+"""The Numba CUDA kernels on a real GPU, on CuPy arrays, against the reference run by CuPy.
+
+Realistic layer shapes (the hsicnn and resnet8 convolutions and pools at batch 64). Skipped,
+with the reason, where CuPy or a CUDA device is missing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mpidl.backend import gpu_unavailable_reason
+
+_REASON = gpu_unavailable_reason()
+if _REASON is not None:
+    pytest.skip(_REASON, allow_module_level=True)
+
+import cupy  # noqa: E402
+from numba import cuda  # noqa: E402
+
+if not cuda.is_available():
+    pytest.skip("Numba cannot use the CUDA device here (numba.cuda.is_available() is False)", allow_module_level=True)
+
+
+from mpidl import kernels  # noqa: E402
+from mpidl.kernels import cuda as kcuda  # noqa: E402
+from mpidl.kernels import reference  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+RTOL = {np.float32: 1e-6, np.float64: 1e-12}
+
+# (x shape, k, stride, pad): the layers of hsicnn (156-band 9x9 patches) and resnet8 (3x32x32).
+CONV_LAYERS = [
+    pytest.param((64, 156, 9, 9), 3, 1, 1, id="hsicnn-conv1"),
+    pytest.param((64, 64, 9, 9), 3, 1, 1, id="hsicnn-conv2"),
+    pytest.param((64, 3, 32, 32), 3, 1, 1, id="resnet8-stem"),
+    pytest.param((64, 16, 32, 32), 3, 2, 1, id="resnet8-down"),
+    pytest.param((64, 16, 32, 32), 1, 2, 0, id="resnet8-shortcut"),
+]
+POOLS = [
+    pytest.param((64, 64, 9, 9), 2, 2, 0, id="hsicnn-maxpool"),
+    pytest.param((64, 32, 16, 16), 3, 2, 1, id="overlapping"),
+    pytest.param((64, 64, 8, 8), 8, 8, 0, id="global"),
+]
+
+
+def _random(shape, dtype, seed=0):
+    return cupy.asarray(np.random.default_rng(seed).standard_normal(shape).astype(dtype))
+
+
+def _assert_close(actual, expected, dtype):
+    assert isinstance(actual, cupy.ndarray)
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    np.testing.assert_allclose(cupy.asnumpy(actual), cupy.asnumpy(expected), rtol=RTOL[dtype], atol=0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape, k, stride, pad", CONV_LAYERS)
+def test_im2col_col2im(shape, k, stride, pad, dtype):
+    x = _random(shape, dtype)
+    cols = kcuda.im2col(x, k, k, stride, pad)
+    assert isinstance(cols, cupy.ndarray)
+    cupy.testing.assert_array_equal(cols, reference.im2col(x, k, k, stride, pad))
+    dcols = _random(cols.shape, dtype, seed=1)
+    _assert_close(kcuda.col2im(dcols, shape, k, k, stride, pad), reference.col2im(dcols, shape, k, k, stride, pad), dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape, k, stride, pad", POOLS)
+def test_pooling(shape, k, stride, pad, dtype):
+    x = _random(shape, dtype)
+    y, argmax = kcuda.maxpool2d_forward(x, k, stride, pad)
+    y_ref, argmax_ref = reference.maxpool2d_forward(x, k, stride, pad)
+    cupy.testing.assert_array_equal(argmax, argmax_ref)
+    cupy.testing.assert_array_equal(y, y_ref)
+    dy = _random(y.shape, dtype, seed=2)
+    _assert_close(
+        kcuda.maxpool2d_backward(dy, argmax, shape, k, stride, pad),
+        reference.maxpool2d_backward(dy, argmax_ref, shape, k, stride, pad),
+        dtype,
+    )
+    _assert_close(kcuda.avgpool2d_forward(x, k, stride, pad), reference.avgpool2d_forward(x, k, stride, pad), dtype)
+    _assert_close(
+        kcuda.avgpool2d_backward(dy, shape, k, stride, pad), reference.avgpool2d_backward(dy, shape, k, stride, pad), dtype
+    )
+
+
+def test_out_workspaces_on_a_non_default_stream():
+    """Kernels launch on CuPy's current stream, so work queued around them stays ordered."""
+    shape, k = (64, 64, 9, 9), 3
+    with cupy.cuda.Stream(non_blocking=True) as stream:
+        cols_ws = cupy.full((64 * 9, 64 * 81), cupy.nan, dtype=cupy.float32)
+        dx_ws = cupy.full(shape, cupy.nan, dtype=cupy.float32)
+        for seed in range(2):
+            x = _random(shape, np.float32, seed=seed) * 2  # a CuPy op on this stream right before
+            cols = kcuda.im2col(x, k, k, 1, 1, out=cols_ws)
+            dx = kcuda.col2im(cols, shape, k, k, 1, 1, out=dx_ws)
+            assert cols is cols_ws and dx is dx_ws
+            expected = reference.col2im(reference.im2col(x, k, k, 1, 1), shape, k, k, 1, 1)
+            _assert_close(dx, expected, np.float32)
+        stream.synchronize()
+
+
+def test_dispatch_picks_the_cuda_kernels_for_cupy(monkeypatch):
+    monkeypatch.delenv("MPIDL_KERNELS", raising=False)
+    x = _random((2, 3, 5, 5), np.float32)
+    assert kernels.implementation_for(x) is kcuda
+    cupy.testing.assert_array_equal(kernels.im2col(x, 3, 3, 1, 1), reference.im2col(x, 3, 3, 1, 1))

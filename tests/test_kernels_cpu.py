@@ -1,0 +1,233 @@
+"""The Numba CPU kernels (mpidl.kernels.cpu) against the NumPy reference (mpidl.kernels.reference).
+
+Every kernel is compared on a product of shapes (square and not, N = 1 and more), kernel
+sizes, strides, paddings and both float dtypes. im2col copies values and argmax is an index,
+so both must match exactly; the float sums must agree to rtol 1e-6 (float32) / 1e-12
+(float64). (The kernels add in the reference's order, so in practice they agree to the bit.)
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from mpidl import kernels
+from mpidl.kernels import cpu, reference
+
+RTOL = {np.float32: 1e-6, np.float64: 1e-12}
+DTYPES = (np.float32, np.float64)
+
+# (N, C, H, W): square and non-square planes, one sample and several.
+SHAPES = ((1, 1, 5, 5), (2, 3, 7, 5), (3, 2, 6, 9), (2, 4, 9, 9))
+# (k, stride, pad)
+GEOMETRIES = ((1, 1, 0), (2, 2, 0), (2, 2, 1), (3, 1, 0), (3, 1, 1), (3, 2, 1), (3, 3, 0), (5, 2, 2), (4, 3, 1))
+
+
+def _cases(max_pool: bool = False):
+    """All (shape, k, stride, pad, dtype) whose output is non-empty; max pooling also needs
+    ``pad <= k // 2``."""
+    cases = []
+    for shape, (k, stride, pad), dtype in itertools.product(SHAPES, GEOMETRIES, DTYPES):
+        _, _, h, w = shape
+        if h + 2 * pad < k or w + 2 * pad < k:
+            continue
+        if max_pool and pad > k // 2:
+            continue
+        cases.append(pytest.param(shape, k, stride, pad, dtype, id=f"{shape}-k{k}s{stride}p{pad}-{np.dtype(dtype).name}"))
+    return cases
+
+
+def _random(shape, dtype, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def _assert_close(actual, expected, dtype):
+    assert actual.dtype == expected.dtype
+    assert actual.shape == expected.shape
+    np.testing.assert_allclose(actual, expected, rtol=RTOL[dtype], atol=0)
+
+
+# --------------------------------------------------------------------------------------------
+# im2col / col2im
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape, k, stride, pad, dtype", _cases())
+def test_im2col_matches_reference(shape, k, stride, pad, dtype):
+    x = _random(shape, dtype)
+    np.testing.assert_array_equal(cpu.im2col(x, k, k, stride, pad), reference.im2col(x, k, k, stride, pad))
+
+
+@pytest.mark.parametrize("shape, k, stride, pad, dtype", _cases())
+def test_col2im_matches_reference(shape, k, stride, pad, dtype):
+    n, c, h, w = shape
+    oh, ow = cpu.conv_output_size(h, k, stride, pad), cpu.conv_output_size(w, k, stride, pad)
+    cols = _random((c * k * k, n * oh * ow), dtype, seed=1)
+    _assert_close(cpu.col2im(cols, shape, k, k, stride, pad), reference.col2im(cols, shape, k, k, stride, pad), dtype)
+
+
+@pytest.mark.parametrize("kh, kw, stride, pad", [(3, 1, 1, 1), (1, 3, 2, 0), (2, 5, 1, 2)])
+def test_rectangular_kernels(kh, kw, stride, pad):
+    x = _random((2, 3, 8, 7), np.float64)
+    cols = cpu.im2col(x, kh, kw, stride, pad)
+    np.testing.assert_array_equal(cols, reference.im2col(x, kh, kw, stride, pad))
+    dcols = _random(cols.shape, np.float64, seed=2)
+    _assert_close(cpu.col2im(dcols, x.shape, kh, kw, stride, pad), reference.col2im(dcols, x.shape, kh, kw, stride, pad), np.float64)
+
+
+def test_col2im_is_the_adjoint_of_im2col():
+    """<im2col(x), cols> == <x, col2im(cols)> (what makes dx of the convolution right)."""
+    x = _random((2, 3, 7, 6), np.float64)
+    cols = _random((3 * 3 * 3, 2 * 4 * 3), np.float64, seed=3)
+    lhs = np.vdot(cpu.im2col(x, 3, 3, 2, 1), cols)
+    rhs = np.vdot(x, cpu.col2im(cols, x.shape, 3, 3, 2, 1))
+    assert lhs == pytest.approx(rhs, rel=1e-12)
+
+
+def test_out_workspace_is_filled_and_reused():
+    """A layer passes the same workspace every step: it must be returned, fully overwritten
+    (col2im included: it must not add onto what the buffer held before)."""
+    shape, k, stride, pad = (2, 3, 6, 5), 3, 1, 1
+    cols_ws = np.full((3 * 9, 2 * 6 * 5), np.nan, dtype=np.float32)
+    dx_ws = np.full(shape, np.nan, dtype=np.float32)
+    for seed in range(2):
+        x = _random(shape, np.float32, seed=seed)
+        cols = cpu.im2col(x, k, k, stride, pad, out=cols_ws)
+        assert cols is cols_ws
+        np.testing.assert_array_equal(cols, reference.im2col(x, k, k, stride, pad))
+        dx = cpu.col2im(cols, shape, k, k, stride, pad, out=dx_ws)
+        assert dx is dx_ws
+        _assert_close(dx, reference.col2im(cols, shape, k, k, stride, pad), np.float32)
+
+
+@pytest.mark.parametrize(
+    "make_out",
+    [
+        lambda: np.empty((27, 61), np.float32),  # wrong shape
+        lambda: np.empty((27, 60), np.float64),  # wrong dtype
+        lambda: np.empty((60, 27), np.float32).T,  # right shape, not C-contiguous
+        lambda: [[0.0] * 60] * 27,  # not an array
+    ],
+)
+def test_bad_out_is_refused(make_out):
+    x = _random((2, 3, 6, 5), np.float32)
+    with pytest.raises(ValueError):
+        cpu.im2col(x, 3, 3, 1, 1, out=make_out())
+
+
+def test_non_contiguous_input():
+    x = _random((5, 6, 3, 2), np.float32).transpose(3, 2, 1, 0)  # (2, 3, 6, 5), a strided view
+    assert not x.flags.c_contiguous
+    np.testing.assert_array_equal(cpu.im2col(x, 3, 3, 1, 1), reference.im2col(x, 3, 3, 1, 1))
+    y, argmax = cpu.maxpool2d_forward(x, 2, 2, 0)
+    y_ref, argmax_ref = reference.maxpool2d_forward(x, 2, 2, 0)
+    np.testing.assert_array_equal(y, y_ref)
+    np.testing.assert_array_equal(argmax, argmax_ref)
+
+
+def test_geometry_errors():
+    x = _random((1, 2, 4, 4), np.float32)
+    with pytest.raises(ValueError):
+        cpu.im2col(x, 7, 7, 1, 1)  # window larger than the padded input
+    with pytest.raises(ValueError):
+        cpu.im2col(x[0], 3, 3, 1, 1)  # not 4-D
+    with pytest.raises(ValueError):
+        cpu.col2im(np.zeros((18, 5), np.float32), x.shape, 3, 3, 1, 1)  # cols does not fit x_shape
+    with pytest.raises(ValueError):
+        cpu.maxpool2d_forward(x, 2, 2, 2)  # pad > k // 2
+    with pytest.raises(ValueError):
+        cpu.avgpool2d_forward(x, 2, 0, 0)  # stride 0
+
+
+# --------------------------------------------------------------------------------------------
+# pooling
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape, k, stride, pad, dtype", _cases(max_pool=True))
+def test_maxpool_matches_reference(shape, k, stride, pad, dtype):
+    x = _random(shape, dtype)
+    y, argmax = cpu.maxpool2d_forward(x, k, stride, pad)
+    y_ref, argmax_ref = reference.maxpool2d_forward(x, k, stride, pad)
+    assert argmax.dtype == np.int32
+    np.testing.assert_array_equal(argmax, argmax_ref)
+    np.testing.assert_array_equal(y, y_ref)
+
+    dy = _random(y.shape, dtype, seed=4)
+    _assert_close(
+        cpu.maxpool2d_backward(dy, argmax, shape, k, stride, pad),
+        reference.maxpool2d_backward(dy, argmax_ref, shape, k, stride, pad),
+        dtype,
+    )
+
+
+@pytest.mark.parametrize("fill", ["ties", "-inf", "constant"])
+def test_maxpool_ties_go_to_the_first_maximum(fill):
+    """Many equal values (ReLU outputs are full of zeros): the winner must be the first in
+    row-major window order, exactly as in the reference, or gradients land elsewhere."""
+    rng = np.random.default_rng(5)
+    if fill == "ties":
+        x = rng.integers(0, 3, size=(2, 3, 7, 8)).astype(np.float32)
+    elif fill == "-inf":
+        x = np.where(rng.random((2, 3, 7, 8)) < 0.7, -np.inf, 1.0).astype(np.float32)
+    else:
+        x = np.zeros((2, 3, 7, 8), np.float32)
+    for k, stride, pad in ((2, 2, 0), (3, 1, 1), (3, 2, 1)):
+        y, argmax = cpu.maxpool2d_forward(x, k, stride, pad)
+        y_ref, argmax_ref = reference.maxpool2d_forward(x, k, stride, pad)
+        np.testing.assert_array_equal(argmax, argmax_ref)
+        np.testing.assert_array_equal(y, y_ref)
+
+
+def test_maxpool_backward_checks_its_inputs():
+    x = _random((1, 2, 4, 4), np.float32)
+    y, argmax = cpu.maxpool2d_forward(x, 2, 2, 0)
+    with pytest.raises(ValueError):
+        cpu.maxpool2d_backward(y[:, :1], argmax, x.shape, 2, 2, 0)  # dy of the wrong shape
+    with pytest.raises(ValueError):
+        cpu.maxpool2d_backward(y, argmax + 16, x.shape, 2, 2, 0)  # indices outside the plane
+    with pytest.raises(ValueError):
+        cpu.maxpool2d_backward(y, argmax.astype(np.float32), x.shape, 2, 2, 0)  # not integers
+
+
+@pytest.mark.parametrize("shape, k, stride, pad, dtype", _cases())
+def test_avgpool_matches_reference(shape, k, stride, pad, dtype):
+    x = _random(shape, dtype)
+    y = cpu.avgpool2d_forward(x, k, stride, pad)
+    _assert_close(y, reference.avgpool2d_forward(x, k, stride, pad), dtype)
+    dy = _random(y.shape, dtype, seed=6)
+    _assert_close(
+        cpu.avgpool2d_backward(dy, shape, k, stride, pad), reference.avgpool2d_backward(dy, shape, k, stride, pad), dtype
+    )
+
+
+def test_avgpool_backward_checks_dy_shape():
+    with pytest.raises(ValueError):
+        cpu.avgpool2d_backward(np.zeros((1, 2, 3, 3), np.float32), (1, 2, 4, 4), 2, 2, 0)
+
+
+# --------------------------------------------------------------------------------------------
+# dtypes and dispatch
+# --------------------------------------------------------------------------------------------
+
+
+def test_other_dtypes_are_handed_to_the_reference():
+    """Only float32/float64 are compiled; anything else gets the reference's result."""
+    x = np.random.default_rng(7).integers(-5, 5, size=(2, 2, 5, 5)).astype(np.int64)
+    np.testing.assert_array_equal(cpu.im2col(x, 3, 3, 1, 1), reference.im2col(x, 3, 3, 1, 1))
+    x16 = x.astype(np.float16)
+    y, argmax = cpu.maxpool2d_forward(x16, 2, 2, 0)
+    assert y.dtype == np.float16
+    np.testing.assert_array_equal(argmax, reference.maxpool2d_forward(x16, 2, 2, 0)[1])
+
+
+def test_dispatch_picks_the_cpu_kernels_for_numpy(monkeypatch):
+    x = _random((1, 1, 4, 4), np.float32)
+    monkeypatch.delenv("MPIDL_KERNELS", raising=False)
+    assert kernels.implementation_for(x) is cpu
+    monkeypatch.setenv("MPIDL_KERNELS", "reference")
+    assert kernels.implementation_for(x) is reference
+    monkeypatch.setenv("MPIDL_KERNELS", "cpu")
+    np.testing.assert_array_equal(kernels.im2col(x, 3, 3, 1, 1), reference.im2col(x, 3, 3, 1, 1))
