@@ -38,7 +38,8 @@ class Config:
     # optimisation
     epochs: int = 10
     batch_size: int = 64
-    lr: float = 0.05
+    drop_last: bool = False
+    lr: float = 0.02
     momentum: float = 0.9
     nesterov: bool = False
     weight_decay: float = 5e-4
@@ -215,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--epochs", type=int, default=d.epochs)
     g.add_argument("--batch-size", type=int, default=d.batch_size,
                    help="the GLOBAL batch B, split over the ranks in proportion to their speed")
+    g.add_argument("--drop-last", action="store_true",
+                   help="skip each epoch's last, smaller global batch (as PyTorch's DataLoader option)")
     g.add_argument("--lr", type=float, default=d.lr)
     g.add_argument("--momentum", type=float, default=d.momentum)
     g.add_argument("--nesterov", action="store_true")

@@ -28,14 +28,15 @@ import sys
 import traceback
 
 
-def _limit_threads_per_rank() -> None:
+def _limit_threads_per_rank() -> int:
     """Give each rank its share of the cores for BLAS and Numba: without this, 4 ranks on a
     2-core machine each start 2 BLAS and 2 Numba threads and spend their time switching.
-    Must run before NumPy is imported; an explicit user setting wins."""
+    Must run before NumPy is imported; an explicit user setting wins. Returns this rank's
+    index on its node (its local rank), which also picks its GPU."""
     from mpi4py import MPI  # mpi4py does not import numpy
 
     node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
-    local_size = node.Get_size()
+    local_size, local_rank = node.Get_size(), node.Get_rank()
     node.Free()
     try:
         cores = len(os.sched_getaffinity(0))
@@ -44,6 +45,7 @@ def _limit_threads_per_rank() -> None:
     threads = str(max(1, cores // local_size))
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
         os.environ.setdefault(var, threads)
+    return local_rank
 
 
 def _abort_on_exception(exc_type, exc, tb) -> None:
@@ -59,7 +61,7 @@ def _abort_on_exception(exc_type, exc, tb) -> None:
 
 
 def main(argv=None) -> int:
-    _limit_threads_per_rank()
+    local_rank = _limit_threads_per_rank()
     from mpi4py import MPI
 
     from mpidl.backend import get_backend
@@ -77,7 +79,7 @@ def main(argv=None) -> int:
     setup = None
     try:
         cfg = parse_config(argv, world_size=size)
-        setup = _build(cfg, rank)
+        setup = _build(cfg, local_rank)
     except (ConfigError, ValueError, OSError, KeyError, RuntimeError) as exc:
         error = f"{exc}"
     errors = world.allgather(error)
@@ -97,7 +99,16 @@ def main(argv=None) -> int:
 
     trainer = Trainer(cfg, topo, backend, model, train_set, test_set, printer, data_desc)
     trainer.install_signal_handler()
-    trainer.setup()
+    from mpidl.checkpoint import CheckpointError
+
+    try:
+        trainer.setup()
+    except CheckpointError as exc:
+        # --resume from a missing, corrupt or mismatched checkpoint: Trainer.resume has the
+        # ranks agree first, so every rank is here with the same message.
+        if rank == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
     _print_header(printer, cfg, topo, model, train_set, test_set, data_desc, trainer)
     trainer.metrics.write(_start_record(cfg, topo, model, data_desc))
     try:
@@ -117,7 +128,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def _build(cfg, rank: int):
+def _build(cfg, local_rank: int = 0):
     """Load data and build the model; raises a readable error for anything wrong."""
     from mpidl import data
     from mpidl.backend import get_backend
@@ -125,16 +136,22 @@ def _build(cfg, rank: int):
     from mpidl.optim import make_schedule
 
     backend = get_backend(cfg.device, cfg.dtype)
+    # One GPU per rank of a node (local_rank % GPUs), before anything is allocated on it.
+    backend.select_device(local_rank)
     if cfg.data is None:
         train_set, test_set, meta = data.synthetic_splits(seed=0, augment=cfg.augment, augment_seed=cfg.seed)
         desc = f"built-in synthetic scene ({meta['source']})"
     else:
-        train_set, test_set, meta = data.load_splits(cfg.data, augment=cfg.augment, augment_seed=cfg.seed)
-        desc = f"{cfg.data} ({meta.get('source', 'unknown source')})"
+        train_set, test_set, meta = data.load_splits(cfg.data, augment=cfg.augment, seed=cfg.seed)
+        desc = meta["description"]
     model = build_model(cfg.model, train_set.sample_shape, train_set.num_classes,
                         backend=backend, seed=cfg.seed)
     # The schedule's length depends on the data size; check it now, before any collective.
-    steps = cfg.epochs * math.ceil(train_set.num_samples / cfg.batch_size)
+    n = train_set.num_samples
+    per_epoch = n // cfg.batch_size if cfg.drop_last else math.ceil(n / cfg.batch_size)
+    if per_epoch == 0:
+        raise ValueError(f"--drop-last with --batch-size {cfg.batch_size} > {n} training samples leaves no step")
+    steps = cfg.epochs * per_epoch
     make_schedule(cfg.schedule, cfg.lr, min(steps, cfg.max_steps or steps), warmup_steps=cfg.warmup_steps)
     return backend, model, train_set, test_set, desc
 

@@ -35,12 +35,16 @@ import numpy as np
 from mpi4py import MPI
 
 from mpidl.checkpoint import (
+    CHECKPOINT_NAME,
+    CheckpointError,
     read_checkpoint,
+    read_checkpoint_meta,
     remove_stale_node_files,
     save_model,
     write_checkpoint,
-    write_node_optimizer,
+    write_node_file,
 )
+from mpidl.checkpoint import FORMAT_VERSION as CHECKPOINT_FORMAT_VERSION
 from mpidl.distributed import balance
 from mpidl.distributed.emulation import LinkModel, Slowdown
 from mpidl.distributed.reducers import make_reducer
@@ -113,7 +117,11 @@ class Trainer:
         factor = cfg.slowdown_list[self.rank] if cfg.slowdown_list else 1.0
         self.slowdown = Slowdown(factor)
         n = train_set.num_samples
-        self.steps_per_epoch = math.ceil(n / cfg.batch_size)
+        # A last, smaller global batch is split by the same proportions (possibly 0 samples on
+        # some ranks), unless --drop-last skips it.
+        self.steps_per_epoch = n // cfg.batch_size if cfg.drop_last else math.ceil(n / cfg.batch_size)
+        if self.steps_per_epoch == 0:
+            raise ValueError(f"--drop-last with --batch-size {cfg.batch_size} > {n} training samples leaves no step")
         total = cfg.epochs * self.steps_per_epoch
         self.total_steps = min(total, cfg.max_steps) if cfg.max_steps else total
         self.schedule = make_schedule(cfg.schedule, cfg.lr, self.total_steps, warmup_steps=cfg.warmup_steps)
@@ -130,7 +138,13 @@ class Trainer:
     # ------------------------------------------------------------------ set-up
     def install_signal_handler(self) -> None:
         """SIGTERM (what Slurm sends before the time limit): finish the current step, agree
-        at the next control point, checkpoint, exit 0."""
+        at the next control point, checkpoint, exit 0.
+
+        The handler only sets a flag: Python runs it between bytecodes, never inside an MPI
+        call, so a rank blocked in a collective finishes it first. One rank receiving the
+        signal is enough (the control point's ``Allreduce(MAX)`` spreads it). MPICH's
+        ``mpiexec`` (hydra) forwards a SIGTERM it receives to every rank; Slurm signals every
+        task of the step itself."""
 
         def on_term(signum, frame):
             self.stop_requested = True
@@ -167,16 +181,24 @@ class Trainer:
     def setup(self) -> None:
         """Collective set-up: broadcast parameters, measure speeds, split the batch, resume."""
         self.broadcast_parameters()
+        # One untimed pass compiles the Numba kernels (seconds, once per machine thanks to the
+        # cache); without it the first timed pass, stretched by an emulated slowdown, would
+        # turn compile time into minutes of sleep, and the speed probe would measure the JIT.
+        saved = self.model.buffers_host()
+        self.compute(np.arange(min(2, self.train_set.num_samples)), emulate=False)
+        if saved:
+            self.model.load_buffers_host(saved)
         self.speeds = self.measure_speeds()
         self.batch_sizes = balance.batch_sizes(self.speeds, self.cfg.batch_size)
         if self.cfg.resume:
             self.resume()
 
     # ------------------------------------------------------------------ one step
-    def compute(self, indices: np.ndarray) -> tuple[float, float]:
+    def compute(self, indices: np.ndarray, emulate: bool = True) -> tuple[float, float]:
         """Forward + backward on this rank's samples; returns (local mean loss, seconds).
 
-        With no samples the gradient is zero: the rank still joins every collective."""
+        With no samples the gradient is zero: the rank still joins every collective.
+        ``emulate=False`` skips the emulated slowdown (for the JIT warm-up)."""
         t0 = time.perf_counter()
         if len(indices) == 0:
             self.params.grad.fill(0)
@@ -184,11 +206,12 @@ class Trainer:
         else:
             x, y = self.train_set.read(indices)
             logits = self.model.forward(self.backend.asarray(x))
-            loss = self.loss_fn.forward(logits, self.backend.asarray(y))
+            loss = self.loss_fn.forward(logits, y)  # host labels: checked without a device sync
             self.model.backward(self.loss_fn.backward())
         self.backend.synchronize()
         seconds = time.perf_counter() - t0
-        seconds += self.slowdown.stretch(seconds)  # EMULATION: sleeps (f - 1) * seconds
+        if emulate:
+            seconds += self.slowdown.stretch(seconds)  # EMULATION: sleeps (f - 1) * seconds
         return float(loss), seconds
 
     def train_step(self, indices: np.ndarray, counts, clock: EpochClock) -> bool:
@@ -210,7 +233,9 @@ class Trainer:
         self.reducer.reduce_gradients(self.params.grad, counts)
         clock.comm += time.perf_counter() - t0
 
-        if bool(self.backend.xp.isfinite(self.params.grad).all()):
+        # One float64 sum instead of an elementwise test: NaN or Inf anywhere makes it
+        # non-finite, with no parameter-sized temporary and one device sync on a GPU.
+        if bool(self.backend.xp.isfinite(self.params.grad.sum(dtype=np.float64))):
             self.optimizer.step()
         elif cfg.on_nan == "skip":
             self.printer.warning(f"non-finite gradient at step {self.global_step}: step skipped (--on-nan skip)")
@@ -343,48 +368,147 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_meta(self, epoch_done: int, step_in_epoch: int) -> dict:
+        """The attributes of ``checkpoint.h5`` (see :mod:`mpidl.checkpoint`)."""
+        node_samples = getattr(self.reducer, "node_samples", None)
         return {
             "epoch": epoch_done, "step_in_epoch": step_in_epoch, "global_step": self.global_step,
             "optimizer_step": int(self.optimizer.step_count), "batch_sizes": list(self.batch_sizes),
             "speeds": list(self.speeds), "config": self.cfg.to_dict(), "model": self.model.name,
             "build_args": self.model.build_args, "world_size": self.size,
+            "num_nodes": self.topo.num_nodes,
+            "node_samples": None if node_samples is None else [int(s) for s in node_samples],
+            "num_train_samples": int(self.train_set.num_samples),
+            "format_version": CHECKPOINT_FORMAT_VERSION,
         }
 
+    def _buffers_averaged_host(self) -> dict:
+        """Host copies of the batch-norm buffers averaged over the replicas (collective when
+        the model has buffers); the model's own buffers are left alone."""
+        averaged = {}
+        for name, value in self.model.buffers_host().items():
+            value = np.array(value, dtype=np.float64, copy=True)
+            self.world.Allreduce(MPI.IN_PLACE, value, op=MPI.SUM)
+            averaged[name] = value / self.size
+        return averaged
+
+    def _consensus_parameters_host(self, local) -> np.ndarray:
+        """``sum_n v_n theta_n`` with the node weights the next inter-node sync would use,
+        computed on a host copy (collective); the replicas keep their own parameters.
+
+        Every rank adds ``v_n / |R_n| theta_i``: the ``|R_n|`` replicas of node ``n`` are equal.
+        """
+        weights = self.reducer.node_weights()
+        part = local * (weights[self.topo.node_id] / self.topo.local_size)
+        self.world.Allreduce(MPI.IN_PLACE, part, op=MPI.SUM)
+        return part
+
     def save_checkpoint(self, epoch_done: int, step_in_epoch: int) -> None:
-        """Collective: node leaders write per-node optimizer state first (when it is node-local),
-        then rank 0 atomically replaces ``checkpoint.h5``; see :mod:`mpidl.checkpoint`."""
+        """Collective: node leaders write per-node state first (when it is node-local),
+        then rank 0 atomically replaces ``checkpoint.h5``, then stale node files go; see
+        :mod:`mpidl.checkpoint`.
+
+        ``step_in_epoch > 0`` is a stop inside epoch ``epoch_done``: it must be called before
+        the epoch-end collectives (which an uninterrupted run would not do at that step), so
+        it averages the batch-norm buffers itself, on copies.
+        """
         folder = self.cfg.checkpoint
+        mid_epoch = step_in_epoch > 0
+        multi_node = self.cfg.strategy == "node" and self.topo.num_nodes > 1
+        # Between inter-node syncs the nodes' parameters differ; every rank knows every
+        # node's sample count, so every rank takes the same branch.
+        node_params = multi_node and any(self.reducer.node_samples)
+        # The optimizer state is the same everywhere only right after an epoch-end
+        # sync with --sync-optimizer-state.
+        node_state = multi_node and (mid_epoch or not self.cfg.sync_optimizer_state)
         meta = self.checkpoint_meta(epoch_done, step_in_epoch)
-        per_node = self.cfg.strategy == "node" and not self.cfg.sync_optimizer_state and self.topo.num_nodes > 1
-        state = [self.backend.to_host(b) for b in self.optimizer.state_buffers()]
-        if per_node and self.topo.is_leader:
-            write_node_optimizer(folder, self.topo.node_id, state, meta)
+        meta.update(node_state=node_state, node_params=node_params)
+        local = np.array(self.backend.to_host(self.params.data), copy=True)
+        params = self._consensus_parameters_host(local) if node_params else local
+        buffers = self._buffers_averaged_host() if mid_epoch else self.model.buffers_host()
+        # Inside an epoch each rank's batch-norm statistics are still its own: keep them all.
+        rank_buffers = self.world.gather(self.model.buffers_host(), root=0) if mid_epoch and buffers else None
+        state = [np.array(self.backend.to_host(b), copy=True) for b in self.optimizer.state_buffers()]
+        with_node_files = node_state or node_params
+        if with_node_files and self.topo.is_leader:
+            write_node_file(folder, self.topo.node_id, optimizer_state=state if node_state else None,
+                            params=local if node_params else None, meta=meta)
         self.world.Barrier()  # every node file exists before checkpoint.h5 names its step
         if self.rank == 0:
-            write_checkpoint(folder, model=self.model, optimizer_state=None if per_node else state, meta=meta)
-        self.world.Barrier()
-        if per_node and self.topo.is_leader:
-            remove_stale_node_files(folder, self.topo.node_id, self.global_step)
+            write_checkpoint(folder, params=params, buffers=buffers,
+                             optimizer_state=None if node_state else state, meta=meta,
+                             rank_buffers=rank_buffers)
+        self.world.Barrier()  # checkpoint.h5 names this step before older node files go
+        if self.topo.is_leader:
+            remove_stale_node_files(folder, self.topo.node_id, self.global_step if with_node_files else None)
         self.printer.info(f"  checkpoint: {folder} (epoch {epoch_done}, step {self.global_step})")
 
     def resume(self) -> None:
-        per_node = self.cfg.strategy == "node" and not self.cfg.sync_optimizer_state and self.topo.num_nodes > 1
-        ck = read_checkpoint(self.cfg.checkpoint, node_id=self.topo.node_id if per_node else None)
+        """Load ``--checkpoint DIR`` (collective). Every rank reads the files, then the ranks
+        agree: any rank's failure raises the same :class:`CheckpointError` on every rank
+        (before any state is used), so the job can end cleanly."""
+        error = None
+        try:
+            meta = self._load_checkpoint()
+        except (CheckpointError, OSError, KeyError, ValueError) as exc:
+            error = str(exc) if isinstance(exc, CheckpointError) else f"--resume: {exc}"
+        errors = self.world.allgather(error)
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            failing = [r for r, e in enumerate(errors) if e is not None]
+            where = "" if len(failing) == self.size else f" (on ranks {failing})"
+            raise CheckpointError(first + where)
+        self.printer.info(
+            f"resumed from {self.cfg.checkpoint}: epoch {meta['epoch']}, step {self.global_step}"
+        )
+
+    def _load_checkpoint(self) -> dict:
+        """Read, check and apply this rank's part of the checkpoint; returns its attributes."""
+        cfg = self.cfg
+        multi_node = cfg.strategy == "node" and self.topo.num_nodes > 1
+        meta = read_checkpoint_meta(cfg.checkpoint)
+        path = f"{cfg.checkpoint}/{CHECKPOINT_NAME}"
+        if meta["build_args"] != self.model.build_args or meta.get("model", self.model.name) != self.model.name:
+            raise CheckpointError(
+                f"--resume: {path} holds model {meta.get('model')} {meta['build_args']}, "
+                f"but this run builds {self.model.name} {self.model.build_args}"
+            )
+        if (meta.get("node_state") or meta.get("node_params")) and (
+                not multi_node or meta.get("num_nodes") != self.topo.num_nodes):
+            raise CheckpointError(
+                f"--resume: {path} holds per-node state of {meta.get('num_nodes')} nodes "
+                f"(--strategy node); this run has strategy {cfg.strategy} on {self.topo.num_nodes} "
+                "node(s). Resume with the same strategy and number of nodes."
+            )
+        if meta["step_in_epoch"] > 0:
+            old = meta.get("config", {}).get("batch_size"), meta.get("num_train_samples")
+            if old != (cfg.batch_size, self.train_set.num_samples):
+                raise CheckpointError(
+                    f"--resume: {path} was taken inside an epoch with --batch-size {old[0]} and "
+                    f"{old[1]} training samples; this run has --batch-size {cfg.batch_size} and "
+                    f"{self.train_set.num_samples}: the rest of the epoch would differ"
+                )
+        ck = read_checkpoint(cfg.checkpoint, node_id=self.topo.node_id if multi_node else None)
         meta = ck["meta"]
-        if meta["build_args"] != self.model.build_args:
-            raise ValueError(f"--resume: the checkpoint's model {meta['build_args']} differs from this run's {self.model.build_args}")
-        self.params.data[...] = self.backend.asarray(ck["params"])
-        if ck["buffers"]:
-            self.model.load_buffers_host(ck["buffers"])
+        if ck["params"].shape != (self.params.size,):
+            raise CheckpointError(
+                f"--resume: {path} has {ck['params'].size} parameters, the model {self.params.size}")
+        # Everything is checked before anything is written (load_state_dict_host checks first).
         self.optimizer.load_state_dict_host({"state": ck["optimizer_state"], "step_count": meta["optimizer_step"]})
+        self.params.data[...] = self.backend.asarray(ck["params"])
+        if ck["rank_buffers"] is not None and len(ck["rank_buffers"]) == self.size:
+            self.model.load_buffers_host(ck["rank_buffers"][self.rank])
+        elif ck["buffers"]:
+            self.model.load_buffers_host(ck["buffers"])
         self.start_epoch, self.start_step_in_epoch = meta["epoch"], meta["step_in_epoch"]
         self.global_step = meta["global_step"]
         if meta["world_size"] == self.size:
             # same split as before the interruption, so the run continues exactly
             self.batch_sizes, self.speeds = list(meta["batch_sizes"]), list(meta["speeds"])
-        self.printer.info(
-            f"resumed from {self.cfg.checkpoint}: epoch {self.start_epoch}, step {self.global_step}"
-        )
+        if (cfg.strategy == "node" and meta.get("node_samples") is not None
+                and meta.get("num_nodes") == self.topo.num_nodes):
+            # samples since the last inter-node sync: the weights of the next one
+            self.reducer.node_samples = [int(s) for s in meta["node_samples"]]
+        return meta
 
     # ------------------------------------------------------------------ the run
     def run(self) -> dict:
@@ -423,13 +547,19 @@ class Trainer:
                 step_in_epoch = self.steps_per_epoch
             if stopped == "completed" and self.control_point():
                 stopped = "signal"
-            if clock.step_comp:
-                last = self.end_epoch(epoch, clock, stopped != "completed")
             finished_epoch = step_in_epoch >= self.steps_per_epoch
             epochs_done = epoch + 1 if finished_epoch else epoch
-            if cfg.checkpoint and (stopped != "completed" or (epochs_done % cfg.checkpoint_every == 0)
-                                   or epochs_done == cfg.epochs):
-                self.save_checkpoint(epochs_done, 0 if finished_epoch else step_in_epoch)
+            # A stop inside an epoch is checkpointed before the epoch-end collectives (parameter
+            # and optimizer-state sync, buffer averaging), which an uninterrupted run would not
+            # do at this step: the resumed run then continues exactly.
+            saved_mid_epoch = bool(cfg.checkpoint) and stopped != "completed" and not finished_epoch
+            if saved_mid_epoch:
+                self.save_checkpoint(epochs_done, step_in_epoch)
+            if clock.step_comp:
+                last = self.end_epoch(epoch, clock, stopped != "completed")
+            if cfg.checkpoint and not saved_mid_epoch and (
+                    stopped != "completed" or epochs_done % cfg.checkpoint_every == 0 or epochs_done == cfg.epochs):
+                self.save_checkpoint(epochs_done, 0)
             if stopped != "completed":
                 break
         if last is None:

@@ -1,0 +1,220 @@
+# mpiexec -n 4 -launcher fork python benchmarks/comm.py [--quick] [--out benchmarks/results]
+# mpiexec -n 4 -ppn 2 -hosts localhost,127.0.0.1 -launcher fork python benchmarks/comm.py   (2 EMULATED nodes)
+"""Reduction strategies on one flat float32 buffer of 4 KiB ... 64 MiB.
+
+For every buffer size, on the topology the launch gives (1 node, or 2 nodes emulated with
+MPICH's ``-hosts`` launch), it times
+
+* raw ``MPI_Allreduce(SUM)`` on the world communicator: the floor;
+* each strategy of :func:`mpidl.distributed.reducers.make_reducer` on a real
+  :class:`~mpidl.distributed.topology.Topology`: ``flat`` and ``hierarchical``
+  (``reduce_gradients``, balanced weighting: one scaling pass + the collectives), and ``node``
+  split into its two parts, the per-step node-local reduction (``reduce_gradients``) and the
+  parameter sync between nodes (``sync_parameters``), plus their cost per step amortised over
+  K' steps, ``step + sync / K'``;
+* ``torch.distributed.all_reduce`` (gloo backend, on a tensor sharing the NumPy buffer) when
+  PyTorch is installed; the column is skipped, with the reason, otherwise.
+
+Every measurement starts after a barrier; its time is the slowest rank's. Contenders are
+interleaved round by round, the buffer is refilled before each call (outside the clock; the
+weighting would otherwise shrink it into denormals), and each cell is the median over the
+rounds with its [min - max]. Algorithm bandwidth = buffer bytes / median time.
+
+Rank 0 writes ``comm_<nodes>x<ranks per node>.json`` into ``--out`` and rebuilds ``comm.md``
+(and ``comm.png``) from every such file there, so the 1-node and the 2-node launch end up
+side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+FULL_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+QUICK_SIZES = [4 << 10, 64 << 10, 256 << 10]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="3 sizes up to 256 KiB, 3 rounds (CI)")
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--sync-every", type=int, default=50, help="K' for the node strategy's amortised cost")
+    p.add_argument("--no-torch", action="store_true", help="skip the torch.distributed column")
+    p.add_argument("--rounds", type=int, default=None, help="rounds per size (default: by size)")
+    args = p.parse_args(argv)
+    if args.sync_every < 1 or (args.rounds is not None and args.rounds < 1):
+        p.error("--sync-every and --rounds must be >= 1")
+    return args
+
+
+def _threads_per_rank() -> None:
+    """One BLAS thread per rank's share of the cores, before NumPy loads (as mpidl.train does)."""
+    from mpi4py import MPI
+
+    node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    threads = str(max(1, len(os.sched_getaffinity(0)) // node.Get_size()))
+    node.Free()
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        os.environ.setdefault(var, threads)
+
+
+def rounds_for(size: int, quick: bool, forced: int | None) -> int:
+    if forced:
+        return forced
+    if quick:
+        return 3
+    return 20 if size <= 1 << 20 else 10 if size <= 16 << 20 else 5
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    _threads_per_rank()
+    import numpy as np
+    from mpi4py import MPI
+
+    import common
+    from mpidl.distributed.reducers import make_reducer
+    from mpidl.distributed.topology import Topology
+
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    topo = Topology.from_comm(world)
+    info = common.machine_info() if rank == 0 else None
+    dist, torch_reason = common.init_torch_gloo(world, args.no_torch)
+    k = args.sync_every
+    reducers = {name: make_reducer(name, topo, weighting="balanced", sync_every=k)
+                for name in ("flat", "hierarchical", "node")}
+    counts = [16] * size
+    sizes = QUICK_SIZES if args.quick else FULL_SIZES
+
+    def contenders(buf):
+        out = {"MPI_Allreduce": lambda: world.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)}
+        out["flat"] = lambda: reducers["flat"].reduce_gradients(buf, counts)
+        out["hierarchical"] = lambda: reducers["hierarchical"].reduce_gradients(buf, counts)
+        out["node step"] = lambda: reducers["node"].reduce_gradients(buf, counts)
+        out["node sync"] = lambda: reducers["node"].sync_parameters(buf)
+        if dist is not None:
+            import torch
+
+            tensor = torch.from_numpy(buf)  # shares memory: the same buffer, no copy
+            out["torch gloo"] = lambda: dist.all_reduce(tensor)
+        return out
+
+    results = {}
+    for nbytes in sizes:
+        template = np.ones(nbytes // 4, dtype=np.float32)
+        buf = template.copy()
+        calls = contenders(buf)
+        times = {name: [] for name in calls}
+        for rnd in range(rounds_for(nbytes, args.quick, args.rounds) + 1):  # round 0: warm-up
+            for name, call in calls.items():
+                np.copyto(buf, template)
+                world.Barrier()
+                t0 = time.perf_counter()
+                call()
+                elapsed = time.perf_counter() - t0
+                slowest = world.allreduce(elapsed, op=MPI.MAX)
+                if rnd > 0:
+                    times[name].append(slowest)
+        results[nbytes] = times
+        if rank == 0:
+            print(f"{common.fmt_size(nbytes):>8}: " + "  ".join(
+                f"{n} {statistics.median(t) * 1e3:.2f} ms" for n, t in times.items()), flush=True)
+        del buf, template, calls
+
+    if rank == 0:
+        label = f"{topo.num_nodes}x{'+'.join(str(s) for s in topo.node_sizes) if len(set(topo.node_sizes)) > 1 else topo.node_sizes[0]}"
+        two = topo.num_nodes > 1
+        record = {
+            "label": label, "num_nodes": topo.num_nodes, "node_sizes": topo.node_sizes, "ranks": size,
+            "sync_every": k, "quick": args.quick, "machine": info, "torch": torch_reason or "gloo",
+            "command": common.shown(common.mpiexec(size, [common.PYTHON, "benchmarks/comm.py"]
+                                                   + (["--quick"] if args.quick else []), two_nodes=two)),
+            "env": {v: os.environ[v] for v in common.THROTTLE_ENV if v in os.environ},
+            "times": {str(n): t for n, t in results.items()},
+        }
+        args.out.mkdir(parents=True, exist_ok=True)
+        suffix = "_quick" if args.quick else ""
+        (args.out / f"comm{suffix}_{label}.json").write_text(json.dumps(record, indent=1))
+        write_report(args.out, suffix)
+    if dist is not None:
+        dist.destroy_process_group()
+    topo.free()
+    return 0
+
+
+def write_report(out: Path, suffix: str) -> None:
+    import common
+
+    records = [json.loads(p.read_text()) for p in sorted(out.glob(f"comm{suffix}_*x*.json"))]
+    records.sort(key=lambda r: r["num_nodes"])
+    body = ["Every cell: median [min-max] over the rounds, in milliseconds, of the slowest rank "
+            "after a barrier; float32 buffers; balanced weighting (equal counts). `node step` is "
+            "the node strategy's every-step, node-local reduction, `node sync` its parameter "
+            "average between nodes (once every K' steps), `node / step` = step + sync / K'. "
+            "MPI_Allreduce on the world communicator is the floor that `flat` wraps (flat adds one "
+            "scaling pass over the buffer). Nodes are EMULATED on one machine (MPICH `-hosts`): "
+            "the 'network' between them is the loopback interface through MPICH's network module.",
+            ""]
+    for rec in records:
+        names = list(next(iter(rec["times"].values())).keys())
+        k = rec["sync_every"]
+        rows, bw_rows = [], []
+        for nbytes, times in rec["times"].items():
+            n = int(nbytes)
+            row, bw = [common.fmt_size(n)], [common.fmt_size(n)]
+            for name in names:
+                row.append(common.med_spread(times[name], 1e3, 3))
+                bw.append(f"{n / statistics.median(times[name]) / 1e9:.3f}")
+            amort = statistics.median(times["node step"]) + statistics.median(times["node sync"]) / k
+            row.append(f"{amort * 1e3:.3f}")
+            bw.append(f"{n / amort / 1e9:.3f}")
+            rows.append(row)
+            bw_rows.append(bw)
+        headers = ["buffer", *names, f"node / step (K'={k})"]
+        machine = rec["machine"]
+        body += [f"## {rec['num_nodes']} node(s), {rec['ranks']} ranks ({rec['label']})"
+                 + (" — EMULATED nodes" if rec["num_nodes"] > 1 else ""), "",
+                 f"`{rec['command']}` — {machine['date']}, load average {machine['load_average']}; "
+                 f"torch column: {rec['torch']}; MPICH environment: "
+                 f"{' '.join(f'{a}={b}' for a, b in rec['env'].items()) or 'defaults'}.", "",
+                 "Time (ms):", "", common.md_table(headers, rows), "",
+                 "Algorithm bandwidth (GB/s = buffer bytes / median time):", "",
+                 common.md_table(headers, bw_rows), ""]
+    info = records[-1]["machine"] if records else common.machine_info()
+    common.write_markdown(out / f"comm{suffix}.md", "Gradient reduction on flat buffers: strategies vs MPI vs gloo",
+                          "mpiexec ... python benchmarks/comm.py (one launch per topology, below)", info, body)
+    figure(out, records, suffix)
+
+
+def figure(out: Path, records: list[dict], suffix: str) -> None:
+    import common
+
+    fig = common.matplotlib_figure(5 * max(1, len(records)), 4)
+    if fig is None or suffix or not records:
+        return
+    axes = fig.subplots(1, len(records), squeeze=False)[0]
+    for ax, rec in zip(axes, records):
+        sizes = [int(n) for n in rec["times"]]
+        for name in next(iter(rec["times"].values())):
+            ax.plot(sizes, [statistics.median(t[name]) * 1e3 for t in rec["times"].values()],
+                    marker="o", markersize=3, label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set(xlabel="buffer bytes", ylabel="ms (median, slowest rank)",
+               title=f"{rec['num_nodes']} node(s) x {rec['node_sizes']}" + (" EMULATED" if rec["num_nodes"] > 1 else ""))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "comm.png", dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

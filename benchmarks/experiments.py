@@ -1,0 +1,771 @@
+# python benchmarks/experiments.py [--quick] [--out benchmarks/results] [--only hdp balanced node comm scaling peers]
+"""The papers' experiments, and the one command that regenerates every benchmark table and figure.
+
+Three experiments, each on the built-in synthetic scene (the default data) and on the real
+Samson scene (converted by ``python -m mpidl.data_tools hsi``; skipped, with a note, when
+``../shared/data/samson`` is absent), 4 ranks, every emulation labelled:
+
+1. **HDP** (IGARSS 2022): emulated rank slowdowns 1,1,1,2 and 1,1,2,4; epoch time and OA of
+   an equal split (``--balance none``), measured speeds (``--speeds auto``) and measured speeds
+   re-measured every epoch (``--rebalance``), against the ideal epoch time = total work / sum
+   of the ranks' speeds.
+2. **Balanced gradient** (GRSL 2022): uneven local batches (``--speeds 1,1,2,4`` and a more
+   skewed split), ``--weighting uniform`` vs ``balanced``: OA / AA / kappa per epoch over
+   several seeds, mean ± std.
+3. **Node-based communication** (TNNLS 2023): 2 emulated nodes x 2 ranks (MPICH ``-hosts``),
+   strategies flat, hierarchical and node with K' in {1, 10, 50, 200}: inter-node calls and
+   bytes per epoch (the reducers' counters), epoch time under emulated inter-node links, OA
+   after a fixed number of epochs, the accuracy cost of each K' next to its traffic saving.
+
+Then, unless skipped: ``benchmarks/comm.py`` (1 node and 2 emulated nodes),
+``benchmarks/scaling.py`` and ``benchmarks/peers_torch.py`` (PyTorch DDP, when installed).
+
+Each table row is one ``python -m mpidl.train`` run; the tables give the exact command of each
+kind of row. The runs of one experiment and dataset execute one after another inside one
+``mpiexec`` (``benchmarks/train_batch.py``, the same ``mpidl.train.main`` code path) after an
+untimed warm-up run, and configurations are interleaved across repeats so that load from
+other processes falls on all of them alike. ``--quick`` runs every experiment for a few steps
+(the CI test runs only that; its numbers mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from common import (PYTHON, TrainBatch, epoch_samples, fmt_bytes, md_table, mean_std,  # noqa: E402
+                    med_spread, median, shown, timed_epochs)
+
+EXPERIMENTS = ("hdp", "balanced", "node")
+EXTERNAL = ("comm", "scaling", "peers")
+SLOWDOWNS = ("1,1,1,2", "1,1,2,4")
+HDP_CONFIGS = {  # name -> (options, what it means)
+    "none": (["--balance", "none"], "equal split (`--balance none`)"),
+    "auto": (["--speeds", "auto"], "measured speeds (`--speeds auto`)"),
+    "rebalance": (["--speeds", "auto", "--rebalance"], "measured + re-balanced each epoch (`--speeds auto --rebalance`)"),
+}
+NODE_K = (1, 10, 50, 200)
+LINKS = (None, "50,1", "10,10")
+
+
+@dataclass
+class Dataset:
+    """One scene and the optimisation settings that suit it."""
+
+    name: str
+    label: str
+    argv: list[str]
+    lr: float  # for the global batch of 64
+    lr_node: float  # for the node experiment's global batch of 32
+    num_train: int
+    note: str = ""
+
+
+@dataclass
+class Plan:
+    """How big each experiment is (full or --quick)."""
+
+    hdp_epochs: int
+    hdp_repeats: int
+    hdp_max_steps: int | None
+    bal_epochs: int
+    bal_seeds: tuple
+    bal_skews: tuple
+    node_epochs: int
+    node_seeds: tuple
+    node_links: tuple
+    node_batch: int
+    max_steps: int | None
+    samson_sizes: tuple  # (train, test) of the Samson subset, None = whole split
+    samson_hdp_repeats: int
+    timeout: float
+    extra: dict = field(default_factory=dict)
+
+
+FULL = Plan(hdp_epochs=3, hdp_repeats=2, hdp_max_steps=None, bal_epochs=4, bal_seeds=(0, 1, 2),
+            bal_skews=("1,1,2,4", "1,1,1,13"), node_epochs=4, node_seeds=(0, 1),
+            node_links=LINKS, node_batch=32, max_steps=None, samson_sizes=(320, 640),
+            samson_hdp_repeats=1, timeout=1500)
+QUICK = Plan(hdp_epochs=1, hdp_repeats=1, hdp_max_steps=3, bal_epochs=2, bal_seeds=(0, 1),
+             bal_skews=("1,1,2,4",), node_epochs=1, node_seeds=(0,), node_links=(None,),
+             node_batch=32, max_steps=3, samson_sizes=(96, 96), samson_hdp_repeats=1, timeout=240)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a few steps per run (CI); numbers mean nothing")
+    p.add_argument("--out", type=Path, default=common.RESULTS, help="where the tables and figures go")
+    p.add_argument("--work", type=Path, default=None, help="raw metrics and logs (default: a temporary folder)")
+    p.add_argument("--only", nargs="+", choices=EXPERIMENTS + EXTERNAL, default=None)
+    p.add_argument("--skip", nargs="+", choices=EXPERIMENTS + EXTERNAL, default=[])
+    p.add_argument("--samson-dir", type=Path, default=common.SAMSON_DIR)
+    p.add_argument("--no-samson", action="store_true", help="synthetic scene only")
+    p.add_argument("--slowdown-scale", type=float, default=3.0,
+                   help="HDP: every emulated slowdown factor is multiplied by this, so that the "
+                        "emulated (sleeping) time dominates the contended compute (see hdp.md)")
+    p.add_argument("--mpich-defaults", action="store_true", help="do not set MPICH progress throttling")
+    args = p.parse_args(argv)
+    if args.slowdown_scale < 1:
+        p.error("--slowdown-scale must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    selected = [e for e in (args.only or EXPERIMENTS + EXTERNAL) if e not in args.skip]
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    work = args.work or Path(tempfile.mkdtemp(prefix="mpidl-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    info = common.machine_info()
+    started = time.perf_counter()
+    me = "python benchmarks/experiments.py" + (" --quick" if args.quick else "")
+    print(f"benchmarks: {', '.join(selected)} -> {out} (raw metrics in {work})", flush=True)
+
+    datasets, data_notes, data_commands = build_datasets(args, plan, work)
+    ctx = Context(args=args, plan=plan, out=out, work=work, info=info, me=me, datasets=datasets,
+                  data_notes=data_notes, data_commands=data_commands)
+    summary: dict = {"machine": info, "quick": args.quick, "sections": {}}
+    for name in selected:
+        t0 = time.perf_counter()
+        print(f"== {name}", flush=True)
+        try:
+            result = {"hdp": hdp, "balanced": balanced, "node": node, "comm": comm,
+                      "scaling": scaling, "peers": peers}[name](ctx)
+        except Exception as exc:  # one broken experiment must not hide the others' tables
+            import traceback
+
+            traceback.print_exc()
+            result = {"error": f"{type(exc).__name__}: {exc}"}
+        result["wall_s"] = time.perf_counter() - t0
+        summary["sections"][name] = result
+        print(f"   {name}: {result['wall_s']:.0f} s", flush=True)
+    summary["wall_s"] = time.perf_counter() - started
+    (out / ("experiments_quick.json" if args.quick else "experiments.json")).write_text(
+        json.dumps(summary, indent=1, default=str))
+    if not args.quick:
+        write_index(ctx, summary)
+    print(f"done in {summary['wall_s']:.0f} s: {out}", flush=True)
+    failed = [k for k, v in summary["sections"].items() if "error" in v]
+    return 1 if failed else 0
+
+
+@dataclass
+class Context:
+    args: argparse.Namespace
+    plan: Plan
+    out: Path
+    work: Path
+    info: dict
+    me: str
+    datasets: list
+    data_notes: list
+    data_commands: list
+
+    @property
+    def env_note(self) -> str:
+        return ("MPICH defaults (no progress throttling)." if self.args.mpich_defaults
+                else common.THROTTLE_NOTE)
+
+    def batch(self, tag, dataset, two_nodes=False, warmup_batch=64):
+        warm = dataset.argv + ["--epochs", "1", "--max-steps", "2", "--batch-size", str(warmup_batch),
+                               "--balance", "none"]
+        return TrainBatch(self.work, tag, ranks=4, two_nodes=two_nodes,
+                          throttle=not self.args.mpich_defaults, warmup=warm)
+
+    def common_body(self) -> list[str]:
+        return ["## Data", "", *[f"- {n}" for n in self.data_notes], "",
+                "## Environment", "", f"- {self.env_note}",
+                "- 4 MPI ranks on this machine's cores (oversubscribed when there are fewer than 4); "
+                "each rank uses cores / ranks-per-node BLAS and Numba threads (at least 1).",
+                "- Each row is a `python -m mpidl.train` run; the runs of one experiment and dataset "
+                "run one after another inside one mpiexec (`benchmarks/train_batch.py`, the same "
+                "`mpidl.train.main(argv)` code path), after an untimed warm-up run; configurations "
+                "are interleaved across repeats.", ""]
+
+
+def build_datasets(args, plan: Plan, work: Path):
+    notes, commands = [], []
+    from mpidl.data import synthetic_splits
+
+    train, _, meta = synthetic_splits(seed=0)
+    datasets = [Dataset("synthetic", "synthetic scene", [], lr=0.05, lr_node=0.02, num_train=train.num_samples)]
+    notes.append(f"synthetic: the built-in scene (no `--data`): {meta['source']}; "
+                 f"{meta['splits']['train']} train / {meta['splits']['test']} test patches of "
+                 f"{tuple(meta['sample_shape'])}.")
+    if args.no_samson:
+        notes.append("Samson: skipped (--no-samson).")
+        return datasets, notes, commands
+    path, note, cmds = common.prepare_samson(work / "samson", *plan.samson_sizes, data_dir=args.samson_dir)
+    notes.append(note)
+    commands += cmds
+    if path is not None:
+        import h5py
+
+        with h5py.File(path, "r") as f:
+            n = int(f["train/y"].shape[0])
+        # lr 0.05 diverges on Samson's 156 bands (NaN at step 29 of a trial run); 0.01 does not.
+        datasets.append(Dataset("samson", "Samson", ["--data", str(path)], lr=0.01, lr_node=0.01,
+                                num_train=n))
+    return datasets, notes, commands
+
+
+# --------------------------------------------------------------------------------------------
+# 1. HDP
+# --------------------------------------------------------------------------------------------
+
+
+def hdp(ctx: Context) -> dict:
+    plan, k = ctx.plan, ctx.args.slowdown_scale
+    results, body, rows_json = {}, [], []
+    body += ["## What was run", "",
+             f"Global batch 64, SGD (momentum 0.9, cosine schedule), {plan.hdp_epochs} epoch(s) per run"
+             + (f", at most {plan.hdp_max_steps} steps" if plan.hdp_max_steps else "") + ". "
+             "EMULATION: rank i sleeps (F_i - 1) x its measured compute time after every "
+             "forward+backward (`--emulate-slowdown`), so its compute takes F_i times longer.",
+             "",
+             f"**Making the emulation meaningful on this machine.** 4 ranks share "
+             f"{ctx.info['cores']} cores, so a rank's compute time depends on how many other ranks "
+             f"compute at the same moment. The slowdowns of the experiment (relative speeds "
+             f"1,1,1,2 and 1,1,2,4) are therefore applied multiplied by {k:g} "
+             f"(`--emulate-slowdown {','.join(f'{k * float(f):g}' for f in SLOWDOWNS[1].split(','))}` "
+             f"for 1,1,2,4): every rank then sleeps most of the time (sleep is not CPU). With a "
+             f"balanced split rank i computes 1/(k f_i) of each step, so on average "
+             f"sum_i 1/(k f_i) ranks compute at once: {sum(1 / float(f) for f in SLOWDOWNS[1].split(',')) / k:.2f} "
+             f"for 1,1,2,4 and {sum(1 / float(f) for f in SLOWDOWNS[0].split(',')) / k:.2f} for 1,1,1,2 "
+             f"(unscaled: 2.75 and 3.5, on {ctx.info['cores']} cores). The ratios between the ranks stay "
+             f"those of the experiment. The rows marked *unscaled* use the factors as given (x1) and "
+             f"show what contention does.",
+             "",
+             "**Ideal epoch time** = total work / sum of speeds = N c / sum_i (1 / F_i), with N the "
+             "training samples, F_i the applied factors and c the unslowed compute seconds per "
+             "sample measured in the same run (c_i = comp_s_i / (F_i n_i), n_i the samples rank i "
+             "computed in the epoch; c = mean over ranks). It counts compute only: communication, "
+             "waiting and the rounding of batch sizes to whole samples are what the ratio shows. "
+             "Epoch time is the metrics' `time_s` (training steps + epoch-end collectives, "
+             "evaluation excluded).",
+             ""]
+    for ds in ctx.datasets:
+        batch = ctx.batch(f"hdp_{ds.name}", ds)
+        repeats = plan.hdp_repeats if ds.name == "synthetic" else plan.samson_hdp_repeats
+        names = {}
+        slowdowns = SLOWDOWNS[1:] if ctx.args.quick else SLOWDOWNS
+        variants = [(s, c, k) for s in slowdowns for c in HDP_CONFIGS]
+        if ds.name == "synthetic" and k != 1 and not ctx.args.quick:
+            variants += [(s, "auto", 1.0) for s in SLOWDOWNS]  # the unscaled, contended version
+        for rep in range(repeats):
+            for slow, cfg, scale in variants:
+                if scale == 1.0 and k != 1 and rep > 0:
+                    continue
+                factors = [scale * float(f) for f in slow.split(",")]
+                argv = ds.argv + ["--epochs", plan.hdp_epochs, "--batch-size", 64, "--lr", ds.lr,
+                                  "--seed", 0, "--emulate-slowdown", ",".join(f"{f:g}" for f in factors),
+                                  *HDP_CONFIGS[cfg][0]]
+                if plan.hdp_max_steps:
+                    argv += ["--max-steps", plan.hdp_max_steps]
+                name = f"s{slow.replace(',', '')}_x{scale:g}_{cfg}_r{rep}"
+                batch.add(name, argv)
+                names.setdefault((slow, cfg, scale), []).append(name)
+        runs = batch.launch(ctx.plan.timeout)
+        rows = []
+        for (slow, cfg, scale), keys in names.items():
+            factors = [scale * float(f) for f in slow.split(",")]
+            times, ideals, ratios, oas, sizes, costs, idles, comms = [], [], [], [], [], [], [], []
+            for key in keys:
+                loaded = runs.get(key)
+                if loaded is None:
+                    continue
+                start, epochs, end = loaded
+                previous = {e["epoch"]: e["step"] for e in epochs}
+                for e in timed_epochs(epochs):
+                    prev = previous.get(e["epoch"] - 1, 0)
+                    n_i = epoch_samples(e, prev, ds.num_train, 64)
+                    c_i = [comp / (f * n) for comp, f, n in zip(e["comp_s"], factors, n_i) if n > 0]
+                    c = statistics.mean(c_i)
+                    ideal = sum(n_i) * c / sum(1 / f for f in factors)
+                    times.append(e["time_s"])
+                    ideals.append(ideal)
+                    ratios.append(e["time_s"] / ideal)
+                    costs.append(c)
+                    idles.append(statistics.mean(e["idle_s"]))
+                    comms.append(statistics.mean(e["comm_s"]))
+                oas.append(epochs[-1]["oa"])
+                sizes.append(epochs[-1]["batch_sizes"])
+            label = slow + ("" if scale == k else " *unscaled*")
+            row = {"dataset": ds.name, "slowdown": slow, "scale": scale, "applied": factors, "config": cfg,
+                   "epoch_s": times, "ideal_s": ideals, "ratio": ratios, "oa": oas,
+                   "batch_sizes": sizes, "cost_per_sample_s": costs, "idle_s": idles, "comm_s": comms,
+                   "runs": len(oas)}
+            rows_json.append(row)
+            rows.append([label, ",".join(f"{f:g}" for f in factors), HDP_CONFIGS[cfg][1],
+                         str(sizes[-1]) if sizes else "n/a", med_spread(times), med_spread(ideals),
+                         med_spread(ratios), med_spread(idles), med_spread(comms),
+                         med_spread(costs, 1e3, 3), med_spread(oas, 100, 2),
+                         f"{len(times)} / {len(oas)}"])
+        body += [f"## {ds.label}", "", *failure_note(batch),
+                 md_table(["slowdown (relative)", "applied factors (EMULATED)", "split", "batch sizes (last epoch)",
+                           "epoch s", "ideal s", "epoch / ideal", "idle s (rank mean)", "comm s (rank mean)",
+                           "c (ms/sample)", "OA %",
+                           "epochs / runs"], rows), ""]
+        body += [f"Exact command of a row (here: 1,1,2,4, measured speeds): `{batch.train_command(names[(SLOWDOWNS[1], 'auto', k)][0])}`",
+                 f"The batch of this dataset: `{shown(batch.command())}` ({batch.seconds:.0f} s, exit {batch.code}).", ""]
+        results[ds.name] = {"batch_s": batch.seconds, "exit": batch.code}
+        # One picture of what balancing does: the three splits of 1,1,2,4 side by side.
+        for cfg in HDP_CONFIGS:
+            key = names[(SLOWDOWNS[1], cfg, k)][0]
+            if runs.get(key) is not None and not ctx.args.quick:
+                try:
+                    from mpidl.plot import load_run, plot_time_breakdown
+
+                    png = ctx.out / f"hdp_breakdown_{ds.name}_{cfg}.png"
+                    plot_time_breakdown(load_run(batch.work / batch.tag / f"{key}.jsonl",
+                                                 label=f"{ds.label}, {cfg}"), png)
+                    body.append(f"![{ds.label} {cfg}]({png.name})")
+                except Exception as exc:  # matplotlib missing: the tables are what matters
+                    body.append(f"(figure skipped: {exc})")
+        body.append("")
+    body += ["## Reading the table", "",
+             "- *epoch s*: median over the timed epochs (all but the first) of all repeats, "
+             "[min-max] across them. *ideal s* and *epoch / ideal*: the same epochs' own ideal.",
+             "- With balanced weighting the global gradient does not depend on how the batch is "
+             "split, so the three splits train the same model: OA differs only through the order of "
+             "floating-point additions (and, for --speeds auto, the measured split).",
+             "- *idle s*: the trainer's estimate sum_t (max_j c_jt - c_it), the time a rank waits "
+             "each step for the slowest rank's compute. A split balanced on average still waits "
+             "every step for that step's unluckiest rank: on a shared machine the per-step compute "
+             "times jitter, and the emulation multiplies each rank's measured compute time, jitter "
+             "included, by its factor F_i, so the slow ranks jitter F_i times more. Together with "
+             "*comm s* this is the gap between *epoch s* and *ideal s*.",
+             "- Goal: epoch / ideal <= 1.05 for the balanced splits.", ""]
+    path = ctx.out / ("hdp_quick.md" if ctx.args.quick else "hdp.md")
+    hdp_figure(ctx, rows_json)
+    common.write_markdown(path, "Heterogeneous data parallelism (HDP): epoch time vs the ideal",
+                          ctx.me, ctx.info, ctx.common_body() + body)
+    results["rows"] = rows_json
+    return results
+
+
+def hdp_figure(ctx: Context, rows: list[dict]) -> None:
+    fig = common.matplotlib_figure(9, 4)
+    if fig is None or ctx.args.quick or not rows:
+        return
+    datasets = [d.name for d in ctx.datasets]
+    axes = fig.subplots(1, len(datasets), squeeze=False)[0]
+    for ax, ds in zip(axes, datasets):
+        sel = [r for r in rows if r["dataset"] == ds and r["scale"] == ctx.args.slowdown_scale]
+        labels = [f"{r['slowdown']}\n{r['config']}" for r in sel]
+        xs = range(len(sel))
+        ax.bar(xs, [median(r["epoch_s"]) for r in sel], color="#4C72B0", label="measured epoch")
+        ax.scatter(xs, [median(r["ideal_s"]) for r in sel], color="black", marker="_", s=400,
+                   label="ideal (work / sum of speeds)", zorder=3)
+        ax.set_xticks(list(xs), labels, fontsize=7)
+        ax.set_ylabel("seconds per epoch")
+        ax.set_title(f"{ds} (EMULATED slowdowns x{ctx.args.slowdown_scale:g})", fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(ctx.out / "hdp.png", dpi=110)
+
+
+# --------------------------------------------------------------------------------------------
+# 2. balanced gradient
+# --------------------------------------------------------------------------------------------
+
+
+def balanced(ctx: Context) -> dict:
+    plan = ctx.plan
+    results, body, rows_json = {}, [], []
+    body += ["## What was run", "",
+             f"Global batch 64 split by `--speeds` (given relative speeds: no slowdown is emulated, "
+             f"timing plays no part here), {plan.bal_epochs} epochs"
+             + (f" (at most {plan.max_steps} steps)" if plan.max_steps else "")
+             + f", seeds {', '.join(map(str, plan.bal_seeds))} (model initialisation and data order). "
+             "`uniform`: g = (1/P) sum_i g_i, the naive average; `balanced`: g = sum_i (b_i/B) g_i, "
+             "the exact gradient of the global batch's mean loss. With equal batches (1,1,1,1) the "
+             "two are the same computation.", ""]
+    for ds in ctx.datasets:
+        batch = ctx.batch(f"balanced_{ds.name}", ds)
+        names = {}
+        for seed in plan.bal_seeds:
+            for skew in plan.bal_skews:
+                for w in ("uniform", "balanced"):
+                    argv = ds.argv + ["--epochs", plan.bal_epochs, "--batch-size", 64, "--lr", ds.lr,
+                                      "--seed", seed, "--speeds", skew, "--weighting", w]
+                    if plan.max_steps:
+                        argv += ["--max-steps", plan.max_steps * plan.bal_epochs]
+                    name = f"{skew.replace(',', '')}_{w}_seed{seed}"
+                    batch.add(name, argv)
+                    names.setdefault((skew, w), []).append(name)
+        runs = batch.launch(plan.timeout)
+        rows, per_epoch = [], []
+        curves = {}
+        for (skew, w), keys in names.items():
+            finals = {"oa": [], "aa": [], "kappa": []}
+            by_epoch: dict[int, list[float]] = {}
+            sizes = None
+            for key in keys:
+                loaded = runs.get(key)
+                if loaded is None:
+                    continue
+                _, epochs, _ = loaded
+                sizes = epochs[-1]["batch_sizes"]
+                for m in finals:
+                    finals[m].append(epochs[-1][m])
+                for e in epochs:
+                    by_epoch.setdefault(e["epoch"], []).append(e["oa"])
+            curves[(skew, w)] = by_epoch
+            rows_json.append({"dataset": ds.name, "speeds": skew, "weighting": w, "batch_sizes": sizes,
+                              "final": finals, "oa_by_epoch": by_epoch})
+            rows.append([skew, str(sizes), w, mean_std(finals["oa"]), mean_std(finals["aa"]),
+                         mean_std(finals["kappa"], 1, 4), len(finals["oa"])])
+            per_epoch.append([skew, w] + [mean_std(by_epoch.get(e, [])) for e in sorted(by_epoch)])
+        deltas = []
+        for skew in plan.bal_skews:
+            u = [r for r in rows_json if r["dataset"] == ds.name and r["speeds"] == skew and r["weighting"] == "uniform"]
+            b = [r for r in rows_json if r["dataset"] == ds.name and r["speeds"] == skew and r["weighting"] == "balanced"]
+            if u and b and u[0]["final"]["oa"] and b[0]["final"]["oa"]:
+                pairs = list(zip(b[0]["final"]["oa"], u[0]["final"]["oa"]))
+                deltas.append([skew, mean_std([x - y for x, y in pairs])])
+        epochs_hdr = [f"OA % epoch {e}" for e in range(1, max((len(r) - 2 for r in per_epoch), default=0) + 1)]
+        body += [f"## {ds.label}", "", *failure_note(batch),
+                 md_table(["speeds", "batch sizes", "weighting", "OA %", "AA %", "kappa", "seeds"], rows), "",
+                 "Balanced minus uniform, final OA (points, mean ± std over paired seeds):", "",
+                 md_table(["speeds", "OA delta (points)"], deltas), "",
+                 "Per epoch (OA %, mean ± std over seeds):", "",
+                 md_table(["speeds", "weighting", *epochs_hdr], per_epoch), "",
+                 f"Exact command of a row: `{batch.train_command(names[(plan.bal_skews[-1], 'balanced')][0])}`",
+                 f"The batch: `{shown(batch.command())}` ({batch.seconds:.0f} s, exit {batch.code}).", ""]
+        results[ds.name] = {"batch_s": batch.seconds, "exit": batch.code}
+        balanced_figure(ctx, ds, curves)
+        if not ctx.args.quick and (ctx.out / f"balanced_{ds.name}.png").exists():
+            body += [f"![{ds.label}](balanced_{ds.name}.png)", ""]
+    path = ctx.out / ("balanced_quick.md" if ctx.args.quick else "balanced.md")
+    common.write_markdown(path, "Balanced gradient: uniform vs sample-weighted averaging with uneven batches",
+                          ctx.me, ctx.info, ctx.common_body() + body)
+    results["rows"] = rows_json
+    return results
+
+
+def balanced_figure(ctx: Context, ds: Dataset, curves: dict) -> None:
+    fig = common.matplotlib_figure(7, 4)
+    if fig is None or ctx.args.quick:
+        return
+    ax = fig.subplots()
+    for (skew, w), by_epoch in curves.items():
+        if not by_epoch:
+            continue
+        es = sorted(by_epoch)
+        means = [100 * statistics.mean(by_epoch[e]) for e in es]
+        stds = [100 * statistics.stdev(by_epoch[e]) if len(by_epoch[e]) > 1 else 0.0 for e in es]
+        (line,) = ax.plot(es, means, marker="o", markersize=3,
+                          linestyle="-" if w == "balanced" else "--", label=f"speeds {skew}, {w}")
+        ax.fill_between(es, [m - s for m, s in zip(means, stds)], [m + s for m, s in zip(means, stds)],
+                        color=line.get_color(), alpha=0.15)
+    ax.set(xlabel="epoch", ylabel="test OA (%), mean ± std over seeds",
+           title=f"{ds.label}: uniform (dashed) vs balanced (solid) weighting")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(ctx.out / f"balanced_{ds.name}.png", dpi=110)
+
+
+# --------------------------------------------------------------------------------------------
+# 3. node-based communication
+# --------------------------------------------------------------------------------------------
+
+
+def node_variants():
+    yield "flat", ["--strategy", "flat"]
+    yield "hierarchical", ["--strategy", "hierarchical"]
+    for k in NODE_K:
+        yield f"node K'={k}", ["--strategy", "node", "--sync-every", k]
+
+
+def node(ctx: Context) -> dict:
+    plan = ctx.plan
+    results, body, rows_json = {}, [], []
+    B = plan.node_batch
+    body += ["## What was run", "",
+             "2 nodes x 2 ranks, EMULATED on one machine with MPICH's launcher "
+             "(`mpiexec -n 4 -ppn 2 -hosts localhost,127.0.0.1 -launcher fork`: each -hosts entry "
+             "is a node, `MPI_COMM_TYPE_SHARED` really splits into 2 groups of 2, and the two "
+             "groups talk through MPICH's network module, not shared memory). "
+             f"Global batch {B} (so that an epoch has enough steps for K' to matter), equal split "
+             f"(`--balance none`: deterministic, so a run's accuracy does not depend on the link "
+             f"emulation), {plan.node_epochs} epochs"
+             + (f" (at most {plan.max_steps} steps)" if plan.max_steps else "") + ". "
+             "EMULATED links (`--emulate-link LATENCY_US,GBIT_S`): every inter-node collective "
+             "additionally sleeps its alpha-beta time (ring allreduce over the L participants: "
+             "2 (L-1) (alpha + n / (L beta))); for `flat` that is a ring over all 4 ranks every "
+             "step, for `hierarchical` and `node` a ring over the 2 leaders.", "",
+             "**Inter-node bytes.** The reducers count, per level, the bytes each rank hands to "
+             "each collective (`comm` in the metrics, rank 0, a node leader). `hierarchical` and "
+             "`node` have an inter-node level (the leaders' communicator), which is measured. "
+             "`flat` has none: its inter-node traffic is hidden inside the world Allreduce. For 2 "
+             "nodes, whatever the algorithm, each node must send the other at least the whole "
+             "buffer once per step (each side needs the other's partial sum), which is exactly "
+             "what `hierarchical` counts on its leaders. So the *flat* inter-node column below "
+             "is an ESTIMATE equal to the measured hierarchical count (a lower bound; MPICH's "
+             "algorithm may move more). Two ratios are given: on that per-node basis "
+             "(what crosses the node boundary), and by DESIGN.md's count ('K' times the ranks "
+             "per node'), which sets flat's 4 ranks' whole world traffic against the 2 leaders' "
+             "inter-node traffic.", ""]
+    for ds in ctx.datasets:
+        batch = ctx.batch(f"node_{ds.name}", ds, two_nodes=True, warmup_batch=B)
+        names = {}
+        for seed in plan.node_seeds:
+            for link in plan.node_links:
+                if link is not None and seed != plan.node_seeds[0]:
+                    continue  # the links change time only; accuracy comes from the link-free runs
+                for label, opts in node_variants():
+                    argv = ds.argv + ["--epochs", plan.node_epochs, "--batch-size", B, "--lr", ds.lr_node,
+                                      "--seed", seed, "--balance", "none", *opts]
+                    if link:
+                        argv += ["--emulate-link", link]
+                    if plan.max_steps:
+                        argv += ["--max-steps", plan.max_steps * plan.node_epochs]
+                    name = f"{label.replace(' ', '').replace(chr(39), '').replace('=', '')}_{link or 'nolink'}_seed{seed}".replace(",", "-")
+                    batch.add(name, argv)
+                    names[(label, link, seed)] = name
+        runs = batch.launch(plan.timeout)
+        seed0 = plan.node_seeds[0]
+        table, time_rows, acc_rows = [], [], []
+        ref = {}
+        for label, _ in node_variants():
+            loaded = runs.get(names[(label, None, seed0)])
+            if loaded is None:
+                table.append([label] + ["n/a"] * 7)
+                continue
+            _, epochs, _ = loaded
+            n_ep = len(epochs)
+            steps = epochs[-1]["step"]
+            inter_calls = sum(e["comm"]["inter"]["calls"] for e in epochs) / n_ep
+            inter_bytes = sum(e["comm"]["inter"]["bytes"] for e in epochs) / n_ep
+            world_bytes = sum(e["comm"]["world"]["bytes"] for e in epochs) / n_ep
+            intra_bytes = sum(e["comm"]["intra"]["bytes"] for e in epochs) / n_ep
+            ref[label] = dict(inter_calls=inter_calls, inter_bytes=inter_bytes, world_bytes=world_bytes,
+                              intra_bytes=intra_bytes, steps_per_epoch=steps / n_ep)
+        flat_est = ref.get("hierarchical", {}).get("inter_bytes", math.nan)
+        flat_world = ref.get("flat", {}).get("world_bytes", math.nan)
+        for label, _ in node_variants():
+            r = ref.get(label)
+            if r is None:
+                continue
+            measured = label != "flat"
+            inter = r["inter_bytes"] if measured else flat_est
+            calls = r["inter_calls"] if measured else ref.get("hierarchical", {}).get("inter_calls", math.nan)
+            per_node = inter / flat_est if flat_est else math.nan
+            design = (2 * inter) / (4 * flat_world) if measured and flat_world else (1.0 if not measured else math.nan)
+            r.update(per_node_ratio=per_node, design_ratio=design)
+            table.append([label, f"{r['steps_per_epoch']:.0f}", f"{calls:.1f}" + ("" if measured else " (est.)"),
+                          fmt_bytes(inter) + ("" if measured else " (est.)"),
+                          fmt_bytes(r["world_bytes"]) if r["world_bytes"] else "-",
+                          fmt_bytes(r["intra_bytes"]) if r["intra_bytes"] else "-",
+                          _ratio(per_node), _ratio(design)])
+        # accuracy over seeds (link-free runs), deltas vs flat paired by seed
+        flat_oa = {s: runs[names[("flat", None, s)]][1][-1]["oa"] for s in plan.node_seeds
+                   if runs.get(names[("flat", None, s)]) is not None}
+        acc_json = {}
+        for label, _ in node_variants():
+            oas, aas, kappas, deltas, same = [], [], [], [], []
+            for s in plan.node_seeds:
+                loaded = runs.get(names[(label, None, s)])
+                if loaded is None:
+                    continue
+                last = loaded[1][-1]
+                oas.append(last["oa"]), aas.append(last["aa"]), kappas.append(last["kappa"])
+                if s in flat_oa:
+                    deltas.append(last["oa"] - flat_oa[s])
+            for link in plan.node_links[1:]:  # determinism check: the link emulation only sleeps
+                other = runs.get(names[(label, link, seed0)])
+                base = runs.get(names[(label, None, seed0)])
+                if other is not None and base is not None:
+                    same.append(other[1][-1]["oa"] == base[1][-1]["oa"])
+            saving = ref.get(label, {}).get("per_node_ratio", math.nan)
+            acc_json[label] = {"oa": oas, "aa": aas, "kappa": kappas, "delta_vs_flat": deltas,
+                               "inter_ratio_per_node": saving, "inter_ratio_design": ref.get(label, {}).get("design_ratio")}
+            acc_rows.append([label, mean_std(oas), mean_std(aas), mean_std(kappas, 1, 4),
+                             mean_std(deltas), _ratio(saving),
+                             ("yes" if all(same) else "NO") if same else "n/a"])
+        for label, _ in node_variants():
+            cells = [label]
+            per_link = {}
+            for link in plan.node_links:
+                loaded = runs.get(names[(label, link, seed0)])
+                times = [e["time_s"] for e in timed_epochs(loaded[1])] if loaded else []
+                per_link[link or "none"] = times
+                cells.append(med_spread(times))
+            time_rows.append(cells)
+            acc_json[label]["epoch_s"] = per_link
+        example = names[("node K'=50", plan.node_links[1] if len(plan.node_links) > 1 else None, seed0)]
+        link_hdr = ["no link emulation" if l is None else f"EMULATED link {l.split(',')[0]} us, {l.split(',')[1]} Gbit/s"
+                    for l in plan.node_links]
+        body += [f"## {ds.label}", "", *failure_note(batch),
+                 "Traffic per epoch (mean over the epochs of the seed-0, link-free run; counters of "
+                 "rank 0, a leader; one leader's bytes = what crosses the node boundary in each "
+                 "direction):", "",
+                 md_table(["strategy", "steps/epoch", "inter-node calls/epoch", "inter-node bytes/epoch (per leader)",
+                           "world bytes/epoch (per rank)", "intra-node bytes/epoch (per rank)",
+                           "inter-node vs flat (per node)", "vs flat (DESIGN.md count)"], table), "",
+                 f"Accuracy after {plan.node_epochs} epoch(s), mean ± std over seeds "
+                 f"{', '.join(map(str, plan.node_seeds))}; delta vs flat paired by seed, in points:", "",
+                 md_table(["strategy", "OA %", "AA %", "kappa", "OA - flat OA (points)",
+                           "inter-node bytes vs flat", "same OA under the link emulation"], acc_rows), "",
+                 "Epoch time (s), median [min-max] over the timed epochs (all but the first) of the seed-0 run:", "",
+                 md_table(["strategy", *link_hdr], time_rows), "",
+                 f"Exact command of a row (node K'=50, EMULATED link 50 us / 1 Gbit/s): "
+                 f"`{batch.train_command(example)}`",
+                 f"The batch: `{shown(batch.command())}` ({batch.seconds:.0f} s, exit {batch.code}).", ""]
+        results[ds.name] = {"batch_s": batch.seconds, "exit": batch.code, "traffic": ref, "accuracy": acc_json}
+        rows_json.append({"dataset": ds.name, "traffic": ref, "accuracy": acc_json})
+    body += ["## Reading the tables", "",
+             "- The trainer also averages the parameters at the end of every epoch (so that the "
+             "evaluated model is one model): a K' larger than the steps of an epoch behaves as "
+             "K' = steps per epoch, and the measured calls/epoch include that sync. In steady state "
+             "(no epoch ends) node-based syncs cost 1/K' of hierarchical's inter-node traffic, and "
+             "1/(2K') by DESIGN.md's count on 2 ranks per node.",
+             "- Goals: node K'=50 inter-node bytes <= 1/100 of flat (by DESIGN.md's count) on 2x2; "
+             "OA within 1 point of flat.", ""]
+    path = ctx.out / ("node_quick.md" if ctx.args.quick else "node.md")
+    node_figure(ctx, rows_json)
+    if not ctx.args.quick and (ctx.out / "node.png").exists():
+        body += ["![node](node.png)", ""]
+    common.write_markdown(path, "Node-based communication: inter-node traffic, time and accuracy vs K'",
+                          ctx.me, ctx.info, ctx.common_body() + body)
+    results["rows"] = rows_json
+    return results
+
+
+def failure_note(batch) -> list[str]:
+    """Lines for the report when a batch did not finish: its exit code and the end of its log."""
+    if batch.code == 0:
+        return []
+    return [f"**This batch failed (exit code {batch.code}); rows without numbers did not run.** "
+            "End of its log:", "", common.code_block(common.tail(batch.log, 12).splitlines()), ""]
+
+
+def _ratio(x: float) -> str:
+    if x is None or not math.isfinite(x):
+        return "n/a"
+    if x == 0:
+        return "0"
+    return f"1/{1 / x:.0f}" if x < 0.5 else f"{x:.2f}"
+
+
+def node_figure(ctx: Context, rows: list[dict]) -> None:
+    fig = common.matplotlib_figure(9, 3.8)
+    if fig is None or ctx.args.quick or not rows:
+        return
+    ax_bytes, ax_oa = fig.subplots(1, 2)
+    for r in rows:
+        labels = [lab for lab, _ in node_variants()]
+        traffic = r["traffic"]
+        flat_est = traffic.get("hierarchical", {}).get("inter_bytes", math.nan)
+        ys = [(traffic[l]["inter_bytes"] if l != "flat" else flat_est) / 1e6 if l in traffic else math.nan
+              for l in labels]
+        ax_bytes.plot(range(len(labels)), ys, marker="o", label=r["dataset"])
+        acc = r["accuracy"]
+        ax_oa.errorbar(range(len(labels)),
+                       [100 * statistics.mean(acc[l]["oa"]) if acc.get(l, {}).get("oa") else math.nan for l in labels],
+                       yerr=[100 * statistics.stdev(acc[l]["oa"]) if len(acc.get(l, {}).get("oa", [])) > 1 else 0
+                             for l in labels], marker="o", capsize=3, label=r["dataset"])
+        ax_bytes.set_xticks(range(len(labels)), labels, rotation=30, fontsize=7)
+        ax_oa.set_xticks(range(len(labels)), labels, rotation=30, fontsize=7)
+    ax_bytes.set_yscale("log")
+    ax_bytes.set(ylabel="inter-node MB / epoch (per leader)", title="inter-node traffic (flat: estimate)")
+    ax_oa.set(ylabel="test OA % (mean ± std over seeds)", title="accuracy, 2 EMULATED nodes x 2 ranks")
+    for ax in (ax_bytes, ax_oa):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(ctx.out / "node.png", dpi=110)
+
+
+# --------------------------------------------------------------------------------------------
+# the other scripts
+# --------------------------------------------------------------------------------------------
+
+
+def _script(ctx: Context, cmd: list[str], log_name: str, timeout: float) -> dict:
+    code, seconds = common.run(cmd, ctx.work / log_name, timeout,
+                               common.bench_env(not ctx.args.mpich_defaults))
+    if code != 0:
+        print(common.tail(ctx.work / log_name), flush=True)
+    return {"command": shown(cmd), "exit": code, "seconds": seconds, "log": str(ctx.work / log_name)}
+
+
+def comm(ctx: Context) -> dict:
+    quick = ["--quick"] if ctx.args.quick else []
+    program = [PYTHON, str(common.BENCH_DIR / "comm.py"), "--out", str(ctx.out), *quick]
+    one = _script(ctx, common.mpiexec(4, program), "comm_1node.log", 600)
+    two = _script(ctx, common.mpiexec(4, program, two_nodes=True), "comm_2nodes.log", 600)
+    result = {"one_node": one, "two_nodes": two}
+    if one["exit"] or two["exit"]:
+        result["error"] = "comm.py failed; see the logs"
+    return result
+
+
+def scaling(ctx: Context) -> dict:
+    quick = ["--quick"] if ctx.args.quick else []
+    cmd = [PYTHON, str(common.BENCH_DIR / "scaling.py"), "--out", str(ctx.out), "--work", str(ctx.work / "scaling"), *quick]
+    if ctx.args.mpich_defaults:
+        cmd.append("--mpich-defaults")
+    result = _script(ctx, cmd, "scaling.log", 900)
+    if result["exit"]:
+        result["error"] = "scaling.py failed; see the log"
+    return result
+
+
+def peers(ctx: Context) -> dict:
+    quick = ["--quick"] if ctx.args.quick else []
+    cmd = [PYTHON, str(common.BENCH_DIR / "peers_torch.py"), "--out", str(ctx.out), "--work", str(ctx.work / "peers"), *quick]
+    for ds in ctx.datasets:
+        if ds.name == "samson":
+            cmd += ["--samson", ds.argv[1]]
+    if ctx.args.mpich_defaults:
+        cmd.append("--mpich-defaults")
+    result = _script(ctx, cmd, "peers.log", 900)
+    if result["exit"]:
+        result["error"] = "peers_torch.py failed; see the log"
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# the index
+# --------------------------------------------------------------------------------------------
+
+
+def write_index(ctx: Context, summary: dict) -> None:
+    lines = ["# Benchmark results", "",
+             "Regenerate everything (tables, figures, this page) with one command from the "
+             "repository root:", "", "```", "python benchmarks/experiments.py", "```", "",
+             f"This run took {summary['wall_s'] / 60:.1f} minutes.", "",
+             common.machine_md(ctx.info), "",
+             "| file | what |", "|---|---|",
+             "| [hdp.md](hdp.md) | heterogeneous data parallelism: epoch time of equal / measured / re-balanced splits vs the ideal, EMULATED slowdowns |",
+             "| [balanced.md](balanced.md) | balanced vs uniform gradient weighting with uneven batches: OA/AA/kappa over seeds |",
+             "| [node.md](node.md) | node-based communication on 2 EMULATED nodes: inter-node traffic, epoch time under EMULATED links, accuracy per K' |",
+             "| [comm.md](comm.md) | reduction strategies on flat buffers 4 KiB - 64 MiB, raw MPI_Allreduce, torch.distributed (gloo) |",
+             "| [scaling.md](scaling.md) | samples/s with 1, 2, 4 ranks, hsicnn and resnet8 |",
+             "| [peers.md](peers.md) | mpidl vs PyTorch DDP (gloo) on the same model and data |",
+             "", "Sections and their wall time:", ""]
+    for name, sec in summary["sections"].items():
+        status = "FAILED: " + sec["error"] if "error" in sec else "ok"
+        lines.append(f"- {name}: {sec['wall_s']:.0f} s, {status}")
+    if ctx.data_commands:
+        lines += ["", "Samson was converted with:", "", common.code_block(ctx.data_commands)]
+    (ctx.out / "README.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Print what a layout file holds, and validate it.
+
+    python -m mpidl.data_tools info samson.h5 [--verify]
+
+Prints the sample shape, the splits, the class balance per split, the stored training
+statistics and the converter's attributes. An invalid file prints ``error: FILE: problem``
+and exits with code 1. ``--verify`` also reads the training split and checks that the
+stored mean/std are its statistics (they must be: the reader normalizes with them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+
+from mpidl.data import REQUIRED_ATTRS, LayoutError, validate_layout
+from mpidl.data_tools.layout import channel_stats
+
+
+def _fmt_range(values: np.ndarray) -> str:
+    return f"[{values.min():.4g} .. {values.max():.4g}] over {values.size} channels"
+
+
+def describe(path: str, verify: bool = False) -> str:
+    """The report printed by ``info`` (raises :class:`~mpidl.data.LayoutError` if invalid)."""
+    import h5py  # noqa: PLC0415
+
+    meta = validate_layout(path)
+    names = meta["class_names"]
+    k = len(names)
+    lines = [f"file         {path} ({os.path.getsize(path) / 2**20:.1f} MiB), layout version "
+             f"{meta['layout_version']}",
+             f"source       {meta['source']}"]
+    with h5py.File(path, "r") as f:
+        x = f["train/x"]
+        lines.append(f"samples      {' x '.join(map(str, meta['sample_shape']))} (C x H x W), "
+                     f"{x.dtype}, chunks {x.chunks}, patch_size {meta['patch_size']}")
+        lines.append(f"split seed   {meta['split_seed']}")
+        counts = {s: np.bincount(f[f"{s}/y"][...], minlength=k) for s in meta["splits"]}
+        width = max(5, *(len(n) for n in names))
+        header = f"{'class':<{width}}" + "".join(f"  {s:>7}" for s in counts)
+        lines += ["", header]
+        for i, name in enumerate(names):
+            lines.append(f"{name:<{width}}" + "".join(f"  {c[i]:>7d}" for c in counts.values()))
+        lines.append(f"{'total':<{width}}" + "".join(f"  {c.sum():>7d}" for c in counts.values()))
+        lines.append("")
+        lines.append(f"train mean   {_fmt_range(meta['mean'])}")
+        lines.append(f"train std    {_fmt_range(meta['std'])}")
+        extra = {key: f.attrs[key] for key in f.attrs if key not in REQUIRED_ATTRS}
+        key_width = max([12, *(len(key) for key in extra)])
+        for key, value in sorted(extra.items()):
+            value = value.decode() if isinstance(value, bytes) else value
+            lines.append(f"{key:<{key_width}} {value}")
+        if verify:
+            mean, std = channel_stats(f["train/x"][...])
+            dev = max(np.max(np.abs(mean - meta["mean"]) / meta["std"]),
+                      np.max(np.abs(std / meta["std"] - 1)))
+            if dev > 1e-4:
+                raise LayoutError(path, f"stored mean/std are not the training split's statistics "
+                                        f"(relative deviation {dev:.3g})")
+            lines.append(f"verified     stored mean/std match the training split "
+                         f"(relative deviation {dev:.1e})")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", help="an HDF5 file in the mpidl layout")
+    p.add_argument("--verify", action="store_true",
+                   help="also recompute the training statistics and compare")
+
+
+def run(args: argparse.Namespace) -> int:
+    print(describe(args.file, verify=args.verify))
+    return 0

@@ -1,0 +1,89 @@
+"""Every benchmark script's ``--quick`` mode runs and writes its tables (subprocesses).
+
+The numbers of a quick run mean nothing; what is checked is that each script runs end to end
+(launching its own ``mpiexec`` jobs where it needs them) and writes its Markdown with the
+expected sections and table headers, into a temporary folder (never into benchmarks/results).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+MPIEXEC = os.environ.get("MPIEXEC") or str(Path(sys.executable).parent / "mpiexec")
+
+pytestmark = pytest.mark.slow
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def _run(cmd, timeout=240):
+    if not Path(MPIEXEC).exists():
+        pytest.skip(f"no mpiexec at {MPIEXEC}")
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=_env())
+    assert proc.returncode == 0, f"{cmd}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def _table_rows(text: str, header_start: str) -> list[str]:
+    """The data rows of the first Markdown table whose header line starts with ``header_start``."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith(header_start):
+            rows = []
+            for row in lines[i + 2:]:
+                if not row.startswith("|"):
+                    break
+                rows.append(row)
+            return rows
+    raise AssertionError(f"no table starting with {header_start!r} in:\n{text[:2000]}")
+
+
+def test_experiments_quick_writes_every_table(tmp_path):
+    _run([sys.executable, str(BENCH / "experiments.py"), "--quick", "--no-samson", "--out", str(tmp_path),
+          "--work", str(tmp_path / "work"), "--only", "hdp", "balanced", "node"])
+    hdp = (tmp_path / "hdp_quick.md").read_text()
+    assert "| machine |" in hdp and "MPICH" in hdp and "EMULATION" in hdp
+    rows = _table_rows(hdp, "| slowdown (relative)")
+    assert len(rows) >= 3 and all("n/a" not in r.split("|")[5] for r in rows), rows  # epoch s measured
+    balanced = (tmp_path / "balanced_quick.md").read_text()
+    assert {r.split("|")[3].strip() for r in _table_rows(balanced, "| speeds | batch sizes")} == {"uniform", "balanced"}
+    node = (tmp_path / "node_quick.md").read_text()
+    traffic = _table_rows(node, "| strategy | steps/epoch")
+    assert [r.split("|")[1].strip() for r in traffic] == [
+        "flat", "hierarchical", "node K'=1", "node K'=10", "node K'=50", "node K'=200"]
+    assert "(est.)" in traffic[0]  # flat's inter-node traffic is an estimate, and says so
+    assert (tmp_path / "experiments_quick.json").is_file()
+
+
+def test_comm_quick_writes_its_table(tmp_path):
+    _run([MPIEXEC, "-n", "2", "-launcher", "fork", sys.executable, str(BENCH / "comm.py"), "--quick",
+          "--no-torch", "--out", str(tmp_path)])
+    text = (tmp_path / "comm_quick.md").read_text()
+    rows = _table_rows(text, "| buffer |")
+    assert [r.split("|")[1].strip() for r in rows] == ["4 KiB", "64 KiB", "256 KiB"]
+    assert "MPI_Allreduce" in text and "hierarchical" in text and "node step" in text
+
+
+def test_scaling_quick_writes_its_table(tmp_path):
+    _run([sys.executable, str(BENCH / "scaling.py"), "--quick", "--ranks", "1", "2", "--out", str(tmp_path),
+          "--work", str(tmp_path / "work")])
+    rows = _table_rows((tmp_path / "scaling_quick.md").read_text(), "| model | ranks")
+    assert len(rows) == 4 and not any("failed" in r for r in rows), rows
+
+
+def test_peers_quick_writes_its_table(tmp_path):
+    # With PyTorch installed the torch columns are filled; without it they say "skipped".
+    _run([sys.executable, str(BENCH / "peers_torch.py"), "--quick", "--out", str(tmp_path),
+          "--work", str(tmp_path / "work")])
+    text = (tmp_path / "peers_quick.md").read_text()
+    rows = _table_rows(text, "| configuration | mpidl ms/step")
+    assert [r.split("|")[1].strip() for r in rows][0] == "flat" and len(rows) == 3

@@ -1,0 +1,149 @@
+"""SIGTERM (what Slurm sends before the time limit) stops a job cleanly, and --resume finishes it.
+
+Each test launches ``python -m mpidl.train`` under ``mpiexec -n 2 -launcher fork`` (or alone),
+waits until training has started (the metrics file has its ``start`` record, written after the
+signal handler is installed), sends SIGTERM, and checks: exit code 0, an ``end`` record with
+``stopped: signal``, a checkpoint. The resumed run must reach the configured epochs and, in
+float64 with fixed speeds, end with bitwise the parameters of an uninterrupted run.
+
+MPICH's ``mpiexec`` (hydra) forwards a SIGTERM it receives to every rank. Under Slurm the
+signal goes to every task of the step (srun) or, with ``mpiexec`` inside a batch script, to
+every process of the job; one rank receiving it is enough, which the ``one-rank`` case checks.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from mpidl.checkpoint import CHECKPOINT_NAME, read_checkpoint_meta
+
+ROOT = Path(__file__).resolve().parents[1]
+MPIEXEC = os.environ.get("MPIEXEC") or str(Path(sys.executable).parent / "mpiexec")
+EPOCHS, STEPS_PER_EPOCH = 3, 15  # 240 samples, global batch 16
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    """240 training patches of 4 bands x 5 x 5 pixels in the mpidl layout: fast to train."""
+    from mpidl.data import write_layout
+
+    rng = np.random.default_rng(0)
+
+    def split(n):
+        y = rng.integers(0, 3, n)
+        return rng.standard_normal((n, 4, 5, 5)).astype(np.float32) + 0.5 * y[:, None, None, None], y
+
+    path = tmp_path_factory.mktemp("data") / "tiny.h5"
+    write_layout(path, {"train": split(240), "test": split(40)}, ["a", "b", "c"], source="test_signals")
+    return str(path)
+
+
+def command(data, *extra, ranks=2):
+    args = [sys.executable, "-m", "mpidl.train", "--data", data, "--epochs", str(EPOCHS),
+            "--batch-size", "16", "--dtype", "float64", "--speeds", ",".join(["1"] * (ranks or 1)),
+            "--schedule", "cosine", *extra]
+    if ranks is None:
+        return args
+    if not Path(MPIEXEC).exists():
+        pytest.skip(f"no mpiexec at {MPIEXEC}")
+    return [MPIEXEC, "-n", str(ranks), "-launcher", "fork", *args]
+
+
+def records(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def wait_for_start(proc, metrics, timeout=60.0):
+    """Until the metrics file has the ``start`` record (the run loop begins right after)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"the job ended before training started:\n{out}\n{err}")
+        if metrics.exists() and '"event": "start"' in metrics.read_text():
+            return
+        time.sleep(0.02)
+    proc.kill()
+    pytest.fail("training did not start in time")
+
+
+def rank_pids(mpiexec_pid):
+    """``{rank: pid}`` of the ranks under an mpiexec (hydra: mpiexec -> proxy -> ranks), from
+    each process's ``PMI_RANK``."""
+    found, todo = {}, [mpiexec_pid]
+    while todo:
+        pid = todo.pop()
+        try:
+            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for entry in env:
+            if entry.startswith(b"PMI_RANK="):
+                found[int(entry.split(b"=")[1])] = pid
+        todo += [int(c) for c in children]
+    return found
+
+
+def params_of(saved_model):
+    with h5py.File(saved_model) as f:
+        return [f[name][()] for name in json.loads(f.attrs["param_order"])]
+
+
+@pytest.mark.parametrize("target", ["mpiexec", "one-rank", "serial"])
+def test_sigterm_checkpoints_exits_0_and_resume_completes(tmp_path, tiny_data, target):
+    ranks = None if target == "serial" else 2
+    folder, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    # SIGTERM is sent as soon as the run loop starts: the job stops at the control point of
+    # step 10 (or a later one on a very fast machine), well before the last step (45).
+    first = subprocess.Popen(
+        command(tiny_data, "--checkpoint", str(folder), "--metrics", str(metrics), ranks=ranks),
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_start(first, metrics)
+    if target == "one-rank":
+        pids = {}
+        for _ in range(100):  # the ranks are running: their PMI_RANK is there to read
+            pids = rank_pids(first.pid)
+            if len(pids) == 2:
+                break
+            time.sleep(0.05)
+        assert 1 in pids, pids
+        os.kill(pids[1], signal.SIGTERM)  # rank 1 alone: the control point tells rank 0
+    else:
+        first.send_signal(signal.SIGTERM)
+    out, err = first.communicate(timeout=60)
+    assert first.returncode == 0, (out, err)
+    end = records(metrics)[-1]
+    assert end["event"] == "end" and end["stopped"] == "signal", end
+    assert 0 < end["step"] < EPOCHS * STEPS_PER_EPOCH, end
+    meta = read_checkpoint_meta(str(folder))
+    assert meta["global_step"] == end["step"]
+    assert (meta["epoch"], meta["step_in_epoch"]) == divmod(end["step"], STEPS_PER_EPOCH)
+    assert "checkpoint:" in out and "Traceback" not in err
+
+    resumed = subprocess.run(
+        command(tiny_data, "--checkpoint", str(folder), "--resume", "--metrics", str(metrics),
+                "--save", str(tmp_path / "resumed.h5"), ranks=ranks),
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout
+    end = records(metrics)[-1]
+    assert end["stopped"] == "completed" and end["step"] == EPOCHS * STEPS_PER_EPOCH
+    assert records(metrics)[-2]["epoch"] == EPOCHS
+
+    if target == "mpiexec":  # the same job without interruption: bitwise the same model
+        whole = subprocess.run(command(tiny_data, "--save", str(tmp_path / "whole.h5"), ranks=ranks),
+                               cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert whole.returncode == 0, whole.stderr
+        for a, b in zip(params_of(tmp_path / "resumed.h5"), params_of(tmp_path / "whole.h5")):
+            assert a.tobytes() == b.tobytes()
+    assert not any(name.endswith(".tmp") for name in os.listdir(folder))
+    assert CHECKPOINT_NAME in os.listdir(folder)
