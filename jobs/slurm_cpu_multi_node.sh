@@ -32,13 +32,15 @@ train_args=(-m mpidl.train --strategy node --sync-every 50
             --metrics "runs/${SLURM_JOB_ID}.jsonl" "$@")
 mkdir -p runs
 
+# exec: no shell between Slurm and the launcher, so SIGTERM at the time limit reaches the
+# ranks, which checkpoint and exit 0 (see README, "Resuming, failures, signals").
 if [[ "${LAUNCHER:-srun}" == srun ]]; then
     # srun wires the ranks through PMIx: no hostfile, and Slurm's own process binding.
-    srun --mpi=pmix --cpu-bind=cores "$PYTHON" "${train_args[@]}"
+    exec srun --mpi=pmix --cpu-bind=cores "$PYTHON" "${train_args[@]}"
 else
     # The alternative where srun's PMIx does not match the MPI library: MPICH's Hydra and
     # Open MPI's mpirun both read the Slurm allocation themselves (nodes, tasks per node).
     # -n / -ppn spelled out make the placement explicit (Open MPI: --map-by ppr:N:node).
-    "${MPIEXEC:-mpiexec}" -n "$SLURM_NTASKS" -ppn "$SLURM_NTASKS_PER_NODE" \
+    exec "${MPIEXEC:-mpiexec}" -n "$SLURM_NTASKS" -ppn "$SLURM_NTASKS_PER_NODE" \
         "$PYTHON" "${train_args[@]}"
 fi

@@ -35,5 +35,7 @@ mkdir -p runs
 # shows what the site supports; mpi4py's MPI must be built with PMIx/Slurm support).
 # --cpu-bind=cores pins each rank to its own cores so the speeds it measures stay stable.
 # The metrics file is named after the job; a --metrics in "$@" comes later and wins.
-srun --mpi=pmix --cpu-bind=cores \
+# exec: no shell between Slurm and the launcher, so SIGTERM at the time limit reaches the
+# ranks, which checkpoint and exit 0 (see README, "Resuming, failures, signals").
+exec srun --mpi=pmix --cpu-bind=cores \
     "$PYTHON" -m mpidl.train --metrics "runs/${SLURM_JOB_ID}.jsonl" "$@"

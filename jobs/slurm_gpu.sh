@@ -39,5 +39,7 @@ fi
 
 # --device gpu puts arrays on the GPU (CuPy); the reducers synchronize the device stream
 # before a GPU buffer is handed to MPI. The metrics file is named after the job id.
-srun --mpi=pmix "${wrapper[@]}" \
+# exec: no shell between Slurm and the launcher, so SIGTERM at the time limit reaches the
+# ranks, which checkpoint and exit 0 (see README, "Resuming, failures, signals").
+exec srun --mpi=pmix "${wrapper[@]}" \
     "$PYTHON" -m mpidl.train --device gpu --metrics "runs/${SLURM_JOB_ID}.jsonl" "$@"

@@ -45,7 +45,9 @@ common=(-m mpidl.train --speeds auto --strategy hierarchical --dtype float32
 # ranks 0-3 of MPI_COMM_WORLD), the part after it in component 1 (GPU ranks 4-5).
 # Each part sets its own threads: CPU ranks use their cores for BLAS, GPU ranks need few.
 # --mpi=pmix is repeated after the colon: harmless where the first block's value propagates.
-srun --mpi=pmix --cpu-bind=cores \
+# exec: no shell between Slurm and the launcher, so SIGTERM at the time limit reaches the
+# ranks, which checkpoint and exit 0 (see README, "Resuming, failures, signals").
+exec srun --mpi=pmix --cpu-bind=cores \
         env OMP_NUM_THREADS="${SLURM_CPUS_PER_TASK_HET_GROUP_0:-8}" \
         "$PYTHON" "${common[@]}" --device cpu \
     : --mpi=pmix \

@@ -554,10 +554,12 @@ def load_splits(path: str | os.PathLike, *, cache: bool = False, augment: bool =
     """``(train, test, meta)`` of a layout file.
 
     Augmentation (with ``seed``) applies to the training split only; ``meta`` is
-    :func:`validate_layout`'s dict plus ``description`` (one line for logs).
+    :func:`validate_layout`'s dict plus ``description`` (one line for logs). The test split is
+    always cached: every evaluation reads the same shard on each rank, so after the first
+    epoch it comes from memory (the shard's size, not the file's).
     """
     train = open_dataset(path, "train", cache=cache, augment=augment, augment_seed=seed)
-    test = open_dataset(path, "test", cache=cache)
+    test = open_dataset(path, "test", cache=True)
     meta = dict(train.meta)
     meta["description"] = f"{path} ({meta['source']})"
     return train, test, meta

@@ -60,7 +60,7 @@ def test_hetjob_gives_each_component_its_device():
     text = (REPO / "jobs" / "slurm_hetjob.sh").read_text()
     assert "#SBATCH hetjob" in text
     assert "--speeds auto" in text
-    launch = text[text.index("\nsrun "):]
+    launch = text[text.index("\nexec srun "):]
     cpu_part, gpu_part = launch.split("\n    : ")
     assert "--device cpu" in cpu_part and "--device gpu" in gpu_part
 
