@@ -174,7 +174,7 @@ class TrainBatch:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "runs.json").write_text(json.dumps(self.runs, indent=1))
         log = folder / "batch.log"
-        code, seconds = run(self.command(), log, timeout, bench_env(self.throttle))
+        code, seconds = run(self.command(), log, timeout, bench_env(self.throttle, getattr(self, "extra_env", None)))
         self.seconds, self.code, self.log = seconds, code, log
         results = {}
         for r in self.runs:

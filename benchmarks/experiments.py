@@ -153,7 +153,7 @@ def main(argv=None) -> int:
     summary["wall_s"] = time.perf_counter() - started
     (out / ("experiments_quick.json" if args.quick else "experiments.json")).write_text(
         json.dumps(summary, indent=1, default=str))
-    if not args.quick:
+    if not args.quick and not args.only and not args.skip:  # the index describes a complete run
         write_index(ctx, summary)
     print(f"done in {summary['wall_s']:.0f} s: {out}", flush=True)
     failed = [k for k, v in summary["sections"].items() if "error" in v]

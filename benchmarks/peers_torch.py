@@ -165,7 +165,6 @@ def worker(args) -> int:
         os.environ.setdefault(var, str(threads))  # before NumPy loads, as mpidl.train does
 
     import common
-    import numpy as np
 
     from mpidl import data as mdata
 

@@ -80,63 +80,77 @@ def main(argv=None) -> int:
     epochs = 1 if quick else args.epochs
     limit = ["--max-steps", "2"] if quick else []
     models = {
-        "hsicnn": ([], "built-in synthetic scene, 32x7x7 patches, 2049 train samples", 0.05),
+        "hsicnn": ([], "the built-in synthetic scene (32x7x7 patches)", 0.05),
         "resnet8": (["--data", str(images)], f"synthetic images 3x32x32, {128 if quick else args.images} train samples", 0.05),
     }
     rows, table, commands = {}, [], []
-    for ranks in args.ranks:
-        batch = common.TrainBatch(work, f"scaling_{ranks}", ranks=ranks, throttle=not args.mpich_defaults)
+    # mpidl.train gives each rank cores // ranks-per-node threads; with 1 rank that is all the
+    # cores, so the 1-rank case is also measured with 1 thread (the threads setting it would
+    # get among several ranks): on small kernels more threads can be slower, not faster.
+    variants = [(r, None) for r in args.ranks]
+    if 1 in args.ranks:
+        variants.insert(args.ranks.index(1) + 1, (1, 1))
+    for ranks, threads in variants:
+        tag = f"scaling_{ranks}" + (f"_{threads}thread" if threads else "")
+        batch = common.TrainBatch(work, tag, ranks=ranks, throttle=not args.mpich_defaults)
+        if threads:
+            batch.extra_env = {v: str(threads) for v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                                                          "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")}
         for model, (data, _, lr) in models.items():
             # untimed first: JIT compilation of this model's kernels, caches
             batch.add(f"warmup_{model}", data + ["--model", model, "--epochs", "1", "--max-steps", "2",
                                                  "--balance", "none"])
             batch.add(model, data + ["--model", model, "--epochs", epochs, "--batch-size", 64, "--lr", lr,
                                      "--balance", "none", *limit])
-        print(f"scaling: {ranks} rank(s)", flush=True)
+        print(f"scaling: {ranks} rank(s)" + (f", {threads} thread(s)" if threads else ""), flush=True)
         runs = batch.launch(600)
-        commands.append(f"`{common.shown(batch.command())}` ({batch.seconds:.0f} s, exit {batch.code})")
+        env_txt = " ".join(f"{k}={v}" for k, v in getattr(batch, "extra_env", {}).items())
+        commands.append(f"`{env_txt + ' ' if env_txt else ''}{common.shown(batch.command())}` "
+                        f"({batch.seconds:.0f} s, exit {batch.code})")
         for model in models:
             loaded = runs.get(model)
             if loaded is None:
-                rows[(model, ranks)] = None
+                rows[(model, ranks, threads)] = None
                 continue
             epochs_ = common.timed_epochs(loaded[1])
             comp = [max(e["comp_s"]) / e["time_s"] for e in epochs_]
-            rows[(model, ranks)] = {"sps": [e["samples_per_s"] for e in epochs_], "comp_share": comp,
-                                    "command": batch.train_command(model), "oa": loaded[1][-1]["oa"]}
+            rows[(model, ranks, threads)] = {"sps": [e["samples_per_s"] for e in epochs_], "comp_share": comp,
+                                             "command": batch.train_command(model), "oa": loaded[1][-1]["oa"]}
     for model, (_, desc, _) in models.items():
-        base = rows.get((model, min(args.ranks)))
-        base_sps = common.median(base["sps"]) if base else float("nan")
-        for ranks in args.ranks:
-            r = rows.get((model, ranks))
+        ones = [rows[k] for k in rows if k[0] == model and k[1] == min(args.ranks) and rows[k]]
+        base_sps = max((common.median(r["sps"]) for r in ones), default=float("nan"))  # the faster 1-rank row
+        for ranks, threads in variants:
+            r = rows.get((model, ranks, threads))
+            label = f"{ranks}" + (f" ({threads} thread)" if threads else
+                                   f" ({max(1, info['cores'] // ranks)} thread{'s' if info['cores'] // ranks > 1 else ''} each)")
             if r is None:
-                table.append([model, ranks, "failed", "", "", "", ""])
+                table.append([model, label, "failed", "", "", "", ""])
                 continue
             sps = common.median(r["sps"])
             speedup = sps / base_sps
-            table.append([model, ranks, common.med_spread(r["sps"], 1, 0), f"{speedup:.2f}",
+            table.append([model, label, common.med_spread(r["sps"], 1, 0), f"{speedup:.2f}",
                           f"{speedup / (ranks / min(args.ranks)):.2f}", f"{100 * common.median(r['comp_share']):.0f}%",
                           f"{100 * r['oa']:.1f}"])
     body = ["Global batch 64 split equally, flat strategy, SGD; samples/s = training samples of an "
             "epoch / its time (evaluation excluded), median [min-max] over the timed epochs "
-            "(all but the first). Speed-up and efficiency against the smallest rank count. "
+            "(all but the first). Speed-up and efficiency against the faster of the two 1-rank rows. "
             f"This machine has {info['cores']} cores: 1 rank runs with {info['cores']} BLAS/Numba "
             "threads, more ranks share the cores (1 thread each), and 4 ranks oversubscribe them, "
-            "so the 4-rank row measures overhead, not parallel speed-up.", "",
+            "so the 4-rank row measures overhead, not parallel speed-up. The extra 1-rank row runs "
+            "with 1 thread (OMP/OpenBLAS/MKL/Numba_NUM_THREADS=1).", "",
             "- hsicnn: " + models["hsicnn"][1],
             "- resnet8: " + models["resnet8"][1] + " (written with `mpidl.data.write_layout`)", "",
             common.md_table(["model", "ranks", "samples/s", "speed-up", "efficiency",
                              "compute share of epoch (slowest rank)", f"OA % after {epochs} epoch(s)"], table), "",
             "Exact command of a row (resnet8, largest rank count): "
-            f"`{rows[('resnet8', max(args.ranks))]['command'] if rows.get(('resnet8', max(args.ranks))) else 'n/a'}`", "",
+            f"`{rows[('resnet8', max(args.ranks), None)]['command'] if rows.get(('resnet8', max(args.ranks), None)) else 'n/a'}`", "",
             "Batches:", "", *[f"- {c}" for c in commands], "",
             f"Environment: {common.THROTTLE_NOTE if not args.mpich_defaults else 'MPICH defaults.'}"]
     suffix = "_quick" if quick else ""
     common.write_markdown(args.out / f"scaling{suffix}.md", "Scaling: samples/s with 1, 2 and 4 ranks",
                           "python benchmarks/scaling.py" + (" --quick" if quick else ""), info, body)
     figure(args, rows, models, suffix)
-    failed = [k for k, v in rows.items() if v is None]
-    return 1 if failed else 0
+    return 1 if any(v is None for v in rows.values()) else 0
 
 
 def figure(args, rows, models, suffix) -> None:
@@ -145,8 +159,12 @@ def figure(args, rows, models, suffix) -> None:
         return
     ax = fig.subplots()
     for model in models:
-        ys = [common.median(rows[(model, r)]["sps"]) if rows.get((model, r)) else float("nan") for r in args.ranks]
-        ax.plot(args.ranks, ys, marker="o", label=model)
+        ys = [common.median(rows[(model, r, None)]["sps"]) if rows.get((model, r, None)) else float("nan")
+              for r in args.ranks]
+        ax.plot(args.ranks, ys, marker="o", label=f"{model} (cores // ranks threads)")
+        one = rows.get((model, 1, 1))
+        if one:
+            ax.scatter([1], [common.median(one["sps"])], marker="x", label=f"{model}, 1 rank, 1 thread")
     ax.set(xlabel="ranks", ylabel="training samples/s (median)", title="throughput vs ranks (2-core machine)")
     ax.set_xticks(args.ranks)
     ax.set_yscale("log")

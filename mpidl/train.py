@@ -45,6 +45,11 @@ def _limit_threads_per_rank() -> int:
     threads = str(max(1, cores // local_size))
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
         os.environ.setdefault(var, threads)
+    # Numba's parallel kernels run on OpenMP, whose idle workers busy-wait after each parallel
+    # region and so starve OpenBLAS's threads on the same cores: measured here, one rank on
+    # 2 cores ran 4.6x slower (1.40 s vs 0.30 s per epoch of the default job). Passive
+    # waiting makes the workers sleep.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return local_rank
 
 

@@ -295,21 +295,18 @@ class Trainer:
     def average_buffers(self) -> None:
         """Batch-norm running statistics are per rank; average them so every replica
         evaluates (and saves) the same model."""
-        buffers = self.model.buffers_host()
-        if not buffers:
-            return
-        averaged = {}
-        for name, value in buffers.items():
-            value = np.ascontiguousarray(value, dtype=np.float64)
-            self.world.Allreduce(MPI.IN_PLACE, value, op=MPI.SUM)
-            averaged[name] = value / self.size
-        self.model.load_buffers_host(averaged)
+        averaged = self._buffers_averaged_host()
+        if averaged:
+            self.model.load_buffers_host(averaged)
 
     def end_epoch(self, epoch: int, clock: EpochClock, stopped: bool) -> dict:
         """Epoch-end collectives: parameter sync, statistics, evaluation, re-balancing."""
         t0 = time.perf_counter()
         if self.cfg.strategy == "node":
-            self.reducer.sync_parameters(self.params.data)
+            # Skipped when the periodic K' sync has just run at this very step: the replicas
+            # are already identical (no sample processed since), so it would only cost traffic.
+            if any(self.reducer.node_samples):
+                self.reducer.sync_parameters(self.params.data)
             if self.cfg.sync_optimizer_state:
                 self.reducer.sync_optimizer_state(self.optimizer.state_buffers())
         clock.comm += time.perf_counter() - t0

@@ -77,7 +77,7 @@ def test_scaling_quick_writes_its_table(tmp_path):
     _run([sys.executable, str(BENCH / "scaling.py"), "--quick", "--ranks", "1", "2", "--out", str(tmp_path),
           "--work", str(tmp_path / "work")])
     rows = _table_rows((tmp_path / "scaling_quick.md").read_text(), "| model | ranks")
-    assert len(rows) == 4 and not any("failed" in r for r in rows), rows
+    assert len(rows) == 6 and not any("failed" in r for r in rows), rows  # 1 rank twice: default and 1 thread
 
 
 def test_peers_quick_writes_its_table(tmp_path):
