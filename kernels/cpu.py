@@ -46,7 +46,7 @@ import numpy as np
 from numba import njit, prange, uint64
 
 from . import reference
-from .reference import conv_output_size
+from .reference import as_ints, conv_output_size, pool_args
 
 __all__ = [
     "conv_output_size",
@@ -158,11 +158,6 @@ def _col2im_kernel(cols, kh, kw, stride, pad, out_h, out_w, dx):
                         dst_row[_u(ow * stride + j - pad)] += row[_u(start + ow)]
 
 
-def _ints(*values):
-    """Geometry arguments as Python ints, so a NumPy integer does not trigger a second
-    compilation of the kernel for another integer type."""
-    return tuple(int(v) for v in values)
-
 
 def _as_compiled(a):
     """A C-contiguous view (or copy) of ``a`` that the jitted kernels take."""
@@ -195,7 +190,7 @@ def im2col(x, kh: int, kw: int, stride: int = 1, pad: int = 0, out=None):
     """
     x = np.asarray(x)
     n, c, h, w = reference._check_4d(x)
-    kh, kw, stride, pad = _ints(kh, kw, stride, pad)
+    kh, kw, stride, pad = as_ints(kh, kw, stride, pad)
     if x.dtype not in _COMPILED_DTYPES:
         return reference.im2col(x, kh, kw, stride, pad, out=out)
     out_h = conv_output_size(h, kh, stride, pad)
@@ -225,7 +220,7 @@ def col2im(cols, x_shape, kh: int, kw: int, stride: int = 1, pad: int = 0, out=N
     ow*stride + j - pad = w of cols[(c*kh + i)*kw + j, (n*OH + oh)*OW + ow]``.
     """
     cols = np.asarray(cols)
-    kh, kw, stride, pad = _ints(kh, kw, stride, pad)
+    kh, kw, stride, pad = as_ints(kh, kw, stride, pad)
     if cols.dtype not in _COMPILED_DTYPES:
         return reference.col2im(cols, x_shape, kh, kw, stride, pad, out=out)
     n, c, h, w = (int(s) for s in x_shape)
@@ -302,12 +297,6 @@ def _maxpool_backward_kernel(dy, argmax, dx):
                 dst[_u(index[_u(oh), _u(ow)])] += grad[_u(oh), _u(ow)]
 
 
-def _pool_shape_check(k, stride, pad):
-    k, stride, pad = _ints(k, stride, pad)
-    if k < 1 or stride < 1 or pad < 0:
-        raise ValueError(f"need k >= 1, stride >= 1, pad >= 0; got k={k}, stride={stride}, pad={pad}")
-    return k, stride, pad
-
 
 def maxpool2d_forward(x, k: int, stride: int, pad: int = 0):
     """Max over each ``k x k`` window and the plane index of its winner (parallel over planes).
@@ -331,7 +320,7 @@ def maxpool2d_forward(x, k: int, stride: int, pad: int = 0):
     n, c, h, w = reference._check_4d(x)
     if x.dtype not in _COMPILED_DTYPES:
         return reference.maxpool2d_forward(x, k, stride, pad)
-    k, stride, pad = _pool_shape_check(k, stride, pad)
+    k, stride, pad = pool_args(k, stride, pad)
     out_h = conv_output_size(h, k, stride, pad)
     out_w = conv_output_size(w, k, stride, pad)
     if pad > k // 2:
@@ -363,7 +352,7 @@ def maxpool2d_backward(dy, argmax, x_shape, k: int, stride: int, pad: int = 0):
     argmax = np.asarray(argmax)
     if dy.dtype not in _COMPILED_DTYPES:
         return reference.maxpool2d_backward(dy, argmax, x_shape, k, stride, pad)
-    k, stride, pad = _pool_shape_check(k, stride, pad)
+    k, stride, pad = pool_args(k, stride, pad)
     n, c, h, w = (int(s) for s in x_shape)
     out_h = conv_output_size(h, k, stride, pad)
     out_w = conv_output_size(w, k, stride, pad)
@@ -468,7 +457,7 @@ def avgpool2d_forward(x, k: int, stride: int, pad: int = 0):
     n, c, h, w = reference._check_4d(x)
     if x.dtype not in _COMPILED_DTYPES:
         return reference.avgpool2d_forward(x, k, stride, pad)
-    k, stride, pad = _pool_shape_check(k, stride, pad)
+    k, stride, pad = pool_args(k, stride, pad)
     out_h = conv_output_size(h, k, stride, pad)
     out_w = conv_output_size(w, k, stride, pad)
     y = np.empty((n, c, out_h, out_w), dtype=x.dtype)
@@ -496,7 +485,7 @@ def avgpool2d_backward(dy, x_shape, k: int, stride: int, pad: int = 0):
     dy = np.asarray(dy)
     if dy.dtype not in _COMPILED_DTYPES:
         return reference.avgpool2d_backward(dy, x_shape, k, stride, pad)
-    k, stride, pad = _pool_shape_check(k, stride, pad)
+    k, stride, pad = pool_args(k, stride, pad)
     n, c, h, w = (int(s) for s in x_shape)
     out_h = conv_output_size(h, k, stride, pad)
     out_w = conv_output_size(w, k, stride, pad)

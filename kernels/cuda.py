@@ -38,7 +38,7 @@ from numba import config as numba_config
 from numba import cuda
 
 from .reference import _check_out as _reference_check_out
-from .reference import conv_output_size
+from .reference import as_ints, conv_output_size, pool_args
 
 __all__ = [
     "THREADS_PER_BLOCK",
@@ -341,9 +341,6 @@ def _check_out(device, out, shape, dtype, what):
     return _reference_check_out(out, shape, dtype, what)
 
 
-def _ints(*values):
-    return tuple(int(v) for v in values)
-
 
 # --------------------------------------------------------------------------------------------
 # the public functions
@@ -371,7 +368,7 @@ def im2col(x, kh: int, kw: int, stride: int = 1, pad: int = 0, out=None):
     device = _Device(x)
     n, c, h, w = _check_4d(x)
     _check_float(x.dtype, "im2col")
-    kh, kw, stride, pad = _ints(kh, kw, stride, pad)
+    kh, kw, stride, pad = as_ints(kh, kw, stride, pad)
     out_h = conv_output_size(h, kh, stride, pad)
     out_w = conv_output_size(w, kw, stride, pad)
     shape = (c * kh * kw, n * out_h * out_w)
@@ -401,7 +398,7 @@ def col2im(cols, x_shape, kh: int, kw: int, stride: int = 1, pad: int = 0, out=N
     """
     device = _Device(cols)
     _check_float(cols.dtype, "col2im")
-    kh, kw, stride, pad = _ints(kh, kw, stride, pad)
+    kh, kw, stride, pad = as_ints(kh, kw, stride, pad)
     n, c, h, w = (int(s) for s in x_shape)
     out_h = conv_output_size(h, kh, stride, pad)
     out_w = conv_output_size(w, kw, stride, pad)
@@ -416,12 +413,6 @@ def col2im(cols, x_shape, kh: int, kw: int, stride: int = 1, pad: int = 0, out=N
     device.launch(_col2im_kernel, n * c * h * w, device.contiguous(cols), kh, kw, stride, pad, out_h, out_w, zero, dx)
     return dx
 
-
-def _pool_args(k, stride, pad):
-    k, stride, pad = _ints(k, stride, pad)
-    if k < 1 or stride < 1 or pad < 0:
-        raise ValueError(f"need k >= 1, stride >= 1, pad >= 0; got k={k}, stride={stride}, pad={pad}")
-    return k, stride, pad
 
 
 def maxpool2d_forward(x, k: int, stride: int, pad: int = 0):
@@ -445,7 +436,7 @@ def maxpool2d_forward(x, k: int, stride: int, pad: int = 0):
     device = _Device(x)
     n, c, h, w = _check_4d(x)
     _check_float(x.dtype, "maxpool2d_forward")
-    k, stride, pad = _pool_args(k, stride, pad)
+    k, stride, pad = pool_args(k, stride, pad)
     out_h = conv_output_size(h, k, stride, pad)
     out_w = conv_output_size(w, k, stride, pad)
     if pad > k // 2:
@@ -477,7 +468,7 @@ def maxpool2d_backward(dy, argmax, x_shape, k: int, stride: int, pad: int = 0):
     """
     device = _Device(dy)
     _check_float(dy.dtype, "maxpool2d_backward")
-    k, stride, pad = _pool_args(k, stride, pad)
+    k, stride, pad = pool_args(k, stride, pad)
     n, c, h, w = (int(s) for s in x_shape)
     out_h = conv_output_size(h, k, stride, pad)
     out_w = conv_output_size(w, k, stride, pad)
@@ -513,7 +504,7 @@ def avgpool2d_forward(x, k: int, stride: int, pad: int = 0):
     device = _Device(x)
     n, c, h, w = _check_4d(x)
     _check_float(x.dtype, "avgpool2d_forward")
-    k, stride, pad = _pool_args(k, stride, pad)
+    k, stride, pad = pool_args(k, stride, pad)
     out_h = conv_output_size(h, k, stride, pad)
     out_w = conv_output_size(w, k, stride, pad)
     y = device.empty((n, c, out_h, out_w), x.dtype)
@@ -541,7 +532,7 @@ def avgpool2d_backward(dy, x_shape, k: int, stride: int, pad: int = 0):
     """
     device = _Device(dy)
     _check_float(dy.dtype, "avgpool2d_backward")
-    k, stride, pad = _pool_args(k, stride, pad)
+    k, stride, pad = pool_args(k, stride, pad)
     n, c, h, w = (int(s) for s in x_shape)
     out_h = conv_output_size(h, k, stride, pad)
     out_w = conv_output_size(w, k, stride, pad)

@@ -67,6 +67,20 @@ def conv_output_size(size: int, k: int, stride: int = 1, pad: int = 0) -> int:
     return out
 
 
+def as_ints(*values) -> tuple[int, ...]:
+    """Geometry arguments as Python ints: a NumPy integer would otherwise make Numba compile a
+    second version of a kernel for another integer type. Shared by the cpu and cuda kernels."""
+    return tuple(int(v) for v in values)
+
+
+def pool_args(k, stride, pad) -> tuple[int, int, int]:
+    """Check and normalize pooling arguments (shared by the cpu and cuda kernels)."""
+    k, stride, pad = as_ints(k, stride, pad)
+    if k < 1 or stride < 1 or pad < 0:
+        raise ValueError(f"need k >= 1, stride >= 1, pad >= 0; got k={k}, stride={stride}, pad={pad}")
+    return k, stride, pad
+
+
 def _check_4d(x, what: str = "x") -> tuple[int, int, int, int]:
     if x.ndim != 4:
         raise ValueError(f"{what} must be 4-D (N, C, H, W); got shape {tuple(x.shape)}")
