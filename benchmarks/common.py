@@ -480,10 +480,16 @@ def subset_layout(src: Path, dst: Path, sizes: dict, seed: int = 0) -> Path:
             y = f[f"{split}/y"][()]
             n = len(y) if size is None else min(int(size), len(y))
             keep = []
-            for k in range(len(names)):  # the classes' proportions are kept
+            counts = np.bincount(y, minlength=len(names))
+            # The classes' proportions are kept, rounded by largest remainder so that the
+            # subset has exactly n samples (a benchmark may need N to be a multiple of its batch).
+            exact = n * counts / len(y)
+            shares = np.floor(exact).astype(int)
+            for k in np.argsort(-(exact - shares), kind="stable")[: n - int(shares.sum())]:
+                shares[k] += 1
+            for k in range(len(names)):
                 members = np.flatnonzero(y == k)
-                share = int(round(n * len(members) / len(y)))
-                keep.append(rng.choice(members, size=min(share, len(members)), replace=False))
+                keep.append(rng.choice(members, size=min(int(shares[k]), len(members)), replace=False))
             keep = np.sort(np.concatenate(keep))
             splits[split] = (f[f"{split}/x"][keep], y[keep])
         source = str(f.attrs.get("source", src.name))

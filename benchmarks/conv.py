@@ -66,6 +66,9 @@ ARGS = parse_args()
 # Thread counts must be fixed before NumPy (OpenBLAS) and Numba start their thread pools.
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
     os.environ[_var] = str(ARGS.threads)
+# As mpidl.train does: Numba's OpenMP workers otherwise busy-wait after each parallel region
+# and starve OpenBLAS's threads on the same cores (it applies to torch's OpenMP pool too).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 if ARGS.openblas_coretype == "auto":
     os.environ.pop("OPENBLAS_CORETYPE", None)
 elif ARGS.openblas_coretype:
@@ -326,7 +329,8 @@ def main():
           f"load average before {os.getloadavg()[0]:.2f}")
     peak = sgemm_peak()
     print(f"sgemm peak (NumPy float32 2048x2048 @ 2048x2048, best of 5): {peak:.0f} GFLOP/s; OpenBLAS kernels: "
-          f"{openblas_core()} (OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', 'unset: detected')})")
+          f"{openblas_core()} (OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', 'unset: detected')}); "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
     print()
 
     rows = []

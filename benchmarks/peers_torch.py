@@ -163,6 +163,7 @@ def worker(args) -> int:
     threads = max(1, len(os.sched_getaffinity(0)) // local_size)
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
         os.environ.setdefault(var, str(threads))  # before NumPy loads, as mpidl.train does
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as mpidl.train does (before OpenMP loads)
 
     import common
 

@@ -54,7 +54,7 @@ from mpidl.nn import SoftmaxCrossEntropy
 from mpidl.optim import build_optimizer, make_schedule
 
 CONTROL_EVERY = 10  # steps between stop-request checks for the exact strategies
-PROBE_BATCH = 32  # samples per timed forward+backward when measuring speeds
+PROBE_BATCH = 64  # samples per timed forward+backward when measuring speeds
 EVAL_BATCH = 512
 
 
@@ -172,7 +172,7 @@ class Trainer:
             self.compute(probe[:n])
 
         saved = self.model.buffers_host()  # probe passes must not move batch-norm statistics
-        local = balance.measure_speed(step, len(probe), repeats=3, warmup=1,
+        local = balance.measure_speed(step, len(probe), repeats=5, warmup=1,
                                       synchronize=self.backend.synchronize)
         if saved:
             self.model.load_buffers_host(saved)
