@@ -12,6 +12,9 @@ import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 
+from mpidl.distributed.balance import parse_speeds
+from mpidl.distributed.emulation import parse_link, parse_slowdowns
+
 MODEL_NAMES = ("hsicnn", "hsicnn_bn", "resnet8")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "step", "cosine")
@@ -129,22 +132,16 @@ class Config:
                 f"--batch-size {self.batch_size} is smaller than the number of ranks {world_size}: "
                 "every rank needs at least one sample of each global batch"
             )
+        # The list options are parsed by the distributed package's own parsers (one parser
+        # per option in the code base); their errors are re-labelled with the option name.
         if self.speeds != "auto":
-            self.speed_list = _float_list("--speeds", self.speeds, world_size, positive=True)
+            self.speed_list = _parsed("--speeds", "speeds", parse_speeds, self.speeds, world_size)
         if self.emulate_slowdown is not None:
-            self.slowdown_list = _float_list(
-                "--emulate-slowdown", self.emulate_slowdown, world_size, positive=True
-            )
-            if any(f < 1 for f in self.slowdown_list):
-                raise ConfigError("--emulate-slowdown factors stretch compute and must be >= 1")
+            self.slowdown_list = _parsed("--emulate-slowdown", "slowdowns", parse_slowdowns,
+                                         self.emulate_slowdown, world_size)
         if self.emulate_link is not None:
-            parts = _float_list("--emulate-link", self.emulate_link, 2, positive=False)
-            if parts[0] < 0 or parts[1] <= 0:
-                raise ConfigError(
-                    "--emulate-link is LATENCY_US,GBIT_S with latency >= 0 and bandwidth > 0, "
-                    f"got {self.emulate_link!r}"
-                )
-            self.link = (parts[0], parts[1])
+            link = _parsed("--emulate-link", "link", parse_link, self.emulate_link)
+            self.link = (link.latency_us, link.gbit_s)
         if self.inject_fault is not None:
             parts = self.inject_fault.split(":")
             try:
@@ -182,20 +179,15 @@ def _positive_int(option: str, value) -> None:
         raise ConfigError(f"{option} must be a positive integer, got {value!r}")
 
 
-def _float_list(option: str, text: str, expected_len: int, positive: bool) -> list[float]:
+def _parsed(option: str, what: str, parse, *args):
+    """``parse(*args)``, with a ValueError turned into a ConfigError that names ``option``."""
     try:
-        values = [float(part) for part in text.split(",")]
-    except ValueError:
-        raise ConfigError(f"{option}: {text!r} is not a comma-separated list of numbers") from None
-    if len(values) != expected_len:
-        raise ConfigError(
-            f"{option} has {len(values)} entries but {expected_len} are needed "
-            f"(one per rank)" if expected_len > 2 or option != "--emulate-link" else
-            f"{option} needs exactly {expected_len} numbers, got {len(values)}"
-        )
-    if any(not math.isfinite(v) for v in values) or (positive and any(v <= 0 for v in values)):
-        raise ConfigError(f"{option}: every entry must be a {'positive ' if positive else ''}finite number, got {text!r}")
-    return values
+        return parse(*args)
+    except ValueError as exc:
+        message = str(exc)
+        if message.startswith(what + ":"):
+            message = message[len(what) + 1:].lstrip()
+        raise ConfigError(f"{option}: {message}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
