@@ -125,3 +125,19 @@ def test_nan_skip_keeps_training(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "step skipped" in proc.stdout
     assert read_jsonl(metrics)[-1]["step"] == 6
+
+
+def test_quiet_prints_only_the_summary():
+    proc = train(["--epochs", "1", "--max-steps", "3", "--speeds", "1", "--quiet"])
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("done: max_steps after 3 steps")
+
+
+def test_progress_lines_within_an_epoch():
+    proc = train(["--epochs", "1", "--max-steps", "6", "--speeds", "1", "--progress-every", "1e-9"])
+    assert proc.returncode == 0, proc.stderr
+    assert "  epoch 1 step 2/32" in proc.stdout  # printed at most every --progress-every seconds
+    quiet = train(["--epochs", "1", "--max-steps", "6", "--speeds", "1", "--progress-every", "1e-9",
+                   "--log-level", "warning"])
+    assert "step 2/32" not in quiet.stdout and "done:" in quiet.stdout

@@ -1,0 +1,56 @@
+"""Trainer options under mpiexec: re-balancing, emulation, per-rank timing files, augmentation."""
+
+import json
+from pathlib import Path
+
+import pytest
+from mpi4py import MPI
+
+from trainer_harness import all_agree, run, tiny_dataset
+
+WORLD = MPI.COMM_WORLD
+P = WORLD.Get_size()
+BASE = ["--batch-size", "24", "--epochs", "2", "--lr", "0.05", "--schedule", "constant"]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_rebalance_moves_work_away_from_an_emulated_slow_rank():
+    # equal given speeds, but the last rank is EMULATED 6x slower: after epoch 1 the split
+    # must follow the measured compute time per sample, identically on every rank
+    slow = ",".join(["1"] * (P - 1) + ["6"])
+    trainer, _ = run(WORLD, BASE + ["--speeds", ",".join(["1"] * P), "--rebalance",
+                                    "--emulate-slowdown", slow], train=tiny_dataset(n=96))
+    sizes = trainer.batch_sizes
+    gathered = WORLD.allgather(sizes)
+    assert all(g == gathered[0] for g in gathered)
+    assert sum(sizes) == 24
+    assert all_agree(WORLD, sizes[-1] < sizes[0]), f"slow rank kept its share: {sizes}"
+
+
+@pytest.mark.mpi(min_size=2)
+def test_emulated_link_adds_modelled_time_on_inter_node_collectives():
+    trainer, _ = run(WORLD, BASE + ["--strategy", "node", "--sync-every", "2", "--speeds",
+                                    ",".join(["1"] * P), "--emulate-link", "2000,1"],
+                     ranks_per_node=1)
+    # one rank per node: every rank leads a node and pays the modelled inter-node time
+    syncs = trainer.reducer.counters["inter"]["calls"]
+    assert all_agree(WORLD, syncs > 0 and trainer.reducer.emulated_seconds > 0)
+
+
+@pytest.mark.mpi
+def test_every_rank_writes_its_own_timing_file(tmp_path_factory):
+    folder = WORLD.bcast(str(tmp_path_factory.mktemp("timing")) if WORLD.rank == 0 else None)
+    run(WORLD, BASE + ["--speeds", ",".join(["1"] * P), "--timing-dir", folder])
+    WORLD.Barrier()
+    path = Path(folder) / f"rank{WORLD.rank}.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    ok = len(records) == 2 and all(r["rank"] == WORLD.rank and r["comp_s"] > 0 for r in records)
+    assert all_agree(WORLD, ok), records
+
+
+@pytest.mark.mpi
+def test_augmentation_trains_and_is_identical_across_replicas():
+    trainer, end = run(WORLD, BASE + ["--speeds", ",".join(["1"] * P), "--augment"],
+                       train=tiny_dataset(n=48, shape=(5, 5, 5)))
+    digests = WORLD.allgather(trainer.params.data.tobytes())
+    assert end["step"] == 4 and all(d == digests[0] for d in digests)
