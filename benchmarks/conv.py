@@ -1,5 +1,5 @@
 # python benchmarks/conv.py [--repeats 5] [--threads 1 --clock cpu] [--openblas-coretype auto]
-"""Convolution speed on the CPU: the NumPy reference kernels against the Numba kernels.
+"""Convolution speed on the CPU: im2col and Winograd, NumPy reference kernels and Numba kernels.
 
 For each model (``hsicnn``: 156-band 9x9 patches; ``resnet8``: 3x32x32 images; batch 64) it
 measures
@@ -9,16 +9,22 @@ measures
 * the convolution layers alone (every Conv2d of the model: forward + backward on inputs of
   the shapes they see in the model);
 
-once with ``MPIDL_KERNELS=reference`` and once with the Numba CPU kernels. The runs are
-interleaved (reference, cpu, [torch], reference, cpu, ...) so that load from other
-processes falls on all of them alike; each time is the median of ``--repeats`` rounds, with
-the min and max shown as the spread.
+for each convolution algorithm (``MPIDL_CONV_ALGORITHM=im2col``, and ``winograd``, which
+Conv2d's default ``"auto"`` picks for the stride-1 3x3 layers; the others stay im2col) and
+each kernel set (``MPIDL_KERNELS=reference`` and the Numba CPU kernels). The runs are
+interleaved (every contender once per round, in turn) so that load from other processes falls
+on all of them alike; each time is the median of ``--repeats`` rounds, with the min and max
+shown as the spread.
 
-Convolution FLOPs are those of the GEMMs: ``2*F*C*kh*kw*OH*OW*N`` forward, the same again
-for the weight gradient, and once more for the input gradient where it is computed (the
-first layer skips it: nobody needs the gradient of the data). They are set against the
-machine's sgemm rate, measured in the same run with NumPy float32 matmuls: a large square
-product (the peak) and the very GEMMs the convolutions do (their shapes' ceiling).
+Convolution FLOPs are those of a direct convolution (= the im2col GEMMs):
+``2*F*C*kh*kw*OH*OW*N`` forward, the same again for the weight gradient, and once more for the
+input gradient where it is computed (the first layer skips it: nobody needs the gradient of
+the data). ``conv GFLOP/s`` divides those by the time, so for Winograd, which does fewer
+multiplications, it is an *effective* rate (the rate a direct convolution would need to be as
+fast); the header says how many FLOPs Winograd's GEMMs really do. The rates are set against
+the machine's sgemm rate measured in the same run with NumPy float32 matmuls (a large square
+product: the peak), and ``GEMMs alone`` is the time of the very matrix products the layers do
+(same shapes, same memory order) without the kernels around them.
 
 OpenBLAS picks its GEMM kernels for the CPU it detects, unless ``OPENBLAS_CORETYPE`` forces a
 set; an environment that pins it to ``Haswell`` (AVX2) halves sgemm on an AVX-512 CPU.
@@ -83,12 +89,14 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+from mpidl import kernels  # noqa: E402
 from mpidl.models import build_model  # noqa: E402
 from mpidl.nn import Conv2d, SoftmaxCrossEntropy  # noqa: E402
 
 MODEL_INPUTS = {"hsicnn": ((156, 9, 9), 16), "resnet8": ((3, 32, 32), 10)}
 LEARNING_RATE = 0.01
 IMPLEMENTATIONS = ("reference", "cpu")
+ALGORITHMS = ("im2col", "winograd")
 
 
 # --------------------------------------------------------------------------------------------
@@ -137,9 +145,10 @@ def run_interleaved(contenders: dict, steps: int, repeats: int, warmup: int) -> 
     return timings
 
 
-def use_kernels(name: str):
+def use_kernels(name: str, algorithm: str = "im2col"):
     def prepare():
         os.environ["MPIDL_KERNELS"] = name
+        os.environ["MPIDL_CONV_ALGORITHM"] = algorithm
 
     return prepare
 
@@ -203,36 +212,54 @@ def conv_only_step(layers, seed=1):
     return step
 
 
-def gemm_shapes(layers):
-    """The GEMMs of one forward + backward of the conv layers: (M, K, N, transposes) each,
-    as Conv2d does them (Y = W2 @ cols; dW2 = dY @ cols.T; dcols = W2.T @ dY)."""
+def gemm_shapes(layers, algorithm: str):
+    """The GEMMs of one forward + backward of the conv layers: (kind, batch, M, K, N) each, as
+    Conv2d does them. im2col: Y = W2 @ cols; dW2 = dY @ cols.T; dcols = W2.T @ dY (batch 1).
+    Winograd (layers it applies to): alpha^2 products each, M = U @ V; dU = dM @ V.T;
+    dV = U.T @ dM with P = tiles*N columns."""
     gemms = []
     for conv, (n, c, h, w) in layers:
         _, f, oh, ow = conv.output_shape((n, c, h, w))
-        ckk, pixels = c * conv.kernel_size**2, n * oh * ow
-        gemms.append(("W@cols", f, ckk, pixels))
-        gemms.append(("dY@cols.T", f, pixels, ckk))
+        tile = conv.winograd_tile(oh, ow) if algorithm == "winograd" else None
+        if tile is None:
+            ckk, pixels = c * conv.kernel_size**2, n * oh * ow
+            gemms.append(("W@cols", 1, f, ckk, pixels))
+            gemms.append(("dY@cols.T", 1, f, pixels, ckk))
+            if conv.compute_input_grad:
+                gemms.append(("W.T@dY", 1, ckk, f, pixels))
+            continue
+        alpha = tile + conv.kernel_size - 1
+        _, _, tiles_h, tiles_w = kernels.winograd_geometry((n, c, h, w), tile, conv.kernel_size, conv.padding)
+        columns = tiles_h * tiles_w * n
+        gemms.append(("W@cols", alpha**2, f, c, columns))
+        gemms.append(("dY@cols.T", alpha**2, f, columns, c))
         if conv.compute_input_grad:
-            gemms.append(("W.T@dY", ckk, f, pixels))
+            gemms.append(("W.T@dY", alpha**2, c, f, columns))
     return gemms
 
 
 def gemm_flops(gemms) -> float:
-    return float(sum(2 * m * k * n for _, m, k, n in gemms))
+    return float(sum(2 * batch * m * k * n for _, batch, m, k, n in gemms))
 
 
 def sgemm_step(gemms, seed=2):
     """The conv GEMMs alone, NumPy float32, with the operands' memory order Conv2d uses."""
     rng = np.random.default_rng(seed)
+
+    def normal(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
     work = []
-    for kind, m, k, n in gemms:
-        if kind == "dY@cols.T":  # right operand is a transposed (C-contiguous) cols
-            a, b = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((n, k)).astype(np.float32).T
-        elif kind == "W.T@dY":  # left operand is a transposed weight
-            a, b = rng.standard_normal((k, m)).astype(np.float32).T, rng.standard_normal((k, n)).astype(np.float32)
+    for kind, batch, m, k, n in gemms:
+        if kind == "dY@cols.T":  # right operand is a transposed (C-contiguous) cols / V
+            a, b = normal(batch, m, k), normal(batch, n, k).transpose(0, 2, 1)
+        elif kind == "W.T@dY":  # left operand is a transposed weight / U
+            a, b = normal(batch, k, m).transpose(0, 2, 1), normal(batch, k, n)
         else:
-            a, b = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
-        work.append((a, b, np.empty((m, n), np.float32)))
+            a, b = normal(batch, m, k), normal(batch, k, n)
+        if batch == 1:
+            a, b = a[0], b[0]
+        work.append((a, b, np.empty((m, n) if batch == 1 else (batch, m, n), np.float32)))
 
     def step():
         for a, b, out in work:
@@ -344,14 +371,17 @@ def main():
         x, y = make_batch(input_shape, num_classes, args.batch)
         os.environ["MPIDL_KERNELS"] = "reference"
         layers = conv_layers_and_inputs(model, x)
-        gemms = gemm_shapes(layers)
-        flops = gemm_flops(gemms)
+        flops = gemm_flops(gemm_shapes(layers, "im2col"))  # = a direct convolution's
+        winograd_flops = gemm_flops(gemm_shapes(layers, "winograd"))
 
         step_fn = training_step(model, x, y)
         conv_fn = conv_only_step(layers)
-        contenders = {f"step/{impl}": (use_kernels(impl), step_fn) for impl in IMPLEMENTATIONS}
-        contenders.update({f"conv/{impl}": (use_kernels(impl), conv_fn) for impl in IMPLEMENTATIONS})
-        contenders["conv/sgemm"] = (lambda: None, sgemm_step(gemms))
+        contenders = {}
+        for algorithm in ALGORITHMS:
+            for impl in IMPLEMENTATIONS:
+                contenders[f"step/{algorithm}/{impl}"] = (use_kernels(impl, algorithm), step_fn)
+                contenders[f"conv/{algorithm}/{impl}"] = (use_kernels(impl, algorithm), conv_fn)
+            contenders[f"sgemm/{algorithm}"] = (lambda: None, sgemm_step(gemm_shapes(layers, algorithm)))
         torch_version = None
         if name == "hsicnn" and not args.no_torch:
             torch_step, torch_version = torch_hsicnn_step(input_shape, num_classes, args.batch, args.threads)
@@ -359,32 +389,37 @@ def main():
                 contenders["step/torch"] = (lambda: None, torch_step)
         timings = run_interleaved(contenders, args.steps, args.repeats, args.warmup)
         os.environ.pop("MPIDL_KERNELS", None)
+        os.environ.pop("MPIDL_CONV_ALGORITHM", None)
 
-        sgemm_same_shapes = flops / timings.median("conv/sgemm") / 1e9
-        print(f"## {name}: input {input_shape}, {len(layers)} conv layers, {flops / 1e9:.2f} GFLOP of conv GEMMs "
-              f"per step; those GEMMs alone in NumPy: {timings.median('conv/sgemm') * 1e3:.1f} ms = "
-              f"{sgemm_same_shapes:.0f} GFLOP/s")
-        for impl in IMPLEMENTATIONS:
-            step, conv = timings.median(f"step/{impl}"), timings.median(f"conv/{impl}")
-            conv_rate = flops / conv / 1e9
-            row = {
-                "model": name,
-                "kernels": impl,
-                "step ms": f"{step * 1e3:.1f}",
-                "spread": timings.spread(f"step/{impl}"),
-                "samples/s": f"{args.batch / step:.0f}",
-                "conv ms": f"{conv * 1e3:.1f}",
-                "conv GFLOP/s": f"{conv_rate:.0f}",
-                "% sgemm peak": f"{100 * conv_rate / peak:.0f}",
-                "% same-shape sgemm": f"{100 * conv_rate / sgemm_same_shapes:.0f}",
-                "torch ms": "",
-                "mpidl/torch": "",
-            }
-            if "step/torch" in timings.samples:
-                torch_step_s = timings.median("step/torch")
-                row["torch ms"] = f"{torch_step_s * 1e3:.1f} ({timings.spread('step/torch')})"
-                row["mpidl/torch"] = f"{step / torch_step_s:.2f}"
-            rows.append(row)
+        print(f"## {name}: input {input_shape}, {len(layers)} conv layers, {flops / 1e9:.2f} GFLOP per step as a direct "
+              f"convolution (im2col GEMMs); Winograd's GEMMs do {winograd_flops / 1e9:.2f} GFLOP "
+              f"({100 * winograd_flops / flops:.0f} %); GEMMs alone in NumPy: im2col "
+              f"{timings.median('sgemm/im2col') * 1e3:.1f} ms ({flops / timings.median('sgemm/im2col') / 1e9:.0f} GFLOP/s), "
+              f"winograd {timings.median('sgemm/winograd') * 1e3:.1f} ms "
+              f"({winograd_flops / timings.median('sgemm/winograd') / 1e9:.0f} GFLOP/s)")
+        for algorithm in ALGORITHMS:
+            for impl in IMPLEMENTATIONS:
+                step, conv = timings.median(f"step/{algorithm}/{impl}"), timings.median(f"conv/{algorithm}/{impl}")
+                conv_rate = flops / conv / 1e9
+                row = {
+                    "model": name,
+                    "algorithm": algorithm,
+                    "kernels": impl,
+                    "step ms": f"{step * 1e3:.1f}",
+                    "spread": timings.spread(f"step/{algorithm}/{impl}"),
+                    "samples/s": f"{args.batch / step:.0f}",
+                    "conv ms": f"{conv * 1e3:.1f}",
+                    "conv GFLOP/s": f"{conv_rate:.0f}",
+                    "% sgemm peak": f"{100 * conv_rate / peak:.0f}",
+                    "GEMMs alone ms": f"{timings.median(f'sgemm/{algorithm}') * 1e3:.1f}",
+                    "torch ms": "",
+                    "mpidl/torch": "",
+                }
+                if "step/torch" in timings.samples:
+                    torch_step_s = timings.median("step/torch")
+                    row["torch ms"] = f"{torch_step_s * 1e3:.1f} ({timings.spread('step/torch')})"
+                    row["mpidl/torch"] = f"{step / torch_step_s:.2f}"
+                rows.append(row)
         if torch_version:
             print(f"   torch {torch_version}, {args.threads} thread(s)")
         print()
@@ -395,8 +430,8 @@ def main():
     print("-|-".join("-" * widths[c] for c in columns))
     for row in rows:
         print(" | ".join(row[c].ljust(widths[c]) for c in columns))
-    print(f"\n(times are medians of {args.repeats} rounds; spread = min-max ms; load average after "
-          f"{os.getloadavg()[0]:.2f})")
+    print(f"\n(times are medians of {args.repeats} rounds; spread = min-max ms; conv GFLOP/s = direct-convolution "
+          f"FLOPs / conv time, an effective rate for winograd; load average after {os.getloadavg()[0]:.2f})")
     return 0
 
 

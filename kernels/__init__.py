@@ -24,6 +24,10 @@ offset ``(i, j)``, column ``(n*OH + oh)*OW + ow`` is output pixel ``(oh, ow)`` o
 ``OH = (H + 2*pad - kh)//stride + 1`` (same for ``OW``). ``col2im`` is its adjoint: it
 scatter-adds ``cols`` back into an ``(N, C, H, W)`` array.
 
+``winograd_input / winograd_output`` and their adjoints are the transforms around the batched
+GEMMs of a stride-1 convolution by Winograd's F(m x m, r x r) algorithm; their layout
+``(C, alpha, alpha, TH*TW*N)`` and math are in :mod:`mpidl.kernels.reference`.
+
 Pooling takes ``(k, stride, pad)``; max pooling pads with -inf and returns ``argmax``, int32,
 the index ``h*W + w`` of the winning input pixel in its ``(H, W)`` plane; average pooling pads
 with zeros and always divides by ``k*k`` (PyTorch's ``count_include_pad=True``).
@@ -43,10 +47,18 @@ __all__ = [
     "maxpool2d_backward",
     "avgpool2d_forward",
     "avgpool2d_backward",
+    "winograd_matrices",
+    "winograd_geometry",
+    "winograd_input",
+    "winograd_input_adjoint",
+    "winograd_output",
+    "winograd_output_adjoint",
     "implementation_for",
 ]
 
 conv_output_size = reference.conv_output_size
+winograd_matrices = reference.winograd_matrices
+winograd_geometry = reference.winograd_geometry
 
 _FORCE_VALUES = ("", "reference", "cpu", "cuda")
 
@@ -139,3 +151,23 @@ def avgpool2d_forward(x, k, stride, pad=0):
 def avgpool2d_backward(dy, x_shape, k, stride, pad=0):
     """Spread each ``dy / (k*k)`` over its window."""
     return implementation_for(dy).avgpool2d_backward(dy, x_shape, k, stride, pad)
+
+
+def winograd_input(x, m, r, pad=0, out=None):
+    """``x : (N, C, H, W)`` -> ``V : (C, alpha, alpha, TH*TW*N)``, ``B^T d B`` per input tile."""
+    return implementation_for(x).winograd_input(x, m, r, pad, out=out)
+
+
+def winograd_input_adjoint(dv, x_shape, m, r, pad=0, out=None):
+    """Adjoint of :func:`winograd_input`: ``dV -> dx : x_shape``."""
+    return implementation_for(dv).winograd_input_adjoint(dv, x_shape, m, r, pad, out=out)
+
+
+def winograd_output(mt, y_shape, m, r, bias=None, out=None):
+    """``M : (F, alpha, alpha, TH*TW*N)`` -> ``y : y_shape``, ``A^T M A`` per tile plus ``bias``."""
+    return implementation_for(mt).winograd_output(mt, y_shape, m, r, bias=bias, out=out)
+
+
+def winograd_output_adjoint(dy, m, r, out=None):
+    """Adjoint of :func:`winograd_output` (bias aside): ``dy -> dM``."""
+    return implementation_for(dy).winograd_output_adjoint(dy, m, r, out=out)

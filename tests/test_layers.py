@@ -73,15 +73,95 @@ CONV_CASES = list(
 
 @pytest.mark.parametrize("shape, k, stride, pad, bias", CONV_CASES)
 def test_conv2d_gradcheck(shape, k, stride, pad, bias):
-    conv = Conv2d(shape[1], 3, k, stride=stride, padding=pad, bias=bias)
+    conv = Conv2d(shape[1], 3, k, stride=stride, padding=pad, bias=bias, algorithm="im2col")
     check_backward(conv, normal(shape))
 
 
+# Winograd: stride 1, tiles m = 2, 3, 4 (chosen by the output size), filters 2x2 to 5x5.
+WINOGRAD_CASES = [
+    ((2, 3, 5, 5), 3, 1, True),  # 5x5 output: m = 3 (two tile rows, the second sticking out)
+    ((1, 2, 6, 4), 3, 0, False),  # 4x2 output: m = 2
+    ((2, 2, 8, 8), 3, 1, True),  # 8x8 output: m = 4
+    ((1, 2, 6, 7), 2, 1, True),
+    ((1, 2, 7, 7), 5, 2, True),
+]
+
+
+@pytest.mark.parametrize("shape, k, pad, bias", WINOGRAD_CASES)
+def test_conv2d_winograd_gradcheck(shape, k, pad, bias):
+    conv = Conv2d(shape[1], 3, k, padding=pad, bias=bias, algorithm="winograd")
+    check_backward(conv, normal(shape))
+
+
+@pytest.mark.parametrize("kernel_set", ["reference", "cpu"])
+@pytest.mark.parametrize("shape, k, pad, bias", WINOGRAD_CASES)
+def test_conv2d_winograd_equals_im2col_in_float32(monkeypatch, kernel_set, shape, k, pad, bias):
+    monkeypatch.setenv("MPIDL_KERNELS", kernel_set)
+    x = normal(shape, seed=1, dtype=np.float32)
+    results = []
+    for algorithm in ("im2col", "winograd"):
+        conv = Conv2d(shape[1], 4, k, padding=pad, bias=bias, algorithm=algorithm)
+        bind_parameters(conv, seed=2, dtype="float32")
+        y = conv.forward(x)
+        dx = conv.backward(normal(y.shape, seed=3, dtype=np.float32))
+        results.append((y, dx, conv.weight.grad.copy()))
+    for im2col_result, winograd_result in zip(*results):
+        assert winograd_result.dtype == np.float32
+        # The transforms round differently from a direct sum: a few float32 ulps of the scale.
+        np.testing.assert_allclose(winograd_result, im2col_result, rtol=0, atol=1e-5 * np.abs(im2col_result).max())
+
+
+@pytest.mark.parametrize("out_size, tile", [(9, 3), (32, 4), (16, 4), (8, 4), (4, 4), (6, 3), (5, 3), (2, 2), (1, 2)])
+def test_conv2d_winograd_tile_minimizes_multiplications(out_size, tile):
+    assert Conv2d(2, 2, 3, padding=1).winograd_tile(out_size, out_size) == tile
+
+
+def test_conv2d_algorithm_choice(monkeypatch):
+    monkeypatch.delenv("MPIDL_CONV_ALGORITHM", raising=False)
+    assert Conv2d(2, 2, 3, padding=1).winograd_tile(9, 9) == 3  # auto: 3x3, stride 1
+    assert Conv2d(2, 2, 3, stride=2, padding=1).winograd_tile(9, 9) is None
+    assert Conv2d(2, 2, 1).winograd_tile(9, 9) is None  # auto keeps im2col for other kernels
+    assert Conv2d(2, 2, 1, algorithm="winograd").winograd_tile(9, 9) == 3  # 1x1 is allowed if asked for
+    assert Conv2d(2, 2, 3, algorithm="im2col").winograd_tile(9, 9) is None
+    monkeypatch.setenv("MPIDL_CONV_ALGORITHM", "im2col")
+    assert Conv2d(2, 2, 3, padding=1).winograd_tile(9, 9) is None
+    assert Conv2d(2, 2, 3, padding=1, algorithm="winograd").winograd_tile(9, 9) == 3  # explicit wins
+    monkeypatch.setenv("MPIDL_CONV_ALGORITHM", "winograd")
+    assert Conv2d(2, 2, 1).winograd_tile(9, 9) == 3
+    assert Conv2d(2, 2, 3, stride=2).winograd_tile(9, 9) is None  # never for stride 2
+    monkeypatch.setenv("MPIDL_CONV_ALGORITHM", "fast")
+    with pytest.raises(ValueError, match="MPIDL_CONV_ALGORITHM='fast'"):
+        Conv2d(2, 2, 3).winograd_tile(9, 9)
+
+
+def test_conv2d_rejects_bad_algorithms():
+    with pytest.raises(ValueError, match="one of auto, im2col, winograd"):
+        Conv2d(2, 2, 3, algorithm="fft")
+    with pytest.raises(ValueError, match="stride 1"):
+        Conv2d(2, 2, 3, stride=2, algorithm="winograd")
+
+
+def test_conv2d_switching_algorithm_between_steps(monkeypatch):
+    # The backward pass follows the forward pass it belongs to, whatever the setting now.
+    conv = Conv2d(2, 3, 3, padding=1)
+    bind_parameters(conv)
+    x, dy = normal((2, 2, 5, 5), seed=1), normal((2, 3, 5, 5), seed=2)
+    grads = []
+    for first, second in (("winograd", "im2col"), ("im2col", "winograd")):
+        monkeypatch.setenv("MPIDL_CONV_ALGORITHM", first)
+        conv.forward(x)
+        monkeypatch.setenv("MPIDL_CONV_ALGORITHM", second)
+        grads.append((conv.backward(dy), conv.weight.grad.copy()))
+    for a, b in zip(*grads):
+        np.testing.assert_allclose(a, b, atol=1e-12)
+
+
+@pytest.mark.parametrize("algorithm", ["im2col", "auto"])
 @pytest.mark.parametrize("dtype, tol", [(np.float32, 1e-4), (np.float64, 1e-10)])
 @pytest.mark.parametrize("stride, pad", [(1, 0), (2, 1), (1, 2)])
-def test_conv2d_matches_loops(dtype, tol, stride, pad):
+def test_conv2d_matches_loops(dtype, tol, stride, pad, algorithm):
     x = normal((2, 3, 6, 5), seed=1, dtype=dtype)
-    conv = Conv2d(3, 4, 3, stride=stride, padding=pad)
+    conv = Conv2d(3, 4, 3, stride=stride, padding=pad, algorithm=algorithm)
     bind_parameters(conv, seed=2, dtype=np.dtype(dtype).name)
     y = conv.forward(x)
     assert y.dtype == dtype and y.flags.c_contiguous

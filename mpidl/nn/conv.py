@@ -1,15 +1,21 @@
-"""2-D convolution as im2col + one matrix product (no library convolution)."""
+"""2-D convolution as matrix products (no library convolution): im2col + one GEMM, or, for
+stride-1 3x3 filters, Winograd's minimal filtering (alpha^2 batched GEMMs with fewer FLOPs)."""
 
 from __future__ import annotations
 
 import math
+import os
 
 from mpidl import kernels
 from mpidl.backend import get_array_module
 from mpidl.nn.module import Module
 from mpidl.params import Initializer, Parameter, kaiming_uniform, uniform
 
-__all__ = ["Conv2d"]
+__all__ = ["Conv2d", "CONV_ALGORITHMS"]
+
+CONV_ALGORITHMS = ("auto", "im2col", "winograd")
+_ALGORITHM_ENV = "MPIDL_CONV_ALGORITHM"
+_WINOGRAD_TILES = (2, 3, 4)  # m of F(m x m, r x r); m <= 4 keeps the float32 error near 1e-6 (points 0, +-1, +-2)
 
 
 def _workspace(cache: dict, key: str, shape: tuple, like):
@@ -25,6 +31,12 @@ def _workspace(cache: dict, key: str, shape: tuple, like):
         buffer = xp.empty(shape, dtype=like.dtype)
         cache[key] = buffer
     return buffer
+
+
+def _by_position(transformed):
+    """``(C, alpha, alpha, P)`` -> the ``(alpha^2, C, P)`` view the batched GEMMs take (no copy)."""
+    c, alpha, _, columns = transformed.shape
+    return transformed.reshape(c, alpha * alpha, columns).transpose(1, 0, 2)
 
 
 class Conv2d(Module):
@@ -60,6 +72,26 @@ class Conv2d(Module):
     :mod:`mpidl.kernels` (NumPy reference, Numba CPU or Numba CUDA, chosen by the array).
     Setting ``compute_input_grad = False`` skips ``dcols`` and ``col2im`` (the model does this
     for its first layer, whose input gradient nobody uses); backward then returns ``None``.
+
+    Winograd (``algorithm="winograd"``, and what ``"auto"`` picks for stride-1 3x3 filters)
+    ------------------------------------------------------------------------------------------
+    With output tiles of ``m x m`` and ``alpha = m + k - 1`` (transform matrices ``A^T, G, B^T``
+    from :func:`mpidl.kernels.reference.winograd_matrices`):
+
+    * ``U = G W G^T``  per filter pair,       ``U : (alpha^2, F, C)``
+    * ``V = B^T d B``  per input tile,        ``V : (C, alpha^2, P)``, ``P = tiles * N``
+    * ``M[:, xi] = U[xi] @ V[:, xi]`` for each of the alpha^2 positions xi (one batched GEMM)
+    * ``y = A^T M A`` per tile, plus the bias.
+
+    Every step is linear, so backward is the adjoints in reverse order:
+    ``dM = A dY A^T``; ``dU[xi] = dM[:, xi] @ V[:, xi].T`` then ``dW = G^T dU G``;
+    ``dV[:, xi] = U[xi].T @ dM[:, xi]`` then ``dx`` = scatter-add of ``B dV B^T``. In exact arithmetic
+    this is the same function and gradient as im2col; it does ``alpha^2 / (m^2 k^2)`` of the
+    multiplications (F(3x3, 3x3): 25/81), at the price of float32 rounding a few times larger
+    (about 1e-6 relative). ``m`` is the tile in (2, 3, 4) that minimizes ``alpha^2 * tiles``
+    (9x9 outputs: m = 3, no wasted tile; 32x32: m = 4). ``"auto"`` can be overridden for every
+    layer with the environment variable ``MPIDL_CONV_ALGORITHM=im2col|winograd`` (for
+    debugging or comparing; it is read at each forward).
     """
 
     def __init__(
@@ -72,8 +104,13 @@ class Conv2d(Module):
         bias: bool = True,
         weight_init: Initializer | None = None,
         bias_init: Initializer | None = None,
+        algorithm: str = "auto",
     ):
         super().__init__()
+        if algorithm not in CONV_ALGORITHMS:
+            raise ValueError(f"Conv2d: algorithm must be one of {', '.join(CONV_ALGORITHMS)}; got {algorithm!r}")
+        if algorithm == "winograd" and stride != 1:
+            raise ValueError(f"Conv2d: the winograd algorithm needs stride 1, got stride={stride}")
         if min(in_channels, out_channels, kernel_size, stride) < 1 or padding < 0:
             raise ValueError(
                 f"Conv2d needs positive channels, kernel_size and stride and padding >= 0; got "
@@ -91,9 +128,11 @@ class Conv2d(Module):
             if bias
             else None
         )
+        self.algorithm = algorithm
         self.compute_input_grad = True
         self._x_shape: tuple | None = None
         self._cols = None
+        self._winograd = None  # (m, U, V) saved by a Winograd forward
         self._workspaces: dict = {}
 
     def output_shape(self, x_shape: tuple) -> tuple:
@@ -102,12 +141,38 @@ class Conv2d(Module):
         k, s, p = self.kernel_size, self.stride, self.padding
         return (n, self.out_channels, kernels.conv_output_size(h, k, s, p), kernels.conv_output_size(w, k, s, p))
 
+    def winograd_tile(self, out_h: int, out_w: int) -> int | None:
+        """The Winograd tile ``m`` this layer uses for an ``out_h x out_w`` output, or ``None``
+        when it runs im2col (stride != 1, ``algorithm="im2col"``, ``"auto"`` with a kernel other
+        than 3x3, or ``MPIDL_CONV_ALGORITHM=im2col`` with ``"auto"``)."""
+        algorithm = self.algorithm
+        if algorithm == "auto":
+            forced = os.environ.get(_ALGORITHM_ENV, "").strip().lower()
+            if forced not in ("", *CONV_ALGORITHMS):
+                raise ValueError(f"{_ALGORITHM_ENV}={forced!r} is not one of {', '.join(CONV_ALGORITHMS)} (or unset)")
+            if forced in ("im2col", "winograd"):
+                algorithm = forced
+            else:
+                algorithm = "winograd" if self.kernel_size == 3 else "im2col"
+        if algorithm != "winograd" or self.stride != 1:
+            return None
+        k = self.kernel_size
+
+        def multiplies(m: int) -> int:  # per (sample, filter, channel): alpha^2 per tile
+            return (m + k - 1) ** 2 * (-(-out_h // m)) * (-(-out_w // m))
+
+        return min(_WINOGRAD_TILES, key=lambda m: (multiplies(m), m))
+
     def forward(self, x):
         xp = get_array_module(x)
         if x.ndim != 4 or x.shape[1] != self.in_channels:
             raise ValueError(f"Conv2d expects (N, {self.in_channels}, H, W), got {tuple(x.shape)}")
         n, f, oh, ow = self.output_shape(x.shape)
         k, s, p = self.kernel_size, self.stride, self.padding
+        self._cols = self._winograd = None
+        m = self.winograd_tile(oh, ow)
+        if m is not None:
+            return self._winograd_forward(x, m, (n, f, oh, ow))
 
         cols = kernels.im2col(
             x, k, k, s, p, out=_workspace(self._workspaces, "cols", (self.in_channels * k * k, n * oh * ow), x)
@@ -122,6 +187,8 @@ class Conv2d(Module):
         return xp.ascontiguousarray(y2d.reshape(f, n, oh, ow).transpose(1, 0, 2, 3))
 
     def backward(self, dy):
+        if self._winograd is not None:
+            return self._winograd_backward(dy)
         if self._cols is None:
             raise RuntimeError("Conv2d.backward called before forward")
         xp = get_array_module(dy)
@@ -142,12 +209,88 @@ class Conv2d(Module):
         # dx is returned to the previous layer, which may keep it: a fresh array.
         return kernels.col2im(dcols, self._x_shape, k, k, s, p)
 
+    # ----------------------------------------------------------------------------------------
+    # Winograd F(m x m, k x k) (see the class docstring)
+    # ----------------------------------------------------------------------------------------
+
+    def _transform_matrices(self, m: int, like):
+        """``(G, G^T)`` of F(m, k) as arrays of ``like``'s dtype and device (cached)."""
+        xp = get_array_module(like)
+        key = ("winograd_g", m, str(like.dtype), xp.__name__)
+        cached = self._workspaces.get(key)
+        if cached is None:
+            g = xp.asarray(kernels.winograd_matrices(m, self.kernel_size)[1], dtype=like.dtype)
+            cached = self._workspaces[key] = (g, xp.ascontiguousarray(g.T))
+        return cached
+
+    def _filter_transform(self, m: int, like):
+        """``U[a, b, f, c] = sum_{i,j} G[a, i] W[f, c, i, j] G[b, j]`` as ``(alpha^2, F, C)``:
+        two GEMMs (over ``j``, then over ``i``) with transposes in between."""
+        xp = get_array_module(like)
+        f, c, k = self.out_channels, self.in_channels, self.kernel_size
+        alpha = m + k - 1
+        g, g_t = self._transform_matrices(m, like)
+        right = self.weight.data.reshape(f * c * k, k) @ g_t  # (f, c, i, b)
+        right = right.reshape(f * c, k, alpha).transpose(1, 0, 2).reshape(k, f * c * alpha)  # (i, f, c, b)
+        both = (g @ right).reshape(alpha, f, c, alpha)  # (a, f, c, b)
+        u = _workspace(self._workspaces, "U", (alpha, alpha, f, c), like)
+        u[...] = both.transpose(0, 3, 1, 2)
+        return u.reshape(alpha * alpha, f, c)
+
+    def _filter_transform_adjoint(self, du, m: int) -> None:
+        """``weight.grad[f, c, i, j] = sum_{a,b} G[a, i] dU[a, b, f, c] G[b, j]`` (adjoint of
+        :meth:`_filter_transform`), written in place."""
+        f, c, k = self.out_channels, self.in_channels, self.kernel_size
+        alpha = m + k - 1
+        g, g_t = self._transform_matrices(m, du)
+        left = (g_t @ du.reshape(alpha, alpha * f * c)).reshape(k, alpha, f, c)  # (i, b, f, c)
+        left = left.transpose(2, 3, 0, 1).reshape(f * c * k, alpha)  # (f, c, i, b), a copy
+        get_array_module(du).matmul(left, g, out=self.weight.grad.reshape(f * c * k, k))
+
+    def _winograd_forward(self, x, m: int, y_shape: tuple):
+        xp = get_array_module(x)
+        n, f, oh, ow = y_shape
+        c, k, p = self.in_channels, self.kernel_size, self.padding
+        alpha = m + k - 1
+        _, _, tiles_h, tiles_w = kernels.winograd_geometry(x.shape, m, k, p)
+        columns = tiles_h * tiles_w * n
+        u = self._filter_transform(m, x)
+        v = kernels.winograd_input(x, m, k, p, out=_workspace(self._workspaces, "V", (c, alpha, alpha, columns), x))
+        mt = _workspace(self._workspaces, "M", (f, alpha, alpha, columns), x)
+        # The transforms keep the channel outermost (see mpidl.kernels.reference); the batched
+        # GEMM takes the (alpha^2, C, P) views with a row stride of alpha^2 * P.
+        xp.matmul(u, _by_position(v), out=_by_position(mt))
+        self._x_shape, self._winograd = tuple(x.shape), (m, u, v)
+        # A fresh array (the caller may keep it); the bias is added inside the output transform.
+        return kernels.winograd_output(mt, y_shape, m, k, bias=None if self.bias is None else self.bias.data)
+
+    def _winograd_backward(self, dy):
+        xp = get_array_module(dy)
+        m, u, v = self._winograd
+        f, c, k, p = self.out_channels, self.in_channels, self.kernel_size, self.padding
+        alpha = m + k - 1
+        columns = v.shape[-1]
+        dm = kernels.winograd_output_adjoint(dy, m, k, out=_workspace(self._workspaces, "dM", (f, alpha, alpha, columns), dy))
+        du = _workspace(self._workspaces, "dU", (alpha * alpha, f, c), dy)
+        xp.matmul(_by_position(dm), _by_position(v).transpose(0, 2, 1), out=du)
+        self._filter_transform_adjoint(du, m)
+        if self.bias is not None:
+            xp.sum(dy, axis=(0, 2, 3), out=self.bias.grad)
+        if not self.compute_input_grad:
+            return None
+        dv = _workspace(self._workspaces, "dV", (c, alpha, alpha, columns), dy)
+        xp.matmul(u.transpose(0, 2, 1), _by_position(dm), out=_by_position(dv))
+        # dx is returned to the previous layer, which may keep it: a fresh array.
+        return kernels.winograd_input_adjoint(dv, self._x_shape, m, k, p)
+
     def _drop_workspaces(self) -> None:
         self._workspaces = {}
         self._cols = None
+        self._winograd = None
 
     def extra_repr(self) -> str:
         return (
             f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
             f"padding={self.padding}, bias={self.bias is not None}"
+            + ("" if self.algorithm == "auto" else f", algorithm={self.algorithm!r}")
         )

@@ -150,3 +150,45 @@ def test_launch_geometry():
     assert kcuda.blocks_for(256) == 1
     assert kcuda.blocks_for(257) == 2
     assert kcuda.blocks_for(0) == 1  # an empty grid is not a valid launch
+
+
+# Winograd F(m x m, r x r): (N, C, H, W), m, r, pad -- an exact tiling, tiles sticking out, 2x2 filters.
+WINOGRAD_CASES = [((2, 2, 5, 5), 3, 3, 1), ((1, 2, 6, 5), 2, 3, 0), ((2, 1, 6, 6), 4, 3, 1), ((1, 1, 5, 4), 3, 2, 1)]
+
+
+def _assert_scaled_close(actual, expected, dtype):
+    # Each thread sums in its own order (in float64), so compare relative to the array's scale.
+    actual = _host(actual)
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=RTOL[dtype] * float(np.abs(expected).max()))
+
+
+@pytest.mark.parametrize("transfer", TRANSFERS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape, m, r, pad", WINOGRAD_CASES)
+def test_winograd_transforms(transfer, shape, m, r, pad, dtype):
+    n, _, h, w = shape
+    x = _random(shape, dtype)
+    v = kcuda.winograd_input(_to(transfer, x), m, r, pad)
+    expected_v = reference.winograd_input(x, m, r, pad)
+    _assert_scaled_close(v, expected_v, dtype)
+
+    dv = _random(expected_v.shape, dtype, seed=1)
+    _assert_scaled_close(kcuda.winograd_input_adjoint(_to(transfer, dv), shape, m, r, pad),
+                         reference.winograd_input_adjoint(dv, shape, m, r, pad), dtype)
+
+    f, oh, ow = 2, h + 2 * pad - r + 1, w + 2 * pad - r + 1
+    mt, bias = _random((f, *expected_v.shape[1:]), dtype, seed=2), _random(f, dtype, seed=3)
+    _assert_scaled_close(kcuda.winograd_output(_to(transfer, mt), (n, f, oh, ow), m, r, bias=_to(transfer, bias)),
+                         reference.winograd_output(mt, (n, f, oh, ow), m, r, bias=bias), dtype)
+    dy = _random((n, f, oh, ow), dtype, seed=4)
+    _assert_scaled_close(kcuda.winograd_output_adjoint(_to(transfer, dy), m, r),
+                         reference.winograd_output_adjoint(dy, m, r), dtype)
+
+
+def test_winograd_refuses_bad_arguments():
+    x = cuda.to_device(_random((1, 2, 5, 5), np.float32))
+    with pytest.raises(ValueError, match="m \\+ r - 1 <= 8"):
+        kcuda.winograd_input(x, 7, 3, 1)  # alpha = 9 > the kernels' local arrays
+    with pytest.raises(ValueError, match="expected"):
+        kcuda.winograd_output(cuda.to_device(np.zeros((2, 5, 5, 3), np.float32)), (1, 2, 5, 5), 3, 3)
