@@ -8,6 +8,7 @@ import os
 
 from mpidl import kernels
 from mpidl.backend import get_array_module
+from mpidl.blas import batched_matmul
 from mpidl.nn.module import Module
 from mpidl.params import Initializer, Parameter, kaiming_uniform, uniform
 
@@ -259,7 +260,7 @@ class Conv2d(Module):
         mt = _workspace(self._workspaces, "M", (f, alpha, alpha, columns), x)
         # The transforms keep the channel outermost (see mpidl.kernels.reference); the batched
         # GEMM takes the (alpha^2, C, P) views with a row stride of alpha^2 * P.
-        xp.matmul(u, _by_position(v), out=_by_position(mt))
+        batched_matmul(u, _by_position(v), _by_position(mt))
         self._x_shape, self._winograd = tuple(x.shape), (m, u, v)
         # A fresh array (the caller may keep it); the bias is added inside the output transform.
         return kernels.winograd_output(mt, y_shape, m, k, bias=None if self.bias is None else self.bias.data)
@@ -272,14 +273,14 @@ class Conv2d(Module):
         columns = v.shape[-1]
         dm = kernels.winograd_output_adjoint(dy, m, k, out=_workspace(self._workspaces, "dM", (f, alpha, alpha, columns), dy))
         du = _workspace(self._workspaces, "dU", (alpha * alpha, f, c), dy)
-        xp.matmul(_by_position(dm), _by_position(v).transpose(0, 2, 1), out=du)
+        batched_matmul(_by_position(dm), _by_position(v).transpose(0, 2, 1), du)
         self._filter_transform_adjoint(du, m)
         if self.bias is not None:
             xp.sum(dy, axis=(0, 2, 3), out=self.bias.grad)
         if not self.compute_input_grad:
             return None
         dv = _workspace(self._workspaces, "dV", (c, alpha, alpha, columns), dy)
-        xp.matmul(u.transpose(0, 2, 1), _by_position(dm), out=_by_position(dv))
+        batched_matmul(u.transpose(0, 2, 1), _by_position(dm), _by_position(dv))
         # dx is returned to the previous layer, which may keep it: a fresh array.
         return kernels.winograd_input_adjoint(dv, self._x_shape, m, k, p)
 
