@@ -544,6 +544,31 @@ def _combine(coefficients, row, src, row_base, row_step, col_base, col_step, dst
             dst[_u(dst_start + t)] = 0
 
 
+@njit(inline="always", cache=True)
+def _combine_tiles(coefficients, row, src, tiles_w, m, n_size, dst, dst_start):
+    """The pass along W of one tile row: for every tile ``tw < tiles_w``,
+    ``dst[dst_start + tw*N : +N] = sum_l coefficients[row, l] * src[(tw*m + l)*N : +N]``
+    (nonzero coefficients only; the tile loop is inside the coefficient loop, so each
+    coefficient is read and tested once per tile row rather than once per tile)."""
+    first = True
+    for l in range(coefficients.shape[1]):
+        coef = coefficients[_u(row), _u(l)]
+        if coef != 0:
+            for tw in range(tiles_w):
+                d0 = dst_start + tw * n_size
+                s0 = (tw * m + l) * n_size
+                if first:
+                    for t in range(n_size):
+                        dst[_u(d0 + t)] = coef * src[_u(s0 + t)]
+                else:
+                    for t in range(n_size):
+                        dst[_u(d0 + t)] += coef * src[_u(s0 + t)]
+            first = False
+    if first:
+        for t in range(tiles_w * n_size):
+            dst[_u(dst_start + t)] = 0
+
+
 @njit(parallel=True, cache=True)
 def _winograd_input_kernel(x, bt, m, pad, tiles_h, tiles_w, v):
     # v : (C, alpha*alpha, P); this iteration writes the contiguous block v[c]
@@ -566,10 +591,7 @@ def _winograd_input_kernel(x, bt, m, pad, tiles_h, tiles_w, v):
             for b in range(alpha):
                 dst = block[_u(a * alpha + b)]  # written front to back
                 for th in range(tiles_h):
-                    for tw in range(tiles_w):
-                        # source l: rows[th*alpha + a, (tw*m + l)*N : +N]
-                        _combine(bt, b, rows, th * alpha + a, 0, tw * m * n_size, n_size,
-                                 dst, (th * tiles_w + tw) * n_size, n_size)
+                    _combine_tiles(bt, b, rows[_u(th * alpha + a)], tiles_w, m, n_size, dst, th * tiles_w * n_size)
 
 
 @njit(parallel=True, cache=True)
@@ -578,25 +600,28 @@ def _winograd_input_adjoint_kernel(dv, bt_t, m, pad, tiles_h, tiles_w, dx):
     n_size, c_size, h_size, w_size = dx.shape
     alpha = bt_t.shape[0]
     height, width = tiles_h * m + alpha - m, (tiles_w * m + alpha - m) * n_size
+    band = tiles_w * n_size  # the columns of one tile row
     for c in prange(c_size):
         block = dv[_u(c)]
         plane = np.zeros((height, width), dx.dtype)
-        rows = np.zeros((alpha, width), dx.dtype)  # dV B^T of one tile row, by a
-        column = np.empty(n_size, dx.dtype)
+        rows = np.empty((alpha, width), dx.dtype)  # dV B^T of one tile row, by a, tiles overlapped
+        tiles = np.empty((alpha * alpha, band), dx.dtype)  # dV B^T per tile, row a*alpha + l
         for th in range(tiles_h):
-            if th > 0:
-                rows[:, :] = 0
-            for tw in range(tiles_w):
-                q0 = (th * tiles_w + tw) * n_size
-                for a in range(alpha):
-                    dst = rows[_u(a)]
-                    for l in range(alpha):
-                        # source b: block[a*alpha + b, q0 : +N]
-                        _combine(bt_t, l, block, a * alpha, 1, q0, 0, column, 0, n_size)
+            for a in range(alpha):
+                for l in range(alpha):
+                    # source b: block[a*alpha + b, th*band : +band] (every tile of the row at once)
+                    _combine(bt_t, l, block, a * alpha, 1, th * band, 0, tiles[_u(a * alpha + l)], 0, band)
+            rows[:, :] = 0
+            for a in range(alpha):
+                dst = rows[_u(a)]
+                for l in range(alpha):
+                    src = tiles[_u(a * alpha + l)]
+                    for tw in range(tiles_w):
                         # Neighbouring tiles overlap by r - 1 columns: add.
-                        start = (tw * m + l) * n_size
+                        d0 = (tw * m + l) * n_size
+                        s0 = tw * n_size
                         for t in range(n_size):
-                            dst[_u(start + t)] += column[_u(t)]
+                            dst[_u(d0 + t)] += src[_u(s0 + t)]
             for k in range(alpha):
                 dst = plane[_u(th * m + k)]
                 for a in range(alpha):
@@ -617,21 +642,39 @@ def _winograd_output_kernel(mt, at, bias, m, tiles_h, tiles_w, y):
     # mt : (F, alpha*alpha, P); this iteration reads the contiguous block mt[f]
     n_size, f_size, out_h, out_w = y.shape
     alpha = at.shape[1]
+    band = tiles_w * n_size  # the columns of one tile row: q = th*band + tw*N + n
     for f in prange(f_size):
         block = mt[_u(f)]
         plane = np.empty((tiles_h * m, tiles_w * m * n_size), y.dtype)  # y[:, f] as (H, W*N)
-        cols = np.empty((m * alpha, n_size), y.dtype)  # A^T M of the current tile, row i*alpha + b
+        cols = np.empty((m * alpha, band), y.dtype)  # A^T M of one tile row, row i*alpha + b
         for th in range(tiles_h):
-            for tw in range(tiles_w):
-                q0 = (th * tiles_w + tw) * n_size
-                for i in range(m):
+            for i in range(m):
+                for b in range(alpha):
+                    # source a: block[a*alpha + b, th*band : +band] (every tile of the row at once)
+                    _combine(at, i, block, b, alpha, th * band, 0, cols[_u(i * alpha + b)], 0, band)
+            for i in range(m):
+                dst = plane[_u(th * m + i)]
+                for j in range(m):
+                    # dst[(tw*m + j)*N + n] = sum_b AT[j, b] cols[i*alpha + b, tw*N + n]
+                    first = True
                     for b in range(alpha):
-                        # source a: block[a*alpha + b, q0 : +N]
-                        _combine(at, i, block, b, alpha, q0, 0, cols[_u(i * alpha + b)], 0, n_size)
-                for i in range(m):
-                    dst = plane[_u(th * m + i)]
-                    for j in range(m):
-                        _combine(at, j, cols, i * alpha, 1, 0, 0, dst, (tw * m + j) * n_size, n_size)
+                        coef = at[_u(j), _u(b)]
+                        if coef != 0:
+                            src = cols[_u(i * alpha + b)]
+                            for tw in range(tiles_w):
+                                d0 = (tw * m + j) * n_size
+                                s0 = tw * n_size
+                                if first:
+                                    for t in range(n_size):
+                                        dst[_u(d0 + t)] = coef * src[_u(s0 + t)]
+                                else:
+                                    for t in range(n_size):
+                                        dst[_u(d0 + t)] += coef * src[_u(s0 + t)]
+                            first = False
+                    if first:
+                        for tw in range(tiles_w):
+                            for t in range(n_size):
+                                dst[_u((tw * m + j) * n_size + t)] = 0
         b0 = bias[_u(f)]
         for n in range(n_size):
             for oh in range(out_h):
@@ -662,10 +705,7 @@ def _winograd_output_adjoint_kernel(dy, at_t, m, tiles_h, tiles_w, dm):
             for b in range(alpha):
                 dst = block[_u(a * alpha + b)]  # written front to back
                 for th in range(tiles_h):
-                    for tw in range(tiles_w):
-                        # source j: rows[th*alpha + a, (tw*m + j)*N : +N]
-                        _combine(at_t, b, rows, th * alpha + a, 0, tw * m * n_size, n_size,
-                                 dst, (th * tiles_w + tw) * n_size, n_size)
+                    _combine_tiles(at_t, b, rows[_u(th * alpha + a)], tiles_w, m, n_size, dst, th * tiles_w * n_size)
 
 
 def _winograd_args(m, r, pad):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import os
 
+import numpy as np
+
 from mpidl import kernels
 from mpidl.backend import get_array_module
 from mpidl.blas import batched_matmul
@@ -214,39 +216,35 @@ class Conv2d(Module):
     # Winograd F(m x m, k x k) (see the class docstring)
     # ----------------------------------------------------------------------------------------
 
-    def _transform_matrices(self, m: int, like):
-        """``(G, G^T)`` of F(m, k) as arrays of ``like``'s dtype and device (cached)."""
+    def _filter_matrix(self, m: int, like):
+        """``K = kron(G, G) : (alpha^2, k^2)`` of F(m, k) in ``like``'s dtype and device (cached):
+        ``K[a*alpha + b, i*k + j] = G[a, i] G[b, j]``, so the filter transform is one product."""
         xp = get_array_module(like)
-        key = ("winograd_g", m, str(like.dtype), xp.__name__)
-        cached = self._workspaces.get(key)
-        if cached is None:
-            g = xp.asarray(kernels.winograd_matrices(m, self.kernel_size)[1], dtype=like.dtype)
-            cached = self._workspaces[key] = (g, xp.ascontiguousarray(g.T))
-        return cached
+        key = ("winograd_filter", m, str(like.dtype), xp.__name__)
+        matrix = self._workspaces.get(key)
+        if matrix is None:
+            g = kernels.winograd_matrices(m, self.kernel_size)[1]
+            matrix = self._workspaces[key] = xp.asarray(np.kron(g, g), dtype=like.dtype)
+        return matrix
 
     def _filter_transform(self, m: int, like):
-        """``U[a, b, f, c] = sum_{i,j} G[a, i] W[f, c, i, j] G[b, j]`` as ``(alpha^2, F, C)``:
-        two GEMMs (over ``j``, then over ``i``) with transposes in between."""
-        xp = get_array_module(like)
+        """``U[a, b, f, c] = sum_{i,j} G[a, i] W[f, c, i, j] G[b, j]``, as ``(alpha^2, F, C)``:
+        ``U = K @ W2.T`` with ``W2 = W.reshape(F*C, k*k)`` (one GEMM; BLAS reads the transpose
+        in place, and the result is already in the layout the batched GEMMs take)."""
         f, c, k = self.out_channels, self.in_channels, self.kernel_size
         alpha = m + k - 1
-        g, g_t = self._transform_matrices(m, like)
-        right = self.weight.data.reshape(f * c * k, k) @ g_t  # (f, c, i, b)
-        right = right.reshape(f * c, k, alpha).transpose(1, 0, 2).reshape(k, f * c * alpha)  # (i, f, c, b)
-        both = (g @ right).reshape(alpha, f, c, alpha)  # (a, f, c, b)
-        u = _workspace(self._workspaces, "U", (alpha, alpha, f, c), like)
-        u[...] = both.transpose(0, 3, 1, 2)
+        u = _workspace(self._workspaces, "U", (alpha * alpha, f * c), like)
+        get_array_module(like).matmul(self._filter_matrix(m, like), self.weight.data.reshape(f * c, k * k).T, out=u)
         return u.reshape(alpha * alpha, f, c)
 
     def _filter_transform_adjoint(self, du, m: int) -> None:
         """``weight.grad[f, c, i, j] = sum_{a,b} G[a, i] dU[a, b, f, c] G[b, j]`` (adjoint of
-        :meth:`_filter_transform`), written in place."""
+        :meth:`_filter_transform`): ``dW2 = dU2.T @ K``, written in place."""
         f, c, k = self.out_channels, self.in_channels, self.kernel_size
         alpha = m + k - 1
-        g, g_t = self._transform_matrices(m, du)
-        left = (g_t @ du.reshape(alpha, alpha * f * c)).reshape(k, alpha, f, c)  # (i, b, f, c)
-        left = left.transpose(2, 3, 0, 1).reshape(f * c * k, alpha)  # (f, c, i, b), a copy
-        get_array_module(du).matmul(left, g, out=self.weight.grad.reshape(f * c * k, k))
+        get_array_module(du).matmul(
+            du.reshape(alpha * alpha, f * c).T, self._filter_matrix(m, du), out=self.weight.grad.reshape(f * c, k * k)
+        )
 
     def _winograd_forward(self, x, m: int, y_shape: tuple):
         xp = get_array_module(x)
