@@ -2,7 +2,7 @@
 """One training step on the GPU: its time and samples/s for hsicnn and resnet8.
 
 Cases: ``hsicnn`` on 156-band 9x9 patches at batch 64 and 512, ``resnet8`` on 3x32x32 images at
-batch 64 and 256. A step is what :meth:`mpidl.trainer.Trainer.compute` and the optimizer do
+batch 64 and 256, each with the stride-1 3x3 convolutions done by im2col and by Winograd. A step is what :meth:`mpidl.trainer.Trainer.compute` and the optimizer do
 with one local batch: copy the host batch to the GPU, forward, softmax cross-entropy (whose
 ``float`` loss waits for the GPU), backward into the flat gradient buffer, SGD with momentum
 on the flat buffers. No MPI: this is one rank's compute.
@@ -40,6 +40,7 @@ CASES = (
     ("resnet8", (3, 32, 32), 256, 10),
 )
 MIN_REPEATS = 3
+CONV_ALGORITHMS = ("im2col", "winograd")
 
 
 def parse_args(argv=None):
@@ -160,28 +161,33 @@ def main(argv=None) -> int:
     print(f"gpu_step: {args.dtype}, {args.warmup} warm-up + up to {args.repeats} timed steps per case; "
           f"step = host batch -> device, forward, loss, backward, SGD (momentum 0.9)\n")
 
-    header = (f"{'model':<8} {'input':<10} {'batch':>5} {'step ms':>9} {'min-max ms':>15} {'spread':>7} "
+    header = (f"{'model':<8} {'input':<10} {'batch':>5} {'conv':<8} {'step ms':>9} {'min-max ms':>15} {'spread':>7} "
               f"{'samples/s':>10} {'copy ms':>8} {'pool MiB':>9} {'n':>3}  kernels")
     print(header)
     print("-" * len(header))
     failures = 0
     wall = time.perf_counter()
-    for model_name, input_shape, batch, num_classes in CASES:
+    runs = [(case, algorithm) for case in CASES for algorithm in CONV_ALGORITHMS]
+    for (model_name, input_shape, batch, num_classes), algorithm in runs:
         shape = "x".join(map(str, input_shape))
+        os.environ["MPIDL_CONV_ALGORITHM"] = algorithm  # read by every Conv2d at each forward
         try:
-            r = time_case(backend, model_name, input_shape, batch, num_classes, args, args.budget_s / len(CASES))
+            r = time_case(backend, model_name, input_shape, batch, num_classes, args, args.budget_s / len(runs))
         except Exception as exc:  # noqa: BLE001 - report the case, go on with the others
             failures += 1
-            print(f"{model_name:<8} {shape:<10} {batch:>5}  FAILED: {type(exc).__name__}: {exc}")
+            print(f"{model_name:<8} {shape:<10} {batch:>5} {algorithm:<8}  FAILED: {type(exc).__name__}: {exc}")
             traceback.print_exc(file=sys.stderr)
             continue
+        finally:
+            os.environ.pop("MPIDL_CONV_ALGORITHM", None)
         spread = (r["max_ms"] - r["min_ms"]) / r["median_ms"] * 100
-        print(f"{model_name:<8} {shape:<10} {batch:>5} {r['median_ms']:>9.2f} "
+        print(f"{model_name:<8} {shape:<10} {batch:>5} {algorithm:<8} {r['median_ms']:>9.2f} "
               f"{r['min_ms']:>7.2f}-{r['max_ms']:<7.2f} {spread:>6.0f}% {r['samples_per_s']:>10.0f} "
               f"{r['copy_ms']:>8.2f} {r['pool_mib']:>9.0f} {r['repeats']:>3}  {r['kernels']}", flush=True)
         _free_pool(backend)
-    print(f"\ngpu_step: {len(CASES) - failures}/{len(CASES)} cases in {time.perf_counter() - wall:.1f} s "
-          f"(spread = (max - min) / median)")
+    print(f"\ngpu_step: {len(runs) - failures}/{len(runs)} cases in {time.perf_counter() - wall:.1f} s "
+          f"(spread = (max - min) / median; conv: the stride-1 3x3 layers' algorithm, MPIDL_CONV_ALGORITHM; "
+          f"Conv2d's 'auto' uses im2col on the GPU until these numbers say otherwise)")
     return 1 if failures else 0
 
 

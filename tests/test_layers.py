@@ -123,6 +123,8 @@ def test_conv2d_algorithm_choice(monkeypatch):
     assert Conv2d(2, 2, 1).winograd_tile(9, 9) is None  # auto keeps im2col for other kernels
     assert Conv2d(2, 2, 1, algorithm="winograd").winograd_tile(9, 9) == 3  # 1x1 is allowed if asked for
     assert Conv2d(2, 2, 3, algorithm="im2col").winograd_tile(9, 9) is None
+    assert Conv2d(2, 2, 3, padding=1).winograd_tile(9, 9, on_gpu=True) is None  # auto: im2col on the GPU
+    assert Conv2d(2, 2, 3, padding=1, algorithm="winograd").winograd_tile(9, 9, on_gpu=True) == 3
     monkeypatch.setenv("MPIDL_CONV_ALGORITHM", "im2col")
     assert Conv2d(2, 2, 3, padding=1).winograd_tile(9, 9) is None
     assert Conv2d(2, 2, 3, padding=1, algorithm="winograd").winograd_tile(9, 9) == 3  # explicit wins

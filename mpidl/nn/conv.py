@@ -9,7 +9,7 @@ import os
 import numpy as np
 
 from mpidl import kernels
-from mpidl.backend import get_array_module
+from mpidl.backend import get_array_module, is_device_array
 from mpidl.blas import batched_matmul
 from mpidl.nn.module import Module
 from mpidl.params import Initializer, Parameter, kaiming_uniform, uniform
@@ -76,7 +76,7 @@ class Conv2d(Module):
     Setting ``compute_input_grad = False`` skips ``dcols`` and ``col2im`` (the model does this
     for its first layer, whose input gradient nobody uses); backward then returns ``None``.
 
-    Winograd (``algorithm="winograd"``, and what ``"auto"`` picks for stride-1 3x3 filters)
+    Winograd (``algorithm="winograd"``; ``"auto"`` picks it for stride-1 3x3 filters on the CPU)
     ------------------------------------------------------------------------------------------
     With output tiles of ``m x m`` and ``alpha = m + k - 1`` (transform matrices ``A^T, G, B^T``
     from :func:`mpidl.kernels.reference.winograd_matrices`):
@@ -144,10 +144,15 @@ class Conv2d(Module):
         k, s, p = self.kernel_size, self.stride, self.padding
         return (n, self.out_channels, kernels.conv_output_size(h, k, s, p), kernels.conv_output_size(w, k, s, p))
 
-    def winograd_tile(self, out_h: int, out_w: int) -> int | None:
+    def winograd_tile(self, out_h: int, out_w: int, on_gpu: bool = False) -> int | None:
         """The Winograd tile ``m`` this layer uses for an ``out_h x out_w`` output, or ``None``
         when it runs im2col (stride != 1, ``algorithm="im2col"``, ``"auto"`` with a kernel other
-        than 3x3, or ``MPIDL_CONV_ALGORITHM=im2col`` with ``"auto"``)."""
+        than 3x3 or on the GPU, or ``MPIDL_CONV_ALGORITHM=im2col`` with ``"auto"``).
+
+        ``"auto"`` picks Winograd only where it was measured to win: on the CPU (see
+        ``benchmarks/conv.py``). On the GPU one large cuBLAS GEMM is already efficient and the
+        Winograd transforms have not been timed on a device yet, so ``"auto"`` stays im2col
+        there; ``benchmarks/gpu_step.py`` times both for the session that has a GPU."""
         algorithm = self.algorithm
         if algorithm == "auto":
             forced = os.environ.get(_ALGORITHM_ENV, "").strip().lower()
@@ -156,7 +161,7 @@ class Conv2d(Module):
             if forced in ("im2col", "winograd"):
                 algorithm = forced
             else:
-                algorithm = "winograd" if self.kernel_size == 3 else "im2col"
+                algorithm = "winograd" if self.kernel_size == 3 and not on_gpu else "im2col"
         if algorithm != "winograd" or self.stride != 1:
             return None
         k = self.kernel_size
@@ -173,7 +178,7 @@ class Conv2d(Module):
         n, f, oh, ow = self.output_shape(x.shape)
         k, s, p = self.kernel_size, self.stride, self.padding
         self._cols = self._winograd = None
-        m = self.winograd_tile(oh, ow)
+        m = self.winograd_tile(oh, ow, on_gpu=is_device_array(x))
         if m is not None:
             return self._winograd_forward(x, m, (n, f, oh, ow))
 

@@ -112,6 +112,12 @@ def test_conv2d_gradcheck(device, shape, k, stride, pad, bias):
     gradcheck_on(device, Conv2d(shape[1], 3, k, stride=stride, padding=pad, bias=bias), normal(shape))
 
 
+@pytest.mark.parametrize("shape, k, pad", [((2, 3, 5, 5), 3, 1), ((1, 2, 8, 8), 3, 1), ((1, 2, 6, 4), 3, 0)])
+def test_conv2d_winograd_gradcheck(device, shape, k, pad):
+    # Winograd on CuPy arrays: the Numba CUDA transforms and cuBLAS batched products.
+    gradcheck_on(device, Conv2d(shape[1], 3, k, padding=pad, algorithm="winograd"), normal(shape))
+
+
 POOL_CASES = [(2, 2, 0), (3, 2, 1), (2, 1, 1), (3, 1, 0)]  # (k, stride, pad)
 
 

@@ -107,3 +107,36 @@ def test_dispatch_picks_the_cuda_kernels_for_cupy(monkeypatch):
     x = _random((2, 3, 5, 5), np.float32)
     assert kernels.implementation_for(x) is kcuda
     cupy.testing.assert_array_equal(kernels.im2col(x, 3, 3, 1, 1), reference.im2col(x, 3, 3, 1, 1))
+
+
+# Winograd transforms at the hsicnn (9x9: m = 3) and resnet8 (32x32: m = 4) shapes.
+WINOGRAD_LAYERS = [
+    pytest.param((64, 156, 9, 9), 3, 1, id="hsicnn-conv1"),
+    pytest.param((64, 64, 9, 9), 3, 1, id="hsicnn-conv2"),
+    pytest.param((64, 16, 32, 32), 4, 1, id="resnet8-block"),
+]
+
+
+def _assert_scaled_close(actual, expected, dtype):
+    assert isinstance(actual, cupy.ndarray)
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    scale = float(cupy.abs(expected).max())
+    np.testing.assert_allclose(cupy.asnumpy(actual), cupy.asnumpy(expected), rtol=0, atol=RTOL[dtype] * scale)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape, m, pad", WINOGRAD_LAYERS)
+def test_winograd_transforms(shape, m, pad, dtype):
+    n, c, h, w = shape
+    x = _random(shape, dtype)
+    v = kcuda.winograd_input(x, m, 3, pad)
+    _assert_scaled_close(v, reference.winograd_input(x, m, 3, pad), dtype)
+    dv = _random(v.shape, dtype, seed=1)
+    _assert_scaled_close(kcuda.winograd_input_adjoint(dv, shape, m, 3, pad),
+                         reference.winograd_input_adjoint(dv, shape, m, 3, pad), dtype)
+    f, oh, ow = 32, h + 2 * pad - 2, w + 2 * pad - 2
+    mt, bias = _random((f, *v.shape[1:]), dtype, seed=2), _random((f,), dtype, seed=3)
+    _assert_scaled_close(kcuda.winograd_output(mt, (n, f, oh, ow), m, 3, bias=bias),
+                         reference.winograd_output(mt, (n, f, oh, ow), m, 3, bias=bias), dtype)
+    dy = _random((n, f, oh, ow), dtype, seed=4)
+    _assert_scaled_close(kcuda.winograd_output_adjoint(dy, m, 3), reference.winograd_output_adjoint(dy, m, 3), dtype)
