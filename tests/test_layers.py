@@ -131,6 +131,7 @@ def test_conv2d_algorithm_choice(monkeypatch):
     monkeypatch.setenv("MPIDL_CONV_ALGORITHM", "winograd")
     assert Conv2d(2, 2, 1).winograd_tile(9, 9) == 3
     assert Conv2d(2, 2, 3, stride=2).winograd_tile(9, 9) is None  # never for stride 2
+    assert Conv2d(2, 2, 7, padding=3).winograd_tile(9, 9) is None  # nor for kernels above 5x5
     monkeypatch.setenv("MPIDL_CONV_ALGORITHM", "fast")
     with pytest.raises(ValueError, match="MPIDL_CONV_ALGORITHM='fast'"):
         Conv2d(2, 2, 3).winograd_tile(9, 9)
@@ -141,6 +142,8 @@ def test_conv2d_rejects_bad_algorithms():
         Conv2d(2, 2, 3, algorithm="fft")
     with pytest.raises(ValueError, match="stride 1"):
         Conv2d(2, 2, 3, stride=2, algorithm="winograd")
+    with pytest.raises(ValueError, match="kernel_size <= 5"):
+        Conv2d(2, 2, 7, padding=3, algorithm="winograd")
 
 
 def test_conv2d_switching_algorithm_between_steps(monkeypatch):

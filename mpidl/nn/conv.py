@@ -19,6 +19,7 @@ __all__ = ["Conv2d", "CONV_ALGORITHMS"]
 CONV_ALGORITHMS = ("auto", "im2col", "winograd")
 _ALGORITHM_ENV = "MPIDL_CONV_ALGORITHM"
 _WINOGRAD_TILES = (2, 3, 4)  # m of F(m x m, r x r); m <= 4 keeps the float32 error near 1e-6 (points 0, +-1, +-2)
+_WINOGRAD_MAX_KERNEL = 5  # alpha = m + k - 1 <= 8: the CUDA kernels' tile arrays, and points up to +-1/2
 
 
 def _workspace(cache: dict, key: str, shape: tuple, like):
@@ -112,8 +113,11 @@ class Conv2d(Module):
         super().__init__()
         if algorithm not in CONV_ALGORITHMS:
             raise ValueError(f"Conv2d: algorithm must be one of {', '.join(CONV_ALGORITHMS)}; got {algorithm!r}")
-        if algorithm == "winograd" and stride != 1:
-            raise ValueError(f"Conv2d: the winograd algorithm needs stride 1, got stride={stride}")
+        if algorithm == "winograd" and (stride != 1 or kernel_size > _WINOGRAD_MAX_KERNEL):
+            raise ValueError(
+                f"Conv2d: the winograd algorithm needs stride 1 and kernel_size <= {_WINOGRAD_MAX_KERNEL}, "
+                f"got stride={stride}, kernel_size={kernel_size}"
+            )
         if min(in_channels, out_channels, kernel_size, stride) < 1 or padding < 0:
             raise ValueError(
                 f"Conv2d needs positive channels, kernel_size and stride and padding >= 0; got "
@@ -146,8 +150,8 @@ class Conv2d(Module):
 
     def winograd_tile(self, out_h: int, out_w: int, on_gpu: bool = False) -> int | None:
         """The Winograd tile ``m`` this layer uses for an ``out_h x out_w`` output, or ``None``
-        when it runs im2col (stride != 1, ``algorithm="im2col"``, ``"auto"`` with a kernel other
-        than 3x3 or on the GPU, or ``MPIDL_CONV_ALGORITHM=im2col`` with ``"auto"``).
+        when it runs im2col: stride != 1, a kernel larger than 5x5, ``algorithm="im2col"``, or
+        ``"auto"`` with a kernel other than 3x3, on the GPU, or under ``MPIDL_CONV_ALGORITHM=im2col``.
 
         ``"auto"`` picks Winograd only where it was measured to win: on the CPU (see
         ``benchmarks/conv.py``). On the GPU one large cuBLAS GEMM is already efficient and the
@@ -162,9 +166,9 @@ class Conv2d(Module):
                 algorithm = forced
             else:
                 algorithm = "winograd" if self.kernel_size == 3 and not on_gpu else "im2col"
-        if algorithm != "winograd" or self.stride != 1:
-            return None
         k = self.kernel_size
+        if algorithm != "winograd" or self.stride != 1 or k > _WINOGRAD_MAX_KERNEL:
+            return None
 
         def multiplies(m: int) -> int:  # per (sample, filter, channel): alpha^2 per tile
             return (m + k - 1) ** 2 * (-(-out_h // m)) * (-(-out_w // m))
