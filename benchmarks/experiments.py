@@ -155,11 +155,20 @@ def main(argv=None) -> int:
             traceback.print_exc()
             result = {"error": f"{type(exc).__name__}: {exc}"}
         result["wall_s"] = time.perf_counter() - t0
+        result["machine"] = info  # when this section ran (a partial run merges into an older file)
         summary["sections"][name] = result
         print(f"   {name}: {result['wall_s']:.0f} s", flush=True)
     summary["wall_s"] = time.perf_counter() - started
-    (out / ("experiments_quick.json" if args.quick else "experiments.json")).write_text(
-        json.dumps(summary, indent=1, default=str))
+    summary_path = out / ("experiments_quick.json" if args.quick else "experiments.json")
+    written = summary
+    if (args.only or args.skip) and summary_path.exists():
+        # A partial run replaces its own sections and keeps the others' results.
+        try:
+            written = json.loads(summary_path.read_text())
+            written.setdefault("sections", {}).update(summary["sections"])
+        except (OSError, ValueError):
+            written = summary
+    summary_path.write_text(json.dumps(written, indent=1, default=str))
     if not args.quick and not args.only and not args.skip:  # the index describes a complete run
         write_index(ctx, summary)
     print(f"done in {summary['wall_s']:.0f} s: {out}", flush=True)
