@@ -87,3 +87,17 @@ def test_peers_quick_writes_its_table(tmp_path):
     text = (tmp_path / "peers_quick.md").read_text()
     rows = _table_rows(text, "| configuration | mpidl ms/step")
     assert [r.split("|")[1].strip() for r in rows][0] == "flat" and len(rows) == 3
+
+
+def test_conv_benchmark_prints_every_contender():
+    # Tiny settings: one round of one step at batch 4, no PyTorch column.
+    proc = _run([sys.executable, "benchmarks/conv.py", "--repeats", "1", "--steps", "1", "--warmup", "1",
+                 "--batch", "4", "--models", "hsicnn", "--threads", "1", "--no-torch"])
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("hsicnn ")]
+    contenders = {tuple(cell.strip() for cell in row.split("|")[1:3]) for row in rows}
+    assert contenders == {(a, k) for a in ("im2col", "winograd") for k in ("reference", "cpu")}, proc.stdout
+    assert "Winograd's GEMMs do" in proc.stdout and "sgemm peak" in proc.stdout
+    for row in rows:
+        cells = [cell.strip() for cell in row.split("|")]
+        assert float(cells[3]) > 0  # step ms
+        assert cells[-1] == "" and cells[-2] == ""  # no torch column with --no-torch
