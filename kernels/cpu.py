@@ -514,14 +514,17 @@ def avgpool2d_backward(dy, x_shape, k: int, stride: int, pad: int = 0):
 #
 # One prange iteration per channel (input side) or filter (output side): it gathers that
 # channel of every sample into a private zero-padded plane laid out (H, W*N), the sample
-# innermost, so every transform step is "vector += coefficient * vector" over contiguous
-# memory, a loop LLVM vectorizes. The 2-D transforms are separable and done as two 1-D passes;
-# the pass along H runs once per tile row over the whole padded row (W*N values: long loops,
-# and the r - 1 columns that neighbouring tiles share are transformed once), the pass along W
-# per tile (N values). Each pass skips the zero coefficients of its matrix (about half of
-# B^T's) and assigns on the first nonzero one instead of zeroing first. Each iteration writes
-# only its own channel's rows of V / dM or its own plane of x / y: race-free, even for the
-# overlapping patches of the input adjoint.
+# innermost, so every transform step is "vector = sum of coefficient * vector" over contiguous
+# memory, a loop LLVM vectorizes. The 2-D transforms are separable and done as two 1-D passes,
+# each over a whole tile row at once where the layout allows (long loops; on the input side
+# the r - 1 columns that neighbouring tiles share are transformed once), and each writes its
+# result front to back: the transformed arrays are (C, alpha^2, P), so a channel's block is
+# contiguous (writing alpha^2 rows a whole (C, P) matrix apart instead was 3x slower). Each pass
+# skips the zero coefficients of its matrix (about half of B^T's) and assigns on the first
+# nonzero one instead of zeroing first. Each iteration writes only its own channel's block of
+# V / dM or its own plane of x / y: race-free, even for the overlapping patches of the input
+# adjoint. Measured on hsicnn (batch 64, one thread), the four transforms take about 40 % of
+# the convolution time, the GEMMs the rest.
 
 
 @njit(inline="always", cache=True)
