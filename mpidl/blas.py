@@ -88,7 +88,10 @@ def batched_matmul(a, b, out):
     if type(a).__module__.startswith("cupy"):
         import cupy  # noqa: PLC0415 - only reached with CuPy arrays
 
-        return cupy.matmul(a, b, out=out)
+        # cuBLAS batches the products itself. ``out`` may be a strided view (the Winograd
+        # layouts), which not every CuPy version writes into directly: compute, then copy.
+        out[...] = cupy.matmul(a, b)
+        return out
     functions = _openblas_thread_functions()
     original = blas_threads()
     batch = a.shape[0]
