@@ -256,7 +256,6 @@ class Conv2d(Module):
         )
 
     def _winograd_forward(self, x, m: int, y_shape: tuple):
-        xp = get_array_module(x)
         n, f, oh, ow = y_shape
         c, k, p = self.in_channels, self.kernel_size, self.padding
         alpha = m + k - 1
