@@ -729,6 +729,13 @@ def _transform_shape(channels, tiles_h, tiles_w, n, m, r):
     return (channels, alpha, alpha, tiles_h * tiles_w * n)
 
 
+def _blocks(transformed):
+    """``(C, alpha, alpha, P)`` -> the ``(C, alpha^2, P)`` view the kernels index (explicit sizes:
+    ``-1`` cannot be inferred when ``P = 0``, an empty batch)."""
+    c, alpha, _, columns = transformed.shape
+    return transformed.reshape(c, alpha * alpha, columns)
+
+
 def _check_shape(array, shape, what):
     if tuple(array.shape) != tuple(shape):
         raise ValueError(f"{what} has shape {tuple(array.shape)}, expected {tuple(shape)}")
@@ -746,7 +753,7 @@ def winograd_input(x, m: int, r: int, pad: int = 0, out=None):
     shape = _transform_shape(c, tiles_h, tiles_w, n, m, r)
     v = np.empty(shape, dtype=x.dtype) if out is None else _check_out(out, shape, x.dtype, "winograd_input")
     bt = reference.winograd_matrices(m, r)[2].astype(x.dtype)
-    _winograd_input_kernel(_as_compiled(x), bt, m, pad, tiles_h, tiles_w, v.reshape(c, -1, shape[-1]))
+    _winograd_input_kernel(_as_compiled(x), bt, m, pad, tiles_h, tiles_w, _blocks(v))
     return v
 
 
@@ -762,7 +769,7 @@ def winograd_input_adjoint(dv, x_shape, m: int, r: int, pad: int = 0, out=None):
     _check_shape(dv, _transform_shape(c, tiles_h, tiles_w, n, m, r), "winograd_input_adjoint: dv")
     dx = np.empty((n, c, h, w), dtype=dv.dtype) if out is None else _check_out(out, (n, c, h, w), dv.dtype, "winograd_input_adjoint")
     bt_t = np.ascontiguousarray(reference.winograd_matrices(m, r)[2].T, dtype=dv.dtype)
-    _winograd_input_adjoint_kernel(_as_compiled(dv).reshape(c, -1, dv.shape[-1]), bt_t, m, pad, tiles_h, tiles_w, dx)
+    _winograd_input_adjoint_kernel(_blocks(_as_compiled(dv)), bt_t, m, pad, tiles_h, tiles_w, dx)
     return dx
 
 
@@ -779,7 +786,7 @@ def winograd_output(mt, y_shape, m: int, r: int, bias=None, out=None):
     y = np.empty((n, f, out_h, out_w), dtype=mt.dtype) if out is None else _check_out(out, (n, f, out_h, out_w), mt.dtype, "winograd_output")
     bias = np.zeros(f, mt.dtype) if bias is None else np.ascontiguousarray(bias, dtype=mt.dtype).reshape(f)
     at = reference.winograd_matrices(m, r)[0].astype(mt.dtype)
-    _winograd_output_kernel(_as_compiled(mt).reshape(f, -1, mt.shape[-1]), at, bias, m, tiles_h, tiles_w, y)
+    _winograd_output_kernel(_blocks(_as_compiled(mt)), at, bias, m, tiles_h, tiles_w, y)
     return y
 
 
@@ -795,5 +802,5 @@ def winograd_output_adjoint(dy, m: int, r: int, out=None):
     shape = _transform_shape(f, tiles_h, tiles_w, n, m, r)
     dm = np.empty(shape, dtype=dy.dtype) if out is None else _check_out(out, shape, dy.dtype, "winograd_output_adjoint")
     at_t = np.ascontiguousarray(reference.winograd_matrices(m, r)[0].T, dtype=dy.dtype)
-    _winograd_output_adjoint_kernel(_as_compiled(dy), at_t, m, tiles_h, tiles_w, dm.reshape(f, -1, shape[-1]))
+    _winograd_output_adjoint_kernel(_as_compiled(dy), at_t, m, tiles_h, tiles_w, _blocks(dm))
     return dm

@@ -489,3 +489,19 @@ def test_softmax_cross_entropy_rejects_bad_labels():
         loss_fn.forward(np.zeros((2, 3)), np.array([0, 3]))
     with pytest.raises(ValueError, match="labels"):
         loss_fn.forward(np.zeros((2, 3)), np.array([0.0, 1.0]))
+
+
+@pytest.mark.parametrize("kernel_set", ["reference", "cpu"])
+@pytest.mark.parametrize("algorithm", ["im2col", "winograd"])
+def test_conv2d_empty_batch(monkeypatch, kernel_set, algorithm):
+    # A rank whose share of the global batch is 0 samples still gets well-formed results.
+    monkeypatch.setenv("MPIDL_KERNELS", kernel_set)
+    conv = Conv2d(3, 4, 3, padding=1, algorithm=algorithm)
+    bind_parameters(conv, dtype="float32")
+    y = conv.forward(np.zeros((0, 3, 9, 9), np.float32))
+    assert y.shape == (0, 4, 9, 9)
+    conv.weight.grad.fill(1)
+    dx = conv.backward(np.zeros(y.shape, np.float32))
+    assert dx.shape == (0, 3, 9, 9)
+    np.testing.assert_array_equal(conv.weight.grad, 0)
+    np.testing.assert_array_equal(conv.bias.grad, 0)
