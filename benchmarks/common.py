@@ -468,7 +468,7 @@ def subset_layout(src: Path, dst: Path, sizes: dict, seed: int = 0) -> Path:
     import h5py  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
 
-    from mpidl.data import write_layout  # noqa: PLC0415
+    from mpidl.layout import write_layout  # noqa: PLC0415
 
     if dst.is_file():
         return dst

@@ -36,7 +36,7 @@ from typing import Sequence
 
 import numpy as np
 
-from mpidl.data_tools.layout import write_layout
+from mpidl.layout import write_layout
 from mpidl.data_tools.sources import ArrayFile, InputError, clean_name, parse_source
 from mpidl.data_tools.splits import block_split, check_split_options, class_table, random_split
 
@@ -89,13 +89,6 @@ def extract_patches(cube: np.ndarray, positions: np.ndarray, patch: int,
     windows = np.lib.stride_tricks.sliding_window_view(padded, (patch, patch), axis=(0, 1))
     positions = np.asarray(positions, dtype=np.int64).reshape(-1, 2)
     return np.ascontiguousarray(windows[positions[:, 0], positions[:, 1]], dtype=np.float32)
-
-
-def roughness(image: np.ndarray) -> float:
-    """Mean absolute difference between 4-neighbours, over the mean over the last axis of
-    ``image : (rows, cols[, d])``: small for a real scene, large for scrambled pixels."""
-    img = image.mean(axis=-1) if image.ndim == 3 else image
-    return float(np.abs(np.diff(img, axis=0)).mean() + np.abs(np.diff(img, axis=1)).mean())
 
 
 # --------------------------------------------------------------------------------------------

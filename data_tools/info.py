@@ -15,8 +15,8 @@ import os
 
 import numpy as np
 
-from mpidl.data import REQUIRED_ATTRS, LayoutError, validate_layout
-from mpidl.data_tools.layout import channel_stats
+from mpidl.layout import REQUIRED_ATTRS, LayoutError, validate_layout
+from mpidl.layout import channel_stats
 
 
 def _fmt_range(values: np.ndarray) -> str:
@@ -24,7 +24,7 @@ def _fmt_range(values: np.ndarray) -> str:
 
 
 def describe(path: str, verify: bool = False) -> str:
-    """The report printed by ``info`` (raises :class:`~mpidl.data.LayoutError` if invalid)."""
+    """The report printed by ``info`` (raises :class:`~mpidl.layout.LayoutError` if invalid)."""
     import h5py  # noqa: PLC0415
 
     meta = validate_layout(path)

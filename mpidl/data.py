@@ -1,28 +1,4 @@
-"""Datasets: the HDF5 patch layout, read lazily so that each rank reads only its own share.
-
-The HDF5 layout (version 1)
----------------------------
-One file holds every split of one dataset::
-
-    /train/x    (N, C, H, W) float32   samples (patches or images), raw values, NCHW
-    /train/y    (N,)         int64     class index in [0, K)
-    /train/pos  (N, 2)       int32     optional: (row, col) of a patch's centre pixel in the scene
-    /test/x, /test/y, /test/pos        same, for the test split
-    /val/x, /val/y, /val/pos           optional validation split
-
-    root attributes
-      class_names     K strings
-      bands           C
-      patch_size      H (== W for patches; the image size for image datasets)
-      source          where the data came from (free text)
-      split_seed      the seed of the train/test split
-      mean, std       (C,) float64, per-channel statistics of the TRAINING split only
-      layout_version  1
-
-``x`` is chunked one sample per chunk (``chunks=(1, C, H, W)``), so reading sample ``i``
-touches exactly one chunk and a rank that reads only its share reads only those chunks.
-Files are written by :func:`mpidl.data_tools.layout.write_layout` (atomically: temporary
-name, fsync, rename) and checked by :func:`validate_layout`.
+"""Datasets: the HDF5 layout (:mod:`mpidl.layout`) read lazily, so that each rank reads only its own share.
 
 Normalization
 -------------
@@ -54,37 +30,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
-LAYOUT_VERSION = 1
-REQUIRED_SPLITS = ("train", "test")
-OPTIONAL_SPLITS = ("val",)
+from mpidl.layout import LAYOUT_VERSION, LayoutError, channel_stats, validate_layout
+
 READ_MODES = ("runs", "fancy")
-REQUIRED_ATTRS = ("class_names", "bands", "patch_size", "source", "split_seed", "mean", "std",
-                  "layout_version")
 
 __all__ = [
-    "LAYOUT_VERSION", "LayoutError", "LayoutFileNotFoundError", "ArrayDataset", "HDF5Dataset",
-    "validate_layout", "open_dataset", "load_splits", "synthetic_splits", "write_layout",
+    "ArrayDataset", "HDF5Dataset", "open_dataset", "load_splits", "synthetic_splits",
     "dihedral_codes", "apply_dihedral",
 ]
-
-
-# --------------------------------------------------------------------------------------------
-# Errors
-# --------------------------------------------------------------------------------------------
-class LayoutError(ValueError):
-    """A file that is not a valid mpidl HDF5 layout. The message names the file and the problem.
-
-    Attributes: ``path`` (str) and ``problem`` (str, the message without the file name).
-    """
-
-    def __init__(self, path: str | os.PathLike, problem: str):
-        self.path = str(path)
-        self.problem = problem
-        super().__init__(f"{self.path}: {problem}")
-
-
-class LayoutFileNotFoundError(LayoutError, FileNotFoundError):
-    """The layout file does not exist (both a :class:`LayoutError` and a FileNotFoundError)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -185,9 +138,6 @@ class _PatchDataset:
         """Select the epoch whose augmentation draws :meth:`read` applies."""
         self.epoch = int(epoch)
 
-    def reset_counter(self) -> None:
-        self.samples_read = 0
-
     def read(self, indices: Any) -> tuple[np.ndarray, np.ndarray]:
         """Samples ``indices`` in that order: ``x : (n, C, H, W) float32`` normalized, ``y : (n,) int64``.
 
@@ -234,12 +184,6 @@ class _PatchDataset:
         self._slot.fill(-1)
         self._slot[share] = np.arange(share.size)
         self._store, self._stored = store, int(share.size)
-
-    def clear_cache(self) -> None:
-        if self.cache:
-            self._slot.fill(-1)
-            self._store = np.empty((0, *self.sample_shape), dtype=np.float32)
-            self._stored = 0
 
     # ---- helpers ------------------------------------------------------------------------------
     def _check_indices(self, indices: Any) -> np.ndarray:
@@ -430,118 +374,6 @@ class HDF5Dataset(_PatchDataset):
             pass
 
 
-# --------------------------------------------------------------------------------------------
-# Validation, opening
-# --------------------------------------------------------------------------------------------
-def _decode_names(value: Any) -> list[str]:
-    return [v.decode() if isinstance(v, bytes) else str(v) for v in np.atleast_1d(value)]
-
-
-def validate_layout(path: str | os.PathLike) -> dict:
-    """Check that ``path`` is a valid layout file; return its metadata.
-
-    Raises :class:`LayoutError` (a ValueError) naming the file and the problem: a missing file
-    (:class:`LayoutFileNotFoundError`, also a FileNotFoundError), a file that is not HDF5,
-    missing datasets or attributes, an unknown layout version, inconsistent shapes or dtypes,
-    labels out of ``[0, K)``, or non-positive ``std``.
-
-    Returns a dict: ``path, class_names, num_classes, bands, patch_size, sample_shape (C,H,W),
-    source, split_seed, mean (C,), std (C,), layout_version, splits {name: N}``.
-    Labels are read in full (N int64 per split) to check their range; samples are not read.
-    """
-    import h5py  # noqa: PLC0415
-
-    path = str(path)
-    if not os.path.exists(path):
-        raise LayoutFileNotFoundError(path, "no such file")
-    if os.path.isdir(path):
-        raise LayoutError(path, "is a directory, not an HDF5 layout file")
-    if not h5py.is_hdf5(path):
-        raise LayoutError(path, "not an HDF5 file (expected the mpidl layout: train/x, train/y, "
-                                "test/x, test/y and root attributes)")
-    try:
-        f = h5py.File(path, "r")
-    except OSError as exc:
-        raise LayoutError(path, f"cannot be opened as HDF5 ({exc})") from exc
-    with f:
-        missing = [f"{s}/{d}" for s in REQUIRED_SPLITS for d in ("x", "y") if f"{s}/{d}" not in f]
-        if missing:
-            raise LayoutError(path, f"missing dataset(s) {', '.join(missing)}; not an mpidl layout "
-                                    f"file (see mpidl/data.py)")
-        missing_attrs = [a for a in REQUIRED_ATTRS if a not in f.attrs]
-        if missing_attrs:
-            raise LayoutError(path, f"missing root attribute(s) {', '.join(missing_attrs)}")
-        version = int(np.asarray(f.attrs["layout_version"]).reshape(-1)[0])
-        if version != LAYOUT_VERSION:
-            raise LayoutError(path, f"layout_version {version} is not supported (this mpidl reads "
-                                    f"version {LAYOUT_VERSION})")
-        class_names = _decode_names(f.attrs["class_names"])
-        num_classes = len(class_names)
-        if num_classes < 2:
-            raise LayoutError(path, f"class_names must list at least 2 classes, got {class_names}")
-        splits: dict[str, int] = {}
-        sample_shape = None
-        for split in REQUIRED_SPLITS + OPTIONAL_SPLITS:
-            if split not in f:
-                continue
-            if "x" not in f[split] or "y" not in f[split]:
-                raise LayoutError(path, f"split {split!r} needs both {split}/x and {split}/y")
-            x, y = f[f"{split}/x"], f[f"{split}/y"]
-            if x.ndim != 4:
-                raise LayoutError(path, f"{split}/x must be 4-D (N, C, H, W), got shape {x.shape}")
-            if x.dtype.kind != "f":
-                raise LayoutError(path, f"{split}/x must be floating point, got {x.dtype}")
-            if y.ndim != 1 or y.dtype.kind not in "iu":
-                raise LayoutError(path, f"{split}/y must be a 1-D integer array, "
-                                        f"got shape {y.shape} dtype {y.dtype}")
-            if y.shape[0] != x.shape[0]:
-                raise LayoutError(path, f"{split}/x has {x.shape[0]} samples but {split}/y has "
-                                        f"{y.shape[0]} labels")
-            if sample_shape is None:
-                sample_shape = tuple(int(s) for s in x.shape[1:])
-            elif tuple(x.shape[1:]) != sample_shape:
-                raise LayoutError(path, f"{split}/x samples are {tuple(x.shape[1:])} but train/x "
-                                        f"samples are {sample_shape}")
-            if "pos" in f[split] and f[f"{split}/pos"].shape != (x.shape[0], 2):
-                raise LayoutError(path, f"{split}/pos must be ({x.shape[0]}, 2), "
-                                        f"got {f[f'{split}/pos'].shape}")
-            labels = y[...]
-            if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
-                raise LayoutError(path, f"{split}/y has labels in [{labels.min()}, {labels.max()}] "
-                                        f"but there are {num_classes} classes (expected [0, "
-                                        f"{num_classes - 1}])")
-            splits[split] = int(x.shape[0])
-        if splits["train"] == 0:
-            raise LayoutError(path, "the train split is empty")
-        bands = int(np.asarray(f.attrs["bands"]).reshape(-1)[0])
-        if bands != sample_shape[0]:
-            raise LayoutError(path, f"attribute bands = {bands} but samples have "
-                                    f"{sample_shape[0]} channels")
-        mean = np.asarray(f.attrs["mean"], dtype=np.float64)
-        std = np.asarray(f.attrs["std"], dtype=np.float64)
-        if mean.shape != (bands,) or std.shape != (bands,):
-            raise LayoutError(path, f"mean and std must be ({bands},), got {mean.shape} and "
-                                    f"{std.shape}")
-        if not (np.all(np.isfinite(mean)) and np.all(np.isfinite(std)) and np.all(std > 0)):
-            raise LayoutError(path, "mean/std must be finite and std > 0")
-        patch = np.asarray(f.attrs["patch_size"]).reshape(-1)
-        source = f.attrs["source"]
-        return {
-            "path": path,
-            "class_names": class_names,
-            "num_classes": num_classes,
-            "bands": bands,
-            "patch_size": int(patch[0]) if patch.size == 1 else tuple(int(p) for p in patch),
-            "sample_shape": sample_shape,
-            "source": source.decode() if isinstance(source, bytes) else str(source),
-            "split_seed": int(np.asarray(f.attrs["split_seed"]).reshape(-1)[0]),
-            "mean": mean,
-            "std": std,
-            "layout_version": version,
-            "splits": splits,
-        }
-
-
 def open_dataset(path: str | os.PathLike, split: str = "train", normalize: bool = True,
                  cache: bool = False, augment: bool = False, augment_seed: int = 0) -> HDF5Dataset:
     """Open one split of a layout file (validated first; :class:`LayoutError` on a bad file)."""
@@ -579,7 +411,6 @@ def synthetic_splits(seed: int = 0, *, rows: int = 64, cols: int = 64, bands: in
     See :mod:`mpidl.data_tools.synthetic` for the scene and what models reach on it.
     """
     from mpidl.data_tools.synthetic import scene_splits  # noqa: PLC0415 - avoid an import cycle
-    from mpidl.data_tools.layout import channel_stats  # noqa: PLC0415
 
     if train_fraction is not None:
         train_per_class = None  # an explicit fraction replaces the default count
@@ -608,10 +439,3 @@ def synthetic_splits(seed: int = 0, *, rows: int = 64, cols: int = 64, bands: in
         "splits": {"train": train.num_samples, "test": test.num_samples},
     }
     return train, test, meta
-
-
-def write_layout(*args, **kwargs):
-    """Write a layout file; see :func:`mpidl.data_tools.layout.write_layout`."""
-    from mpidl.data_tools.layout import write_layout as _write  # noqa: PLC0415
-
-    return _write(*args, **kwargs)

@@ -1,4 +1,4 @@
-"""mpidl.data: the layout reader, the datasets, the cache, augmentation, validation errors."""
+"""mpidl.data and mpidl.layout: the layout reader, the datasets, the cache, augmentation, validation errors."""
 
 from __future__ import annotations
 
@@ -11,16 +11,13 @@ import pytest
 from mpidl.data import (
     ArrayDataset,
     HDF5Dataset,
-    LayoutError,
-    LayoutFileNotFoundError,
     apply_dihedral,
     dihedral_codes,
     load_splits,
     open_dataset,
     synthetic_splits,
-    validate_layout,
 )
-from mpidl.data_tools.layout import channel_stats, write_layout
+from mpidl.layout import LayoutError, LayoutFileNotFoundError, channel_stats, validate_layout, write_layout
 
 C, H, W = 3, 5, 5
 NAMES = ["a", "b", "c"]

@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 import scipy.io
 
-from mpidl.data import validate_layout
+from mpidl.layout import validate_layout
 from mpidl.data_tools.__main__ import main
-from mpidl.data_tools.hsi import convert_hsi, extract_patches, pixels_to_image, roughness
-from mpidl.data_tools.layout import channel_stats
+from mpidl.data_tools.hsi import convert_hsi, extract_patches, pixels_to_image
+from scene_checks import roughness
+from mpidl.layout import channel_stats
 from mpidl.data_tools.sources import ArrayFile, InputError, clean_name, parse_source
 from mpidl.data_tools.splits import block_split, random_split
 

@@ -16,9 +16,11 @@ import numpy as np
 import pytest
 import scipy.io
 
-from mpidl.data import load_splits, validate_layout
+from mpidl.data import load_splits
+from mpidl.layout import validate_layout
 from mpidl.data_tools.__main__ import main
-from mpidl.data_tools.hsi import pixels_to_image, roughness
+from mpidl.data_tools.hsi import pixels_to_image
+from scene_checks import roughness
 
 SAMSON = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "samson"
 CUBE, ENDS = SAMSON / "Samson.mat", SAMSON / "_EndSamson.mat"
