@@ -8,10 +8,11 @@ MPICH's ``-hosts`` launch), it times
 * raw ``MPI_Allreduce(SUM)`` on the world communicator: the floor;
 * each strategy of :func:`mpidl.distributed.reducers.make_reducer` on a real
   :class:`~mpidl.distributed.topology.Topology`: ``flat`` and ``hierarchical``
-  (``reduce_gradients``, balanced weighting: one scaling pass + the collectives), and ``node``
-  split into its two parts, the per-step node-local reduction (``reduce_gradients``) and the
-  parameter sync between nodes (``sync_parameters``), plus their cost per step amortised over
-  K' steps, ``step + sync / K'``;
+  (``reduce_gradients`` of the buffer as the message ``[gradient | count | stop | nonfinite]``,
+  balanced weighting: scaling and division passes + the collectives), and ``node`` split into
+  its two parts, the per-step node-local reduction (``reduce_gradients``) and the parameter
+  sync between nodes (``synchronize``), plus their cost per step amortised over K' steps,
+  ``step + sync / K'``;
 * ``torch.distributed.all_reduce`` (gloo backend, on a tensor sharing the NumPy buffer) when
   PyTorch is installed; the column is skipped, with the reason, otherwise.
 
@@ -91,15 +92,20 @@ def main(argv=None) -> int:
     k = args.sync_every
     reducers = {name: make_reducer(name, topo, weighting="balanced", sync_every=k)
                 for name in ("flat", "hierarchical", "node")}
-    counts = [16] * size
+    count = 16  # this rank's samples; the message carries it
+    node = reducers["node"]
+
+    def node_sync(params):
+        node.steps_since_sync = 1  # as after a step: the sync does average
+        node.synchronize(params, [], (0.0, 0.0))
     sizes = QUICK_SIZES if args.quick else FULL_SIZES
 
     def contenders(buf):
         out = {"MPI_Allreduce": lambda: world.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)}
-        out["flat"] = lambda: reducers["flat"].reduce_gradients(buf, counts)
-        out["hierarchical"] = lambda: reducers["hierarchical"].reduce_gradients(buf, counts)
-        out["node step"] = lambda: reducers["node"].reduce_gradients(buf, counts)
-        out["node sync"] = lambda: reducers["node"].sync_parameters(buf)
+        out["flat"] = lambda: reducers["flat"].reduce_gradients(buf, count)
+        out["hierarchical"] = lambda: reducers["hierarchical"].reduce_gradients(buf, count)
+        out["node step"] = lambda: node.reduce_gradients(buf, count)
+        out["node sync"] = lambda: node_sync(buf[:-3])
         if dist is not None:
             import torch
 

@@ -111,10 +111,6 @@ class Backend:
         """Bind this process to its GPU (see :func:`select_device`); a no-op on the CPU."""
         return select_device(local_rank, self.device)
 
-    @property
-    def dtype_name(self) -> str:
-        return np.dtype(self.dtype).name
-
 
 def select_device(local_rank: int, device: str = "gpu") -> int | None:
     """Make GPU ``local_rank % device_count`` the current device of this process.

@@ -10,7 +10,15 @@ views into them::
 
 So the reducer allreduces ``flat.grad`` with one MPI call and the optimizer updates
 ``flat.data`` with a few array operations, while each layer keeps reading and writing its
-own ``p.data`` / ``p.grad`` with their natural shapes. Every update must therefore be in
+own ``p.data`` / ``p.grad`` with their natural shapes.
+
+The gradient buffer is the head of a slightly longer one, ``flat.message``::
+
+    flat.message = [ flat.grad (size scalars) | count | stop | nonfinite ]
+
+The distributed step (:class:`mpidl.distributed.DataParallel`) sends ``message`` whole, so
+the sample count that weights a rank's gradient and the flags of the collective decisions
+travel in the same MPI message as the gradient, and never need one of their own. Every update must therefore be in
 place (``p.grad[...] = ...``, ``flat.data -= lr * flat.grad``): rebinding ``p.data`` or
 ``flat.data`` to a new array would silently break the sharing.
 
@@ -34,6 +42,7 @@ import numpy as np
 from mpidl.backend import Backend, get_backend, to_host
 
 __all__ = [
+    "MESSAGE_SLOTS",
     "Initializer",
     "Parameter",
     "FlatParameters",
@@ -44,6 +53,9 @@ __all__ = [
     "ones",
 ]
 
+
+#: scalars that follow the gradients in ``FlatParameters.message``: count, stop, nonfinite
+MESSAGE_SLOTS = 3
 
 # --------------------------------------------------------------------------------------------
 # initializers
@@ -208,6 +220,7 @@ class FlatParameters:
     Attributes
     ----------
     data, grad : 1-D ``xp`` arrays of ``size`` elements, backend dtype
+    message : 1-D ``xp`` array of ``size + MESSAGE_SLOTS`` elements whose head is ``grad``
     size : total number of scalars; nbytes : bytes of ONE buffer (``size * itemsize``)
     names, shapes, offsets : per parameter, in registration order; parameter ``k`` occupies
         ``data[offsets[k] : offsets[k] + prod(shapes[k])]``
@@ -246,7 +259,8 @@ class FlatParameters:
                 raise ValueError(f"initializer of {param.name} returned shape {values.shape}, expected {param.shape}")
             host[start : start + param.size] = values.ravel()
         self.data = self.backend.asarray(host)
-        self.grad = self.backend.zeros(self.size)
+        self.message = self.backend.zeros(self.size + MESSAGE_SLOTS)
+        self.grad = self.message[: self.size]  # a contiguous view: the head of the message
 
         for name, param, start in zip(self.names, self._params, self.offsets):
             stop = start + param.size

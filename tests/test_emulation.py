@@ -11,24 +11,13 @@ def test_slowdown_sleeps_factor_minus_one_times_the_interval():
     assert slow.stretch(0.5) == pytest.approx(1.0)
     assert slow.stretch(0.25) == pytest.approx(0.5)
     assert slept == pytest.approx([1.0, 0.5])
-    assert slow.slept_seconds == pytest.approx(1.5)
 
 
 def test_slowdown_of_one_never_sleeps():
     slept = []
     slow = Slowdown(1, sleep=slept.append)
     assert slow.stretch(2.0) == 0.0
-    with slow.stretching():
-        pass
-    assert slept == [] and slow.slept_seconds == 0.0
-
-
-def test_slowdown_context_manager_stretches_the_block():
-    slept = []
-    slow = Slowdown(2.0, sleep=slept.append)
-    with slow.stretching():
-        sum(range(1000))
-    assert len(slept) == 1 and slept[0] >= 0.0
+    assert slept == []
 
 
 @pytest.mark.parametrize("factor", [0.5, 0, -1, float("inf"), float("nan"), True, "2"])
@@ -53,10 +42,8 @@ def test_link_model_alpha_beta_formulas():
     # ring allreduce among L: 2 (L-1) (alpha + n / (L beta))
     assert link.allreduce_seconds(n, 2) == pytest.approx(2 * 1 * (50e-6 + n / (2 * 125e6)))
     assert link.allreduce_seconds(n, 4) == pytest.approx(2 * 3 * (50e-6 + n / (4 * 125e6)))
-    assert link.bcast_seconds(n, 3) == pytest.approx(50e-6 + n / 125e6)
-    assert link.reduce_seconds(n, 3) == link.bcast_seconds(n, 3)
     # nobody to talk to: no time
-    assert link.allreduce_seconds(n, 1) == 0.0 and link.bcast_seconds(n, 1) == 0.0
+    assert link.allreduce_seconds(n, 1) == 0.0
     assert "EMULATED" in link.describe()
 
 

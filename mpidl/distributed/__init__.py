@@ -1,20 +1,23 @@
 """mpidl.distributed: everything that talks MPI, and nothing that knows a layer.
 
+* :mod:`~mpidl.distributed.data_parallel` ``DataParallel``: the public object a training
+  loop uses (split, step, sync, decisions, state for checkpoints)
 * :mod:`~mpidl.distributed.topology`  world / node / leader communicators
 * :mod:`~mpidl.distributed.balance`   rank speeds -> local batch sizes and data shares
 * :mod:`~mpidl.distributed.reducers`  gradient reduction strategies (``make_reducer``)
 * :mod:`~mpidl.distributed.emulation` EMULATED slow ranks and slow inter-node links
 """
 
-from mpidl.distributed.balance import (batch_sizes, gather_speeds, measure_speed, parse_speeds,
-                                       rebalance, split_counts)
+from mpidl.distributed.balance import batch_sizes, measure_speed, parse_speeds, split_counts
+from mpidl.distributed.data_parallel import ON_NAN, DataParallel, NonFiniteGradient
 from mpidl.distributed.emulation import LinkModel, Slowdown, parse_link, parse_slowdowns
-from mpidl.distributed.reducers import (STRATEGIES, WEIGHTINGS, FlatReducer, HierarchicalReducer,
-                                        NodeReducer, Reducer, make_reducer)
+from mpidl.distributed.reducers import (LEVELS, STRATEGIES, WEIGHTINGS, FlatReducer,
+                                        HierarchicalReducer, NodeReducer, Reducer, make_reducer)
 from mpidl.distributed.topology import Topology
 
 __all__ = [
-    "Topology", "make_reducer", "Reducer", "FlatReducer", "HierarchicalReducer", "NodeReducer",
-    "STRATEGIES", "WEIGHTINGS", "batch_sizes", "split_counts", "measure_speed", "gather_speeds",
-    "parse_speeds", "rebalance", "Slowdown", "LinkModel", "parse_slowdowns", "parse_link",
+    "DataParallel", "NonFiniteGradient", "ON_NAN", "Topology", "make_reducer", "Reducer",
+    "FlatReducer", "HierarchicalReducer", "NodeReducer", "STRATEGIES", "WEIGHTINGS", "LEVELS",
+    "batch_sizes", "split_counts", "measure_speed", "parse_speeds", "Slowdown", "LinkModel",
+    "parse_slowdowns", "parse_link",
 ]

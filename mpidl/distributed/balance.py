@@ -163,6 +163,14 @@ def measure_speed(step_fn: Callable[[int], None], probe_batch: int, repeats: int
     return probe_batch / max(statistics.median(seconds), 1e-9)
 
 
+def check_speeds(speeds: Sequence[float], world_size: int) -> list[float]:
+    """Relative speeds given by the caller: one finite number > 0 per rank."""
+    speeds = _positive_finite(speeds, "speeds")
+    if len(speeds) != _as_count(world_size, "world_size", 1):
+        raise ValueError(f"speeds has {len(speeds)} entries for {world_size} ranks; give one per rank")
+    return speeds
+
+
 def gather_speeds(comm, local: float) -> list[float]:
     """Every rank's speed, on every rank (``comm.allgather``), validated after the gather.
 

@@ -12,7 +12,6 @@ tested on a laptop. Every number produced under emulation must be reported as em
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -41,15 +40,11 @@ class Slowdown:
     ``factor = 1`` is a no-op; ``factor = 3`` makes the rank three times slower. ``sleep`` is
     injectable so tests can record instead of wait.
 
-    Usage::
-
-        with slowdown.stretching():     # or: t = measure(); slowdown.stretch(t)
-            compute()
+    Usage: ``t = measured compute seconds; slowdown.stretch(t)``.
     """
 
     factor: float = 1.0
     sleep: Callable[[float], None] = field(default=time.sleep, repr=False)
-    slept_seconds: float = 0.0  # total extra time this rank has slept (to report it)
 
     def __post_init__(self):
         if isinstance(self.factor, bool) or not isinstance(self.factor, Real) \
@@ -66,16 +61,7 @@ class Slowdown:
         extra = self.extra_seconds(elapsed)
         if extra > 0:
             self.sleep(extra)
-            self.slept_seconds += extra
         return extra
-
-    @contextlib.contextmanager
-    def stretching(self):
-        """Time the enclosed block, then :meth:`stretch` it. Synchronize a GPU inside the
-        block first, or only the launch time is stretched."""
-        start = time.perf_counter()
-        yield self
-        self.stretch(time.perf_counter() - start)
 
 
 def parse_slowdowns(text: str, world_size: int) -> list[float]:
@@ -112,9 +98,6 @@ class LinkModel:
 
           T = 2 (L - 1) (alpha + n / (L beta))
 
-    * broadcast or reduce (modelled as one pipelined transfer)::
-
-          T = alpha + n / beta
     """
 
     latency_us: float
@@ -143,14 +126,6 @@ class LinkModel:
         if participants <= 1:
             return 0.0
         return 2 * (participants - 1) * (self.alpha + nbytes / (participants * self.beta))
-
-    def bcast_seconds(self, nbytes: int, participants: int) -> float:
-        """``alpha + n / beta`` for a broadcast of ``n`` bytes (0 with one participant)."""
-        if participants <= 1:
-            return 0.0
-        return self.alpha + nbytes / self.beta
-
-    reduce_seconds = bcast_seconds
 
     def describe(self) -> str:
         return f"EMULATED inter-node link: {self.latency_us:g} us latency, {self.gbit_s:g} Gbit/s"

@@ -5,20 +5,19 @@ Every faster or approximate strategy is tested against this one.
 
 from __future__ import annotations
 
-from typing import Sequence
-
-from mpidl.distributed.reducer_base import Reducer
+from mpidl.distributed.reducer_base import Reducer, check_message
 
 
 class FlatReducer(Reducer):
-    """``g = sum_i w_i g_i`` by one ``Allreduce(SUM)`` on the world communicator.
+    """``g = sum_i c_i g_i / sum_i c_i`` by one ``Allreduce(SUM)`` of the message on the world.
 
     Notes
     -----
-    balanced: ``w_i = b_i / B`` with ``B = sum_j b_j``, so ``g`` is the gradient of the mean
-    loss over the ``B`` samples of the global batch. uniform: ``w_i = 1 / P``.
+    balanced: ``c_i = b_i``, so ``g = sum_i (b_i / B) g_i`` with ``B = sum_j b_j``: the gradient
+    of the mean loss over the ``B`` samples of the global batch. uniform: ``c_i = 1``, so
+    ``g = (1 / P) sum_i g_i``.
 
-    Counters per step: ``world`` 1 call of ``grad.nbytes`` (none with one rank).
+    Counters per step: ``world`` 1 call of ``message.nbytes`` (none with one rank).
 
     EMULATION: with an inter-node link model and more than one node, every rank sleeps the
     time of a ring allreduce over all ``P`` ranks, ``2 (P-1) (alpha + n / (P beta))``: in a
@@ -27,14 +26,11 @@ class FlatReducer(Reducer):
 
     name = "flat"
 
-    def __init__(self, topology, weighting="balanced", emulate_link=None):
-        super().__init__(topology, weighting, emulate_link)
-        self._world_ranks = range(topology.size)
-
-    def reduce_gradients(self, grad, counts: Sequence[int]) -> None:
-        counts = self._check(grad, counts)
-        grad *= self._weight(counts, self._world_ranks)
-        self._allreduce("world", self.topology.world, grad)
-        if self.emulate_link is not None and self.topology.num_nodes > 1:
-            self._emulate_inter_node(
-                self.emulate_link.allreduce_seconds(grad.nbytes, self.topology.size))
+    def reduce_gradients(self, message, count: int) -> None:
+        check_message(message)
+        topo = self.topology
+        total = self._weighted_sum("world", topo.world, message, count, self._allreduce)
+        if total == 0:
+            raise ValueError("no rank computed a sample this step (every count was 0)")
+        if self.emulate_link is not None and topo.num_nodes > 1:
+            self._emulate_inter_node(self.emulate_link.allreduce_seconds(message.nbytes, topo.size))

@@ -7,24 +7,25 @@ rank.
 
 from __future__ import annotations
 
-from typing import Sequence
-
-from mpidl.distributed.reducer_base import Reducer
+from mpidl.distributed.reducer_base import Reducer, check_message
 
 
 class HierarchicalReducer(Reducer):
-    """``g = sum_i w_i g_i`` in three levels, with the world weights of :class:`FlatReducer`.
+    """``g = sum_i c_i g_i / sum_i c_i`` in three levels, with the world weights of
+    :class:`~mpidl.distributed.flat.FlatReducer`.
 
     Notes
     -----
-    1. ``Reduce(SUM)`` in each node onto its leader:   ``h_n = sum_{i in node n} w_i g_i``
-    2. ``Allreduce(SUM)`` among the leaders:           ``g = sum_n h_n``
-    3. ``Bcast`` of ``g`` from the leader in each node.
+    With ``m_i = [c_i g_i | c_i | flags_i]`` the rank's message:
 
-    balanced: ``w_i = b_i / B`` over the world, uniform: ``w_i = 1 / P``; the result equals
-    the flat one. Counters per step: ``intra`` 2 calls (reduce + bcast; none on a
-    single-rank node), ``inter`` 1 call on leaders when there is more than one node, each of
-    ``grad.nbytes``.
+    1. ``Reduce(SUM)`` in each node onto its leader:   ``h_n = sum_{i in node n} m_i``
+    2. ``Allreduce(SUM)`` among the leaders:           ``m = sum_n h_n``
+    3. ``Bcast`` of ``m`` from the leader in each node; every rank divides the gradient part
+       by the summed count.
+
+    The result equals the flat one. Counters per step: ``intra`` 2 calls (reduce + bcast;
+    none on a single-rank node), ``inter`` 1 call on leaders when there is more than one
+    node, each of ``message.nbytes``.
 
     EMULATION: the leaders sleep ``2 (L-1) (alpha + n / (L beta))`` after the leaders'
     allreduce (``L`` nodes); the other ranks wait for it in the broadcast.
@@ -32,18 +33,18 @@ class HierarchicalReducer(Reducer):
 
     name = "hierarchical"
 
-    def __init__(self, topology, weighting="balanced", emulate_link=None):
-        super().__init__(topology, weighting, emulate_link)
-        self._world_ranks = range(topology.size)
+    def reduce_gradients(self, message, count: int) -> None:
+        check_message(message)
+        total = self._weighted_sum("world", self.topology.world, message, count, self._three_levels)
+        if total == 0:
+            raise ValueError("no rank computed a sample this step (every count was 0)")
 
-    def reduce_gradients(self, grad, counts: Sequence[int]) -> None:
-        counts = self._check(grad, counts)
+    def _three_levels(self, level, world, message) -> None:
         topo = self.topology
-        grad *= self._weight(counts, self._world_ranks)
-        self._reduce_to_root("intra", topo.node, grad)
+        self._reduce_to_root("intra", topo.node, message)
         if topo.is_leader:
-            self._allreduce("inter", topo.leaders, grad)
+            self._allreduce("inter", topo.leaders, message)
             if self.emulate_link is not None:
                 self._emulate_inter_node(
-                    self.emulate_link.allreduce_seconds(grad.nbytes, topo.num_nodes))
-        self._bcast_from_root("intra", topo.node, grad)
+                    self.emulate_link.allreduce_seconds(message.nbytes, topo.num_nodes))
+        self._bcast_from_root("intra", topo.node, message)

@@ -9,9 +9,9 @@ their node. Inter-node traffic falls by a factor of about ``K'`` times the ranks
 from __future__ import annotations
 
 from numbers import Integral
-from typing import Sequence
 
-from mpidl.distributed.reducer_base import Reducer, _check_buffer, _check_step
+from mpidl.backend import get_array_module
+from mpidl.distributed.reducer_base import COUNT, NONFINITE, STOP, Reducer, check_message
 
 
 class NodeReducer(Reducer):
@@ -22,100 +22,126 @@ class NodeReducer(Reducer):
     -----
     Gradients, every step, within node ``n`` (``R_n`` its ranks)::
 
-        g_n = sum_{i in R_n} w_i g_i,   balanced: w_i = b_i / sum_{j in R_n} b_j,
-                                        uniform:  w_i = 1 / |R_n|
+        g_n = sum_{i in R_n} c_i g_i / sum_{i in R_n} c_i,   balanced c_i = b_i, uniform c_i = 1
 
     so the replicas of one node stay identical and each node follows the exact gradient of
     its own samples (a node whose ranks computed nothing this step gets ``g_n = 0``).
 
-    Parameters, when ``step % sync_every == 0`` (and at :meth:`sync_parameters`)::
+    Parameters, when ``steps_done % sync_every == 0`` (and at :meth:`synchronize`)::
 
-        theta = sum_n v_n theta_n,      balanced: v_n = S_n / sum_m S_m,  uniform: v_n = 1 / L
+        theta = sum_n v_n theta_n / sum_n v_n,   balanced: v_n = S_n,  uniform: v_n = 1
 
-    where ``S_n`` is the number of samples node ``n`` processed since the last sync (summed
-    from the ``counts`` given to :meth:`reduce_gradients`; every rank knows all of them, so
-    no extra message is needed) and ``L`` the number of nodes. The leaders compute it with one
-    ``Allreduce(SUM)`` of ``v_n theta_n`` and broadcast it in their node: afterwards all
-    replicas are identical. With ``sync_every = 1`` and plain SGD this equals the flat
-    scheme: ``sum_n v_n (theta - lr g_n) = theta - lr sum_i (b_i / B) g_i``.
+    where ``S_n`` is the number of samples node ``n`` processed since the last sync (the sum
+    of the counts its per-step reductions returned, so no extra message is needed). Each
+    leader sends ``[v_n theta_n | v_n | flags]`` in one ``Allreduce(SUM)`` among the leaders
+    and broadcasts the sum in its node; every rank then divides, so afterwards all replicas
+    are bitwise identical. The optimizer's state buffers, when given, travel in the same
+    message and are averaged with the same weights. With ``sync_every = 1`` and plain SGD
+    this equals the flat scheme: ``sum_n v_n (theta - lr g_n) / sum_n v_n = theta - lr sum_i
+    (b_i / B) g_i``.
 
     With a single node this is the flat scheme on the node communicator, and there is no
-    inter-node traffic at all (no parameter syncs, ``after_step`` returns False).
+    inter-node traffic at all (no parameter syncs; :meth:`after_step` returns None).
 
     Counters: per step ``intra`` 1 call; per parameter sync ``inter`` 1 call (leaders) and
-    ``intra`` 1 call (the broadcast), each of the buffer's ``nbytes``.
+    ``intra`` 1 call (the broadcast), each of the message's ``nbytes``.
 
     EMULATION: leaders sleep ``2 (L-1) (alpha + n / (L beta))`` after each leaders' allreduce.
     """
 
     name = "node"
-    exact = False
 
     def __init__(self, topology, weighting="balanced", sync_every: int = 50, emulate_link=None):
         super().__init__(topology, weighting, emulate_link)
         self.sync_every = check_sync_every(sync_every)
-        self._node_ranks = topology.node_ranks
-        self._node_of_rank = topology.node_of_rank
-        #: samples each node processed since the last parameter sync, indexed by node id
-        self.node_samples = [0] * topology.num_nodes
-        self._last_sync_weights: list[float] | None = None
+        #: samples this rank's node processed since the last parameter sync (S_n)
+        self.samples_since_sync = 0
+        #: optimizer steps since the last parameter sync (the same on every rank)
+        self.steps_since_sync = 0
+        self._scratch = None
+
+    @property
+    def step_is_global(self) -> bool:
+        return self.topology.num_nodes == 1
+
+    @property
+    def exact(self) -> bool:
+        """One node is the flat scheme; several differ between syncs."""
+        return self.topology.num_nodes == 1
 
     def describe(self) -> str:
         return super().describe() + f", parameter sync every {self.sync_every} steps"
 
-    def reduce_gradients(self, grad, counts: Sequence[int]) -> None:
-        counts = self._check(grad, counts)
-        for rank, count in enumerate(counts):
-            self.node_samples[self._node_of_rank[rank]] += count
-        grad *= self._weight(counts, self._node_ranks)
-        self._allreduce("intra", self.topology.node, grad)
+    def reduce_gradients(self, message, count: int) -> None:
+        check_message(message)
+        total = self._weighted_sum("intra", self.topology.node, message, count, self._allreduce)
+        self.samples_since_sync += int(round(total)) if self.weighting == "balanced" else 0
 
-    def node_weights(self) -> list[float]:
-        """``v_n`` for the next parameter sync, indexed by node id (sums to 1)."""
-        num_nodes = self.topology.num_nodes
-        total = sum(self.node_samples)
-        if self.weighting == "uniform" or total == 0:
-            # (total == 0 only when syncing twice in a row: replicas are already equal.)
-            return [1.0 / num_nodes] * num_nodes
-        return [s / total for s in self.node_samples]
+    def after_step(self, params_data, state_buffers, flags, steps_done: int) -> tuple | None:
+        """Sync the parameters when ``steps_done`` is a multiple of ``sync_every``."""
+        self.steps_since_sync += 1
+        if self.topology.num_nodes == 1 or steps_done % self.sync_every != 0:
+            return None
+        return self._average_over_nodes(params_data, state_buffers, flags, into=params_data)
 
-    def after_step(self, params_data, step: int) -> bool:
-        """Sync the parameters when ``step`` (optimizer steps done) is a multiple of
-        ``sync_every``; True if it did."""
-        step = _check_step(step)
-        if step % self.sync_every != 0 or self.topology.num_nodes == 1:
-            return False
-        self.sync_parameters(params_data)
-        return True
+    def synchronize(self, params_data, state_buffers, flags) -> tuple:
+        """Average now (a no-op on the parameters when no step was taken since the last sync:
+        the replicas are identical then, and only the flags are exchanged)."""
+        if self.topology.num_nodes == 1 or self.steps_since_sync == 0:
+            return self._world_flags(flags)
+        return self._average_over_nodes(params_data, state_buffers, flags, into=params_data)
 
-    def sync_parameters(self, params_data) -> None:
-        """Forced node-weighted parameter average (epoch end); always syncs with > 1 node."""
-        if self.topology.num_nodes > 1:
-            self._last_sync_weights = self.node_weights()
-            self._average_over_nodes(params_data, self._last_sync_weights)
-        self.node_samples = [0] * self.topology.num_nodes
+    def consensus(self, params_data):
+        """``sum_n v_n theta_n / sum_n v_n`` (collective), leaving the replicas alone."""
+        if self.topology.num_nodes == 1 or self.steps_since_sync == 0:
+            return params_data.copy()
+        out = params_data.copy()
+        self._average_over_nodes(params_data, [], (0.0, 0.0), into=out, reset=False)
+        return out
 
-    def sync_optimizer_state(self, buffers: Sequence) -> None:
-        """Average flat optimizer-state buffers (momentum, Adam moments) over the nodes with
-        the weights ``v_n`` of the last parameter sync; call it right after a sync
-        (``after_step`` returned True, or after ``sync_parameters``)."""
-        if self.topology.num_nodes == 1:
-            return
-        weights = self._last_sync_weights or self.node_weights()
-        for buf in buffers:
-            _check_buffer(buf)
-            self._average_over_nodes(buf, weights)
+    def pending_samples(self) -> int:
+        return self.samples_since_sync
 
-    def _average_over_nodes(self, buf, weights: list[float]) -> None:
-        """``buf <- sum_n weights[n] buf_n``: leaders allreduce, then broadcast in the node."""
+    def set_pending_samples(self, samples: int) -> None:
+        self.samples_since_sync = int(samples)
+
+    def _average_over_nodes(self, params_data, state_buffers, flags, *, into, reset=True) -> tuple:
+        """The leaders' weighted SUM of ``[v_n theta_n | v_n s_n ... | v_n | stop | nonfinite]``,
+        broadcast in every node, divided by ``sum v_n`` on every rank."""
         topo = self.topology
+        buffers = [params_data, *state_buffers]
+        size = params_data.size
+        length = size * len(buffers) + 3
+        if self._scratch is None or self._scratch.size != length or self._scratch.dtype != params_data.dtype:
+            self._scratch = get_array_module(params_data).zeros(length, dtype=params_data.dtype)
+        message = self._scratch
         if topo.is_leader:
-            buf *= weights[topo.node_id]
-            self._allreduce("inter", topo.leaders, buf)
+            weight = self.samples_since_sync if self.weighting == "balanced" else 1
+            for k, buf in enumerate(buffers):
+                part = message[k * size:(k + 1) * size]
+                part[...] = buf
+                if weight != 1:
+                    part *= weight
+            message[COUNT] = weight
+            message[STOP] = flags[0]
+            message[NONFINITE] = flags[1]
+            self._allreduce("inter", topo.leaders, message)
             if self.emulate_link is not None:
-                self._emulate_inter_node(
-                    self.emulate_link.allreduce_seconds(buf.nbytes, topo.num_nodes))
-        self._bcast_from_root("intra", topo.node, buf)
+                self._emulate_inter_node(self.emulate_link.allreduce_seconds(message.nbytes, topo.num_nodes))
+        self._bcast_from_root("intra", topo.node, message)
+        total = float(message[COUNT])
+        if total <= 0:
+            raise RuntimeError("node parameter sync: no node processed a sample since the last sync "
+                               "(every rank passed a count of 0); the parameter average is undefined")
+        targets = [into, *state_buffers]
+        for k, buf in enumerate(targets):
+            part = message[k * size:(k + 1) * size]
+            buf[...] = part
+            buf /= total
+        if reset:
+            self.samples_since_sync = 0
+            self.steps_since_sync = 0
+        return float(message[STOP]), float(message[NONFINITE])
 
 
 def check_sync_every(sync_every) -> int:

@@ -1,27 +1,40 @@
-"""What every gradient reducer shares: weights, counted collectives, GPU buffers for MPI.
+"""What every gradient reducer shares: the message, the weights, counted collectives, GPU staging.
 
-A reducer turns each rank's local MEAN gradient ``g_i`` (computed on ``b_i`` samples) into
-the gradient the optimizer applies, in place, on a flat 1-D buffer.
+A reducer turns each rank's local MEAN gradient ``g_i`` (computed on ``b_i`` samples) into the
+gradient the optimizer applies. It works in place on the rank's *message*, one flat buffer::
 
-Weighting over the ranks that reduce together (the world for the exact strategies, the
-node for the node-based one), followed by a SUM:
+    message = [ g_i (P scalars) | count | stop | nonfinite ]       (FlatParameters.message)
 
-* ``balanced``:  ``g = sum_i (b_i / sum_j b_j) g_i`` -- exactly the gradient of the mean loss
-  over all the samples of the step, whatever the local batch sizes;
-* ``uniform``:   ``g = sum_i (1 / n) g_i`` over the ``n`` ranks -- the naive baseline, which is
-  wrong (biased towards small batches) when the local batch sizes differ.
+Weighting. A rank multiplies its gradient by its weight count ``c_i`` and writes ``c_i`` into
+the ``count`` slot; after a SUM over the ranks that reduce together (the world for the exact
+strategies, the node for the node-based one), the gradient is divided by the summed count:
 
-Every collective goes through :meth:`Reducer._collective`, which counts it per level:
+* ``balanced``: ``c_i = b_i``, so ``g = sum_i b_i g_i / sum_j b_j = sum_i (b_i / B) g_i``, exactly
+  the gradient of the mean loss over all the samples of the step, whatever the local batch
+  sizes;
+* ``uniform``:  ``c_i = 1``, so ``g = sum_i g_i / n`` over the ``n`` ranks -- the naive
+  baseline, which is wrong (biased towards small batches) when the local batch sizes differ.
+
+The weights need no message of their own, and no rank needs to know the others' batch sizes.
+The ``stop`` and ``nonfinite`` slots are summed the same way: a value > 0 after the SUM means
+that some rank of the group asked for it. That is how collective decisions (stop on a signal,
+a node's non-finite gradient) reach every rank with the gradient or parameter traffic that
+flows anyway (see :class:`~mpidl.distributed.DataParallel`). A group of one rank exchanges
+nothing and scales nothing, so one process computes bit for bit what a plain loop computes.
+
+Counted collectives, per level:
 
 * ``'intra'``  node communicator  (within a node),
 * ``'inter'``  leaders communicator (between nodes; leaders only),
-* ``'world'``  world communicator (the flat strategy).
+* ``'world'``  world communicator (the flat strategy; batch-norm buffer averaging),
+* ``'control'`` world communicator, for decisions and the loop's own small collectives
+  (flags exchanged outside the gradient and parameter messages, metrics, evaluation).
 
 ``counters[level]['calls']`` is the number of collective calls this rank made on that level
 and ``counters[level]['bytes']`` the sum of the ``nbytes`` of the buffer this rank handed to
-each of them (what this rank contributes, not what crosses the wire: a ring allreduce of
-``n`` bytes among ``L`` ranks sends ``2 (L-1) n / L`` per rank). A collective over a
-communicator of one rank moves nothing and is skipped, uncounted.
+each of them (what this rank contributes, not what crosses the wire: a ring allreduce of ``n``
+bytes among ``L`` ranks sends ``2 (L-1) n / L`` per rank). A collective over a communicator of
+one rank moves nothing and is skipped, uncounted.
 """
 
 from __future__ import annotations
@@ -29,18 +42,21 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from numbers import Integral
-from typing import Sequence
+from numbers import Real
 
+import numpy as np
 from mpi4py import MPI
 
 from mpidl.backend import is_device_array
 from mpidl.distributed.emulation import LinkModel, parse_link
 from mpidl.distributed.topology import Topology
 
-LEVELS = ("intra", "inter", "world")
+LEVELS = ("intra", "inter", "world", "control")
 WEIGHTINGS = ("balanced", "uniform")
 CUDA_AWARE_ENV = "MPIDL_CUDA_AWARE_MPI"
+#: positions of the three slots after the gradient, counted from the end of the message
+COUNT, STOP, NONFINITE = -3, -2, -1
+SLOTS = 3
 
 
 def mpi_is_cuda_aware() -> bool:
@@ -110,19 +126,23 @@ class _MPIBuffers:
 class Reducer:
     """Base class: the weighting, the counted collectives and the per-step interface.
 
-    Per training step the trainer calls, in order::
+    Per training step :class:`~mpidl.distributed.DataParallel` calls, in order::
 
-        reducer.reduce_gradients(params.grad, counts)   # after backward, before optimizer.step
+        reducer.reduce_gradients(message, count)   # after backward, before optimizer.step
         optimizer.step()
-        reducer.after_step(params.data, step)           # step = optimizer steps done (1, 2, ...)
+        reducer.after_step(params.data, state, flags, steps_done)   # the node strategy's K' sync
 
-    and ``reducer.sync_parameters(params.data)`` at the end of every epoch (before
-    evaluation and checkpoints). The exact strategies keep all replicas identical every step,
-    so for them ``after_step`` returns False and the syncs are no-ops.
+    Attributes a caller reads:
+
+    ``exact``
+        True when every replica holds the same parameters after every step (flat,
+        hierarchical); False for the node strategy, whose nodes differ between syncs.
+    ``step_is_global``
+        True when the per-step reduction spans the whole world, so that the ``stop`` and
+        ``nonfinite`` slots of the reduced message are world-wide decisions.
     """
 
     name = "base"
-    exact = True
 
     def __init__(self, topology: Topology, weighting: str = "balanced",
                  emulate_link: LinkModel | str | None = None):
@@ -139,6 +159,14 @@ class Reducer:
         self._buffers = _MPIBuffers()
         self.reset_counters()
 
+    @property
+    def exact(self) -> bool:
+        return True
+
+    @property
+    def step_is_global(self) -> bool:
+        return True
+
     # -- counters --------------------------------------------------------------------------
     def reset_counters(self) -> None:
         """Zero ``counters``, ``comm_seconds`` and ``emulated_seconds``."""
@@ -154,63 +182,74 @@ class Reducer:
         return f"{self.name} reducer, {self.weighting} weighting{link}"
 
     # -- the per-step interface ------------------------------------------------------------
-    def reduce_gradients(self, grad, counts: Sequence[int]) -> None:
-        """Replace this rank's local mean gradient ``grad`` (1-D) by the reduced one, in place.
+    def reduce_gradients(self, message, count: int) -> None:
+        """Replace this rank's local mean gradient ``message[:-3]`` by the reduced one, in place.
 
-        ``counts[r]`` = samples world rank ``r`` computed this step (the same list on every
-        rank). A rank with 0 samples passes a zeroed ``grad`` and still joins every collective.
+        ``count`` = the samples this rank computed this step (0 allowed: the rank passes a
+        zeroed gradient and still joins every collective). On return the ``count`` slot holds
+        the group's summed weight count, and ``stop`` / ``nonfinite`` the group's sums of what
+        the ranks wrote there.
         """
         raise NotImplementedError
 
-    def after_step(self, params_data, step: int) -> bool:
-        """Called after every optimizer step; True when it synchronised parameters."""
-        _check_step(step)
-        return False
+    def after_step(self, params_data, state_buffers, flags, steps_done: int) -> tuple | None:
+        """Called after every optimizer step with the number of steps done so far; returns
+        the world-wide ``(stop, nonfinite)`` sums when it synchronised the replicas (the node
+        strategy's every ``K'`` steps), else None. ``flags`` are this rank's pending ones."""
+        return None
 
-    def sync_parameters(self, params_data) -> None:
-        """Make all replicas identical (a no-op when they already are)."""
+    def synchronize(self, params_data, state_buffers, flags) -> tuple:
+        """Make all replicas identical now and return the world-wide ``(stop, nonfinite)``
+        sums of ``flags`` (collective). The exact strategies' replicas already are: they
+        only exchange the flags."""
+        return self._world_flags(flags)
 
-    def sync_optimizer_state(self, buffers: Sequence) -> None:
-        """Average flat optimizer-state buffers like the parameters (no-op when exact)."""
+    def consensus(self, params_data):
+        """The parameters every replica agrees on (a copy; collective): the replicas' own for
+        the exact strategies."""
+        return params_data.copy()
 
-    def average_buffers(self, buffers: Sequence, weight: float) -> None:
-        """``buf <- sum_r w_r buf_r`` over the WORLD, in place, for every buffer.
+    def pending_samples(self) -> int:
+        """Samples of this rank's node since the last parameter sync (node strategy), else 0."""
+        return 0
 
-        For state that differs on every rank under every strategy, such as BatchNorm running
-        statistics (each rank's come from its own local batches). ``weight`` is this rank's
-        ``w_r``; the weights must sum to 1 over the world (``1 / P``, or this rank's share of
-        the epoch's samples). One ``world`` collective per buffer.
-        """
-        for buf in buffers:
-            _check_buffer(buf)
-            buf *= weight
-            self._allreduce("world", self.topology.world, buf)
+    def set_pending_samples(self, samples: int) -> None:
+        """Restore :meth:`pending_samples` from a checkpoint (a no-op for exact strategies)."""
 
     # -- helpers for the strategies --------------------------------------------------------
-    def _check(self, grad, counts) -> list[int]:
-        """Validate the buffer and the counts (same values on every rank, so every rank
-        raises alike, before any collective)."""
-        _check_buffer(grad)
-        counts = list(counts)
-        if len(counts) != self.topology.size:
-            raise ValueError(f"counts has {len(counts)} entries for {self.topology.size} ranks")
-        for r, c in enumerate(counts):
-            if isinstance(c, bool) or not isinstance(c, Integral) or c < 0:
-                raise ValueError(f"counts[{r}] must be an integer >= 0, got {c!r}")
-        if sum(counts) == 0:
-            raise ValueError("counts are all zero: no rank computed a sample this step")
-        return [int(c) for c in counts]
+    def _weight_count(self, count) -> int:
+        """``c_i``: the samples of this rank (balanced) or 1 (uniform)."""
+        if isinstance(count, bool) or not isinstance(count, Real) or count < 0 \
+                or not float(count).is_integer():
+            raise ValueError(f"count must be an integer >= 0 (samples this step), got {count!r}")
+        return int(count) if self.weighting == "balanced" else 1
 
-    def _weight(self, counts: list[int], group: Sequence[int]) -> float:
-        """This rank's factor before the SUM over ``group`` (world ranks reducing together).
+    def _weighted_sum(self, level: str, comm, message, count: int, reduce) -> float:
+        """``message <- [sum_i c_i g_i / sum_i c_i | sum c | sum stop | sum nonfinite]`` over
+        ``comm``, with ``reduce(level, comm, message)`` doing the SUM (in place on every rank
+        that needs the result). Returns the summed count.
 
-        balanced: ``b_rank / sum_{j in group} b_j`` (0 if the whole group computed nothing);
-        uniform: ``1 / len(group)``.
+        A communicator of one rank is left alone: no scaling, no division, the same bits.
         """
-        if self.weighting == "uniform":
-            return 1.0 / len(group)
-        total = sum(counts[r] for r in group)
-        return counts[self.topology.rank] / total if total > 0 else 0.0
+        grad = message[:COUNT]
+        if comm == MPI.COMM_NULL or comm.Get_size() == 1:
+            message[COUNT] = self._weight_count(count)
+            return float(message[COUNT])
+        weight = self._weight_count(count)
+        if weight != 1:
+            grad *= weight
+        message[COUNT] = weight
+        reduce(level, comm, message)
+        total = float(message[COUNT])
+        if total > 0:
+            grad /= total
+        return total
+
+    def _world_flags(self, flags) -> tuple:
+        """World SUM of this rank's ``(stop, nonfinite)`` (one small counted collective)."""
+        buf = np.asarray(flags, dtype=np.float64).copy()
+        self._allreduce("control", self.topology.world, buf)
+        return float(buf[0]), float(buf[1])
 
     def _collective(self, level: str, comm, array, call, copy_in=True, copy_out=True) -> None:
         """Run ``call(buffer)`` as one counted, timed collective over ``comm``."""
@@ -252,15 +291,9 @@ class Reducer:
             self.emulated_seconds += seconds
 
 
-def _check_step(step) -> int:
-    if isinstance(step, bool) or not isinstance(step, Integral) or step < 1:
-        raise ValueError(f"step must be the number of optimizer steps done (an integer >= 1), "
-                         f"got {step!r}")
-    return int(step)
-
-
-def _check_buffer(array) -> None:
-    """The reducers exchange one flat, contiguous 1-D buffer per call."""
-    if getattr(array, "ndim", None) != 1 or not array.flags.c_contiguous:
-        raise ValueError("the reducer works on one flat, contiguous 1-D buffer; got "
-                         f"shape {getattr(array, 'shape', None)}")
+def check_message(message) -> None:
+    """The reducers exchange one flat, contiguous 1-D message: ``P`` gradients + 3 slots."""
+    if getattr(message, "ndim", None) != 1 or not message.flags.c_contiguous or message.size <= SLOTS:
+        raise ValueError("the reducer works on one flat, contiguous 1-D message of the gradients "
+                         f"and {SLOTS} slots (FlatParameters.message); got shape "
+                         f"{getattr(message, 'shape', None)}")

@@ -10,7 +10,8 @@ strategy           file                    what it does
                                            average the parameters every ``K'`` steps
 =================  ======================  ==========================================
 
-The shared machinery (weights, counters, GPU buffers) is in ``reducer_base.py``.
+The shared machinery (the message, the weights, counters, GPU buffers) is in
+``reducer_base.py``; :class:`~mpidl.distributed.DataParallel` is what a training loop uses.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def make_reducer(strategy: str, topology: Topology, weighting: str = "balanced",
     weighting : 'balanced' | 'uniform'
         balanced: rank i contributes ``(b_i / B) g_i`` (``B`` = samples of the ranks that
         reduce together): the exact gradient of the batch's mean loss. uniform: ``g_i / n``,
-        the naive baseline, biased when local batches differ.
+        the naive baseline, biased when local batches differ. (Both are carried out as a SUM
+        of ``[c_i g_i | c_i]`` divided by the summed ``c_i``; see ``reducer_base``.)
     sync_every : int
         ``K'``, the steps between parameter syncs of the node strategy (ignored otherwise,
         but validated).

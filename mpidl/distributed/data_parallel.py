@@ -1,0 +1,605 @@
+"""``DataParallel``: the distributed step as a library, the one object a training loop needs.
+
+A loop of any shape (a classifier, a GAN's two models, a custom loss) uses it like this::
+
+    dp = DataParallel(model, optimizer, batch_size=64, strategy="node", sync_every=50)
+    for batch in global_batches:              # the SAME global batch indices on every rank
+        local = dp.local_indices(batch)       # this rank's contiguous slice (HDP split)
+        loss = loss_fn.forward(model.forward(x[local]), y[local])   # the local MEAN loss
+        model.backward(loss_fn.backward())    # fills model.params.grad
+        dp.step(len(local))                   # reduce with the right weights, update, K' sync
+        if dp.should_stop:                    # SIGTERM on any rank, agreed by every rank
+            break
+    dp.sync()                                 # all replicas identical: evaluate, save
+
+What one ``step`` does, on every rank (``g_i`` the local mean gradient of ``b_i`` samples):
+
+1. this rank's compute time since ``local_indices`` is recorded (stretched by an EMULATED
+   slowdown, if any), for the metrics and for re-balancing;
+2. the reducer exchanges the rank's message ``[c_i g_i | c_i | stop | nonfinite]``
+   (``c_i = b_i`` balanced, ``1`` uniform), so that afterwards ``g = sum_i c_i g_i / sum_i c_i``
+   over the ranks that reduce together (:mod:`mpidl.distributed.reducer_base`);
+3. the optimizer applies ``g`` unless it is non-finite;
+4. the ``node`` strategy averages the parameters between nodes when ``K'`` steps are done.
+
+Collective decisions. Whatever changes the communication (stop on a signal, a non-finite
+gradient) is decided identically on every rank, with no message of its own: a rank's stop
+request and its node's non-finite gradient travel in the ``stop`` / ``nonfinite`` slots of the
+messages that flow anyway. With an exact strategy (and ``node`` on one node) every step's
+reduction spans the world, so ``should_stop`` turns True on every rank after the same step,
+and a non-finite reduced gradient (seen alike by every rank) raises :class:`NonFiniteGradient`
+on every rank at once. Under ``node`` on several nodes a node's flags are combined with the
+others' at the next parameter sync (every ``K'`` steps, and :meth:`sync`). :meth:`any`,
+:meth:`all` and :meth:`sync` are explicit control points that also carry them.
+
+Several objects may share one :class:`~mpidl.distributed.topology.Topology` (a GAN's
+generator and discriminator): each has its own reducer, counters and message, and the ranks
+call their collectives in the same order because every rank runs the same loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from numbers import Integral, Real
+from typing import Callable, Sequence
+
+import numpy as np
+
+from mpidl.backend import get_array_module, to_host
+from mpidl.distributed import balance
+from mpidl.distributed.emulation import LinkModel, Slowdown, parse_link
+from mpidl.distributed.reducer_base import COUNT, NONFINITE, SLOTS, STOP, WEIGHTINGS
+from mpidl.distributed.reducers import STRATEGIES, make_reducer
+from mpidl.distributed.topology import Topology
+
+ON_NAN = ("stop", "skip")
+#: samples per timed forward+backward when measuring speeds (at most the global batch)
+PROBE_BATCH = 64
+PROBE_REPEATS = 5
+
+__all__ = ["DataParallel", "NonFiniteGradient", "ON_NAN"]
+
+
+class NonFiniteGradient(RuntimeError):
+    """The reduced gradient holds NaN or Inf and ``on_nan="stop"`` is in force; raised on
+    every rank at the same step."""
+
+
+class DataParallel:
+    """Data-parallel training of one model over the ranks of a topology.
+
+    Parameters
+    ----------
+    model : Model or FlatParameters
+        What is trained. A :class:`~mpidl.models.Model` also brings its batch-norm buffers,
+        which :meth:`sync` averages over the replicas and checkpoints carry.
+    optimizer : an :mod:`mpidl.optim` optimizer over ``model.params``
+        :meth:`step` calls its ``step()``; its state buffers are averaged by the node
+        strategy's syncs when ``sync_optimizer_state``.
+    batch_size : int
+        ``B``, the GLOBAL batch: :meth:`local_indices` splits it over the ranks.
+    topology : Topology, default ``Topology()`` of ``MPI.COMM_WORLD`` (collective)
+    strategy : 'flat' | 'hierarchical' | 'node'   (see :func:`~mpidl.distributed.make_reducer`)
+    sync_every : int
+        ``K'``, steps between the node strategy's parameter syncs.
+    weighting : 'balanced' | 'uniform'
+    speeds : 'equal' | 'auto' | sequence of P positive numbers
+        How ``B`` is split: equally; in proportion to speeds measured with ``probe``; or in
+        proportion to the given relative speeds.
+    probe : callable(n), optional
+        Runs one forward + backward pass of the real model on ``n`` samples, with no
+        communication. Needed for ``speeds='auto'``; when given it also runs once untimed
+        on every rank before training (the Numba JIT compiles then: the node's first rank
+        compiles and writes the on-disk cache while the others wait in a sleeping poll, then
+        they load it), so the first timed step measures the model and not the compiler.
+    sync_optimizer_state : bool
+        ``node``: average the optimizer state at each parameter sync too.
+    on_nan : 'stop' | 'skip'
+        A non-finite reduced gradient: raise :class:`NonFiniteGradient` on every rank
+        (``node`` on several nodes: at the next sync), or skip that update.
+    check_replicas : bool
+        Debug: compare a checksum of every replica's parameters whenever they must agree.
+    emulate_slowdown : float or sequence of P floats >= 1
+        EMULATION: this rank's compute takes that factor longer (it sleeps).
+    emulate_link : LinkModel, 'LATENCY_US,GBIT_S' or None
+        EMULATION: every inter-node collective also sleeps its alpha-beta time.
+
+    Construction is collective: it broadcasts rank 0's parameters (and buffers) to every
+    replica, warms up and measures with ``probe``, and splits ``B``. Bad arguments raise
+    ValueError on every rank alike before any collective.
+    """
+
+    def __init__(self, model, optimizer, *, batch_size: int, topology: Topology | None = None,
+                 strategy: str = "flat", sync_every: int = 50, weighting: str = "balanced",
+                 speeds: str | Sequence[float] = "equal", probe: Callable[[int], None] | None = None,
+                 sync_optimizer_state: bool = False, on_nan: str = "stop",
+                 check_replicas: bool = False, emulate_slowdown: float | Sequence[float] = 1.0,
+                 emulate_link: LinkModel | str | None = None):
+        params = getattr(model, "params", model)
+        message = getattr(params, "message", None)
+        if message is None or getattr(params, "data", None) is None:
+            raise ValueError("DataParallel needs a Model or a FlatParameters (flat data, grad "
+                             f"and message buffers); got {type(model).__name__}")
+        if message.size != params.data.size + SLOTS:
+            raise ValueError(f"params.message must hold the {params.data.size} gradients and "
+                             f"{SLOTS} slots, got {message.size} elements")
+        if getattr(optimizer, "params", None) is not params:
+            raise ValueError("the optimizer must be built on the same parameters as the model "
+                             "(e.g. SGD(model.params, ...))")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        if weighting not in WEIGHTINGS:
+            raise ValueError(f"unknown weighting {weighting!r}; choose one of {', '.join(WEIGHTINGS)}")
+        if on_nan not in ON_NAN:
+            raise ValueError(f"on_nan must be one of {', '.join(ON_NAN)}, got {on_nan!r}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, Integral) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        if isinstance(speeds, str) and speeds not in ("equal", "auto"):
+            raise ValueError(f"speeds must be 'equal', 'auto' or one number per rank, got {speeds!r}")
+        if speeds == "auto" and probe is None:
+            raise ValueError("speeds='auto' measures the ranks with probe(n): pass probe=")
+        if isinstance(emulate_link, str):
+            emulate_link = parse_link(emulate_link)
+        self.model = model if params is not model else None
+        self.params = params
+        self.optimizer = optimizer
+        self.batch_size = int(batch_size)
+        self.on_nan = on_nan
+        self.sync_optimizer_state = bool(sync_optimizer_state)
+        self.check_replicas = bool(check_replicas)
+        self.topology = topology if topology is not None else Topology.from_comm()
+        topo = self.topology
+        if self.batch_size < topo.size:
+            raise ValueError(f"batch_size {self.batch_size} is smaller than the number of ranks "
+                             f"{topo.size}: every rank needs at least one sample of each global batch")
+        factors = [emulate_slowdown] * topo.size if isinstance(emulate_slowdown, Real) else list(emulate_slowdown)
+        if len(factors) != topo.size:
+            raise ValueError(f"emulate_slowdown has {len(factors)} factors for {topo.size} ranks")
+        self.slowdown = Slowdown(factors[topo.rank])
+        self.reducer = make_reducer(strategy, topo, weighting=weighting, sync_every=sync_every,
+                                    emulate_link=emulate_link)
+        self.strategy = strategy
+        self.weighting = weighting
+        self._backend = getattr(params, "backend", None)
+        given = None if isinstance(speeds, str) else balance.check_speeds(speeds, topo.size)
+        # ---- collective set-up
+        self._broadcast_initial_state()
+        if probe is not None:
+            self._warm_up(probe)
+        if speeds == "auto":
+            self.speeds = self._measure_speeds(probe)
+            self.speeds_source = "measured"
+        elif given is not None:
+            self.speeds, self.speeds_source = given, "given"
+        else:
+            self.speeds, self.speeds_source = [1.0] * topo.size, "equal"
+        self.batch_sizes = balance.batch_sizes(self.speeds, self.batch_size)
+        #: optimizer steps done through this object
+        self.steps = 0
+        self.should_stop = False
+        self.last_step_skipped = False
+        self._pending_stop = False
+        self._pending_nonfinite = False
+        self._local_count: int | None = None
+        self._balance_seconds = 0.0
+        self._balance_samples = 0
+        self.reset_counters()
+        self._mark = time.perf_counter()
+
+    # ------------------------------------------------------------------ who is where
+    @property
+    def rank(self) -> int:
+        return self.topology.rank
+
+    @property
+    def size(self) -> int:
+        return self.topology.size
+
+    @property
+    def exact(self) -> bool:
+        """True when every replica holds the same parameters after every step."""
+        return self.reducer.exact
+
+    def describe(self) -> str:
+        """One line for the log: world, nodes, strategy and weighting."""
+        topo = self.topology
+        extra = f", K'={self.reducer.sync_every}" if self.strategy == "node" else ""
+        return (f"{topo.size} rank(s) on {topo.num_nodes} node(s) {topo.node_sizes}; "
+                f"strategy {self.strategy} ({self.weighting} weighting{extra})")
+
+    # ------------------------------------------------------------------ the split (HDP)
+    def split(self, n: int) -> list[int]:
+        """Samples of every rank in a global batch of ``n``: :attr:`batch_sizes` for a full
+        batch, the same proportions (largest remainder, zeros allowed) for a smaller one."""
+        if n == self.batch_size:
+            return list(self.batch_sizes)
+        return balance.split_counts(n, self.batch_sizes)
+
+    def local_indices(self, global_batch) -> np.ndarray:
+        """This rank's contiguous slice of ``global_batch`` (the same indices on every rank):
+        ``global_batch[lo:hi]`` with ``hi - lo = split(len(global_batch))[rank]``.
+
+        Also starts this rank's compute clock for the step."""
+        batch = np.asarray(global_batch)
+        counts = self.split(len(batch))
+        lo = sum(counts[: self.rank])
+        self._local_count = counts[self.rank]
+        self._mark = time.perf_counter()
+        return batch[lo: lo + counts[self.rank]]
+
+    def shard(self, n: int) -> tuple[int, int]:
+        """``[lo, hi)`` of this rank's equal share of ``n`` items (e.g. the test set)."""
+        return self.rank * n // self.size, (self.rank + 1) * n // self.size
+
+    # ------------------------------------------------------------------ the step
+    def request_stop(self) -> None:
+        """Ask for a collective stop (safe in a signal handler: it only sets a flag). Every
+        rank's :attr:`should_stop` turns True after the same step, at the next exchange that
+        spans the world."""
+        self._pending_stop = True
+
+    def step(self, local_count: int | None = None) -> bool:
+        """Reduce the gradient with the right weights, apply the optimizer, and do the node
+        strategy's parameter sync when due; returns True when the replicas were synchronised
+        across nodes at this step.
+
+        ``local_count`` : the samples this rank computed ``params.grad`` on (its local mean);
+        default: the size of the slice :meth:`local_indices` returned. A rank with 0 samples
+        passes a zeroed gradient and still calls ``step``.
+        """
+        count = self._local_count if local_count is None else local_count
+        if count is None:
+            raise ValueError("step(): give local_count, or take the slice with local_indices() first")
+        self._local_count = None
+        if self._backend is not None:
+            self._backend.synchronize()  # the clock stops when the device has finished
+        seconds = time.perf_counter() - self._mark
+        seconds += self.slowdown.stretch(seconds)  # EMULATION: sleeps (f - 1) * seconds
+        self._step_compute.append(seconds)
+        self._balance_seconds += seconds
+        self._balance_samples += int(count)
+
+        t0 = time.perf_counter()
+        message = self.params.message
+        message[STOP] = 1.0 if self._pending_stop else 0.0
+        message[NONFINITE] = 0.0
+        self.reducer.reduce_gradients(message, count)
+        xp = get_array_module(message)
+        # One float64 sum instead of an elementwise test: NaN or Inf anywhere makes it
+        # non-finite, with no parameter-sized temporary; one device read for the slots too.
+        checks = to_host(xp.stack([self.params.grad.sum(dtype=np.float64),
+                                   message[STOP].astype(np.float64)]))
+        finite = bool(np.isfinite(checks[0]))
+        if checks[1] > 0:
+            if self.reducer.step_is_global:
+                self.should_stop = True
+            else:
+                self._pending_stop = True  # the node agrees now; the world at the next sync
+        self.last_step_skipped = not finite
+        if finite:
+            self.optimizer.step()
+        elif self.on_nan == "stop":
+            if self.reducer.step_is_global:
+                self._wait_seconds += time.perf_counter() - t0
+                raise NonFiniteGradient(
+                    f"non-finite (NaN/Inf) reduced gradient at step {self.steps}; stopping "
+                    "(on_nan='stop'; 'skip' skips such steps instead)")
+            self._pending_nonfinite = True
+        self.steps += 1
+        result = self.reducer.after_step(self.params.data, self._synced_state(), self._flags(), self.steps)
+        if result is not None:
+            self._agree(result)
+        if self.check_replicas and (self.exact or result is not None):
+            self._compare_replicas()
+        self._wait_seconds += time.perf_counter() - t0
+        self._mark = time.perf_counter()
+        return result is not None
+
+    def sync(self) -> None:
+        """Make every replica identical now (collective): the node strategy's parameter
+        average (and optimizer state with ``sync_optimizer_state``) when any step was taken
+        since the last one, and the batch-norm buffers averaged over the world. Also a
+        control point: pending stop requests and non-finite gradients are agreed here."""
+        t0 = time.perf_counter()
+        self._agree(self.reducer.synchronize(self.params.data, self._synced_state(), self._flags()))
+        self._average_buffers()
+        if self.check_replicas:
+            self._compare_replicas()
+        self._wait_seconds += time.perf_counter() - t0
+        self._mark = time.perf_counter()
+
+    def consensus(self) -> np.ndarray:
+        """A host copy of the parameters every replica agrees on (collective): the replicas'
+        own for exact strategies; the node-weighted average for ``node`` between syncs. The
+        replicas are left as they are."""
+        return np.array(to_host(self.reducer.consensus(self.params.data)), copy=True)
+
+    # ------------------------------------------------------------------ decisions, small collectives
+    def any(self, flag: bool) -> bool:
+        """True on every rank iff ``flag`` is True on some rank (collective control point;
+        pending stop requests and non-finite gradients are agreed too)."""
+        return self._decide(flag, op="any")
+
+    def all(self, flag: bool) -> bool:
+        """True on every rank iff ``flag`` is True on every rank (collective control point)."""
+        return self._decide(flag, op="all")
+
+    def sum(self, array: np.ndarray) -> np.ndarray:
+        """World SUM of a host array, in place on every rank (e.g. confusion matrices)."""
+        array = np.ascontiguousarray(array)
+        self.reducer._allreduce("control", self.topology.world, array)
+        return array
+
+    def allgather(self, value) -> list:
+        """Every rank's ``value`` (any picklable object), in rank order, on every rank."""
+        self.reducer.counters["control"]["calls"] += 1
+        return self.topology.world.allgather(value)
+
+    # ------------------------------------------------------------------ balance
+    def rebalance(self) -> tuple[list[int], list[int]] | None:
+        """Re-split ``B`` from the compute seconds per sample every rank measured in its own
+        steps since the last re-balance (collective; every rank computes the same split).
+        Returns ``(old, new)`` batch sizes when they changed, else None."""
+        gathered = self.allgather((self._balance_seconds, self._balance_samples))
+        self._balance_seconds, self._balance_samples = 0.0, 0
+        seconds, samples = [g[0] for g in gathered], [g[1] for g in gathered]
+        self.speeds = [float(s) for s in balance.rebalance(seconds, samples, self.speeds)]
+        new = balance.batch_sizes(self.speeds, self.batch_size)
+        if new == self.batch_sizes:
+            return None
+        old, self.batch_sizes = self.batch_sizes, new
+        return old, new
+
+    # ------------------------------------------------------------------ counters and timers
+    def reset_counters(self) -> None:
+        """Start a new period for :attr:`counters` and :meth:`timings` (e.g. every epoch)."""
+        self.reducer.reset_counters()
+        self._step_compute: list[float] = []
+        self._wait_seconds = 0.0
+
+    @property
+    def counters(self) -> dict:
+        """``{level: {"calls", "bytes"}}`` of this rank since :meth:`reset_counters`."""
+        return self.reducer.counters
+
+    def timings(self) -> dict:
+        """Per-rank seconds since :meth:`reset_counters` (collective; lists indexed by rank).
+
+        ``comp_s``: compute, from :meth:`local_indices` (or the previous step) to :meth:`step`,
+        EMULATED slowdown included. ``idle_s``: the part of a rank's time in the step's
+        collectives spent waiting for slower ranks' compute, estimated as
+        ``idle_i = sum_t (max_j c_jt - c_it)`` over the period's steps ``t``. ``comm_s``: the
+        rest of its time in the distributed step (collectives, syncs, GPU staging, EMULATED
+        link time): ``comm_i = max(0, wait_i - idle_i)``. ``steps``: the period's steps.
+        """
+        gathered = self.allgather((sum(self._step_compute), self._wait_seconds,
+                                   np.asarray(self._step_compute)))
+        comp = [g[0] for g in gathered]
+        lengths = {g[2].size for g in gathered}
+        if len(lengths) == 1 and lengths != {0}:
+            steps = np.stack([g[2] for g in gathered])
+            idle = (steps.max(axis=0, keepdims=True) - steps).sum(axis=1)
+        else:  # no step in the period, or ranks that did not step together
+            idle = np.zeros(self.size)
+        comm = [max(0.0, g[1] - i) for g, i in zip(gathered, idle)]
+        return {"comp_s": comp, "comm_s": comm, "idle_s": [float(i) for i in idle],
+                "steps": len(self._step_compute), "step_comp_s": list(self._step_compute)}
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict | None:
+        """Everything a checkpoint needs to continue exactly (collective); the full dict on
+        rank 0, None elsewhere.
+
+        Keys: ``strategy``, ``weighting``, ``world_size``, ``num_nodes``, ``steps``,
+        ``steps_since_sync``, ``speeds``, ``batch_sizes``, ``params`` (the consensus),
+        ``optimizer`` (``{"step_count", "state": [arrays]}``, the replicas' common state, or
+        None when it is per node), ``nodes`` (None, or per node ``{"params": array or None,
+        "state": [arrays] or None, "samples": int}`` when the nodes' parameters or optimizer
+        state differ: ``node`` strategy between syncs, or with node-local optimizer state),
+        ``buffers`` (the world average) and ``rank_buffers`` (each rank's own).
+        """
+        topo = self.topology
+        since_sync = getattr(self.reducer, "steps_since_sync", 0)
+        params_differ = not self.exact and since_sync > 0
+        state_differs = not self.exact and (params_differ or not self.sync_optimizer_state)
+        params = self.consensus()
+        state = [np.array(to_host(b), copy=True) for b in self.optimizer.state_buffers()]
+        nodes = None
+        if params_differ or state_differs:
+            own = {"params": np.array(to_host(self.params.data), copy=True) if params_differ else None,
+                   "state": state if state_differs else None,
+                   "samples": int(self.reducer.pending_samples())}
+            nodes = self._gather_from_leaders(own)
+        buffers_own = self._buffers_host()
+        rank_buffers = self.allgather(buffers_own) if buffers_own else None
+        if self.rank != 0:
+            return None
+        averaged = ({name: sum(b[name] for b in rank_buffers) / len(rank_buffers) for name in buffers_own}
+                    if rank_buffers else {})
+        return {
+            "strategy": self.strategy, "weighting": self.weighting, "world_size": topo.size,
+            "num_nodes": topo.num_nodes, "steps": self.steps, "steps_since_sync": since_sync,
+            "speeds": list(self.speeds), "batch_sizes": list(self.batch_sizes),
+            "params": params,
+            "optimizer": {"step_count": int(self.optimizer.step_count),
+                          "state": None if state_differs else state},
+            "nodes": nodes, "buffers": averaged, "rank_buffers": rank_buffers,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from :meth:`state_dict`'s dict (collective: every rank passes it, or the
+        parts of it its node needs; see :func:`mpidl.checkpoint.read_checkpoint`).
+
+        Everything is checked first on every rank and the ranks agree: a problem on any rank
+        raises the same ValueError on every rank, before anything is changed. The split and
+        the speeds are restored when the world size is the same (the run continues exactly);
+        otherwise this run's own are kept.
+        """
+        problem = None
+        try:
+            parts = self._state_for_this_rank(state)
+        except (KeyError, ValueError, TypeError) as exc:
+            problem, parts = str(exc), None
+        problems = self.allgather(problem)
+        first = next((p for p in problems if p is not None), None)
+        if first is not None:
+            failing = [r for r, p in enumerate(problems) if p is not None]
+            where = "" if len(failing) == self.size else f" (on ranks {failing})"
+            raise ValueError(first + where)
+        params, opt_state, samples, buffers = parts
+        self.optimizer.load_state_dict_host({"state": opt_state, "step_count": state["optimizer"]["step_count"]})
+        self.params.data[...] = self._backend.asarray(params) if self._backend else params
+        if buffers and self.model is not None:
+            self.model.load_buffers_host(buffers)
+        self.steps = int(state["steps"])
+        if hasattr(self.reducer, "steps_since_sync"):
+            self.reducer.steps_since_sync = int(state["steps_since_sync"])
+        self.reducer.set_pending_samples(samples)
+        if state["world_size"] == self.size:
+            self.speeds, self.batch_sizes = list(state["speeds"]), list(state["batch_sizes"])
+
+    # ------------------------------------------------------------------ internals
+    def _flags(self) -> tuple[float, float]:
+        return float(self._pending_stop), float(self._pending_nonfinite)
+
+    def _synced_state(self) -> list:
+        return self.optimizer.state_buffers() if self.sync_optimizer_state else []
+
+    def _agree(self, sums) -> None:
+        """Apply world-wide flag sums (the same on every rank)."""
+        stop, nonfinite = sums
+        self._pending_stop = self._pending_stop and stop == 0
+        self._pending_nonfinite = False
+        if stop > 0:
+            self.should_stop = True
+        if nonfinite > 0 and self.on_nan == "stop":
+            raise NonFiniteGradient(
+                f"non-finite (NaN/Inf) gradient on some node before step {self.steps}; stopping "
+                "(on_nan='stop')")
+
+    def _decide(self, flag: bool, op: str) -> bool:
+        buf = np.array([float(bool(flag)), float(self._pending_stop), float(self._pending_nonfinite)])
+        self.reducer._allreduce("control", self.topology.world, buf)
+        self._agree((buf[1], buf[2]))
+        return bool(buf[0] > 0) if op == "any" else bool(buf[0] == self.size)
+
+    def _broadcast_initial_state(self) -> None:
+        """Every replica starts from rank 0's parameters and buffers (as DDP does)."""
+        world = self.topology.world
+        if world.Get_size() == 1:
+            return
+        host = np.array(to_host(self.params.data), copy=True)
+        world.Bcast(host, root=0)
+        self.params.data[...] = self._backend.asarray(host) if self._backend else host
+        buffers = self._buffers_host()
+        if buffers:
+            self.model.load_buffers_host(world.bcast(buffers, root=0))
+
+    def _buffers_host(self) -> dict:
+        if self.model is None or not hasattr(self.model, "buffers_host"):
+            return {}
+        return self.model.buffers_host()
+
+    def _average_buffers(self) -> None:
+        """Batch-norm running statistics are each rank's own; the world average makes every
+        replica evaluate (and save) the same model. One collective for all of them."""
+        buffers = self._buffers_host()
+        if not buffers or self.size == 1:
+            return
+        names = sorted(buffers)
+        flat = np.concatenate([np.asarray(buffers[n], np.float64).ravel() for n in names])
+        self.reducer._allreduce("world", self.topology.world, flat)
+        flat /= self.size
+        averaged, offset = {}, 0
+        for n in names:
+            shape = np.shape(buffers[n])
+            size = int(np.prod(shape))
+            averaged[n] = flat[offset:offset + size].reshape(shape)
+            offset += size
+        self.model.load_buffers_host(averaged)
+
+    def _warm_up(self, probe) -> None:
+        """One untimed ``probe(2)`` per rank, the node's first rank first (see ``probe``)."""
+        saved = self._buffers_host()  # probe passes must not move batch-norm statistics
+        node = self.topology.node
+        for first_turn in (True, False):
+            if (node.Get_rank() == 0) == first_turn:
+                probe(min(2, self.batch_size))
+            if first_turn:
+                # A sleeping poll, not MPI_Barrier, whose busy-wait would take the cores
+                # from the compiling rank (default job, 4 ranks on 2 cores, cold cache: 56 s -> 26 s).
+                waiting = node.Ibarrier()
+                while not waiting.Test():
+                    time.sleep(0.005)
+        if saved:
+            self.model.load_buffers_host(saved)
+
+    def _measure_speeds(self, probe) -> list[float]:
+        """Samples per second of every rank: timed ``probe`` passes (EMULATED slowdown
+        included), median of :data:`PROBE_REPEATS`, gathered on every rank."""
+        saved = self._buffers_host()
+        n = min(PROBE_BATCH, self.batch_size)
+
+        def timed(k):
+            t0 = time.perf_counter()
+            probe(k)
+            if self._backend is not None:
+                self._backend.synchronize()
+            self.slowdown.stretch(time.perf_counter() - t0)
+
+        local = balance.measure_speed(timed, n, repeats=PROBE_REPEATS, warmup=1)
+        if saved:
+            self.model.load_buffers_host(saved)
+        return balance.gather_speeds(self.topology.world, local)
+
+    def _compare_replicas(self) -> None:
+        digest = hashlib.sha1(np.ascontiguousarray(to_host(self.params.data)).tobytes()).hexdigest()
+        digests = self.allgather(digest)
+        if len(set(digests)) != 1:
+            raise RuntimeError(f"replicas diverged at step {self.steps}: checksums {digests}")
+
+    def _gather_from_leaders(self, own: dict) -> list | None:
+        """Rank 0 receives every node's ``own`` dict (from its leader), in node order."""
+        topo = self.topology
+        gathered = None
+        if topo.is_leader:
+            gathered = topo.leaders.gather(own, root=0) if topo.num_nodes > 1 else [own]
+            self.reducer.counters["control"]["calls"] += 1
+        return gathered if self.rank == 0 else None
+
+    def _state_for_this_rank(self, state: dict):
+        """(params, optimizer state, node samples, buffers) of this rank from a state dict;
+        raises ValueError naming the mismatch."""
+        topo = self.topology
+        for key in ("strategy", "world_size", "num_nodes", "steps", "params", "optimizer"):
+            if key not in state:
+                raise KeyError(f"state dict lacks {key!r}")
+        nodes = state.get("nodes")
+        if nodes is not None and (self.strategy != "node" or self.exact or state["num_nodes"] != topo.num_nodes):
+            raise ValueError(
+                f"the state holds per-node state of {state['num_nodes']} nodes (strategy "
+                f"{state['strategy']}); this run has strategy {self.strategy} on "
+                f"{topo.num_nodes} node(s). Resume with the same strategy and number of nodes.")
+        mine = nodes[topo.node_id] if nodes is not None else {}
+        params = mine.get("params") if mine.get("params") is not None else state["params"]
+        params = np.asarray(params)
+        if params.shape != (self.params.size,):
+            raise ValueError(f"the state has {params.size} parameters, the model {self.params.size}")
+        opt_state = mine.get("state") if mine.get("state") is not None else state["optimizer"]["state"]
+        if opt_state is None:
+            raise ValueError("the state holds no optimizer state for this node")
+        expected = [tuple(b.shape) for b in self.optimizer.state_buffers()]
+        got = [tuple(np.shape(b)) for b in opt_state]
+        if got != expected:
+            raise ValueError(f"optimizer state of shapes {got} does not fit {type(self.optimizer).__name__} "
+                             f"(expects {expected})")
+        rank_buffers = state.get("rank_buffers")
+        if rank_buffers is not None and len(rank_buffers) == self.size and rank_buffers[self.rank] is not None:
+            buffers = rank_buffers[self.rank]
+        else:
+            buffers = state.get("buffers") or {}
+        own_buffers = self._buffers_host()
+        if set(buffers) != set(own_buffers):
+            raise ValueError(f"buffers {sorted(buffers)} do not match the model's {sorted(own_buffers)}")
+        return params, opt_state, int(mine.get("samples", 0)), buffers

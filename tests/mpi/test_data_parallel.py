@@ -1,0 +1,332 @@
+"""The public distributed API, ``DataParallel``, under mpiexec with any world size.
+
+Each test is a small training loop of the kind a user writes (a tiny float64 ``hsicnn``, the
+softmax cross-entropy, SGD), run on ``MPI.COMM_WORLD`` and, as the reference, on
+``MPI.COMM_SELF`` over the same global batches. Every rank asserts only after a collective
+agreement, so a failure on one rank never leaves the others waiting.
+"""
+
+import math
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpidl.backend import get_backend
+from mpidl.distributed import DataParallel, NonFiniteGradient, Topology
+from mpidl.models import build_model
+from mpidl.nn import SoftmaxCrossEntropy
+from mpidl.optim import SGD, Adam
+from trainer_harness import all_agree, tiny_dataset
+
+pytestmark = pytest.mark.mpi
+
+WORLD = MPI.COMM_WORLD
+P = WORLD.Get_size()
+RANK = WORLD.Get_rank()
+BACKEND = get_backend("cpu", "float64")
+DATA = tiny_dataset(n=40)
+B = 4 * P + 2  # uneven on purpose
+UNEVEN = [float(r + 1) for r in range(P)]
+
+
+def tiny_model(seed=3):
+    return build_model("hsicnn", DATA.sample_shape, DATA.num_classes, backend=BACKEND, seed=seed,
+                       channels=(4, 4), hidden=8)
+
+
+def make(comm=WORLD, ranks_per_node=None, optimizer=SGD, seed=3, **kwargs):
+    model = tiny_model(seed)
+    opt = optimizer(model.params, lr=0.05, **({"momentum": 0.9} if optimizer is SGD else {}))
+    topo = Topology.from_comm(comm, ranks_per_node=ranks_per_node)
+    kwargs.setdefault("batch_size", B)
+    return model, DataParallel(model, opt, topology=topo, **kwargs)
+
+
+def batches(steps, seed=0):
+    """The same global batches on every rank (a pure function of the seed)."""
+    rng = np.random.default_rng(seed)
+    return [rng.permutation(DATA.num_samples)[:B] for _ in range(steps)]
+
+
+def train(model, dp, steps, loss_fn=None, seed=0):
+    """The loop of the README: local slice, forward, backward, dp.step."""
+    loss_fn = loss_fn or SoftmaxCrossEntropy()
+    for batch in batches(steps, seed):
+        local = dp.local_indices(batch)
+        if len(local):
+            x, y = DATA.read(local)
+            loss_fn.forward(model.forward(x), y)
+            model.backward(loss_fn.backward())
+        else:
+            model.params.grad.fill(0)
+        dp.step(len(local))
+    return model.params.data.copy()
+
+
+def rel_diff(a, b):
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))
+
+
+def two_nodes():
+    return max(1, math.ceil(P / 2))
+
+
+# ------------------------------------------------------------------ set-up and split
+def test_construction_broadcasts_rank_0s_parameters():
+    model, dp = make(seed=RANK)  # every rank draws different initial weights
+    reference = tiny_model(seed=0).params.data
+    assert all_agree(WORLD, np.array_equal(model.params.data, reference))
+
+
+def test_local_indices_split_every_batch_in_rank_order():
+    _, dp = make(speeds=UNEVEN)
+    full = np.arange(100, 100 + B)
+    short = np.arange(7)  # a last, smaller batch: the same proportions, zeros allowed
+    gathered = WORLD.allgather((dp.local_indices(full), dp.local_indices(short)))
+    ok = np.array_equal(np.concatenate([g[0] for g in gathered]), full)
+    ok = ok and np.array_equal(np.concatenate([g[1] for g in gathered]), short)
+    ok = ok and [len(g[0]) for g in gathered] == dp.batch_sizes == dp.split(B) and sum(dp.batch_sizes) == B
+    ok = ok and [len(g[1]) for g in gathered] == dp.split(7)
+    ok = ok and dp.speeds == UNEVEN and dp.speeds_source == "given"
+    assert all_agree(WORLD, ok)
+
+
+def test_shard_covers_n_items_once():
+    _, dp = make()
+    shards = WORLD.allgather(dp.shard(11))
+    assert shards[0][0] == 0 and shards[-1][1] == 11
+    assert all(a[1] == b[0] for a, b in zip(shards, shards[1:]))
+
+
+# ------------------------------------------------------------------ the step equals one process
+@pytest.mark.parametrize("strategy, kwargs, ranks_per_node", [
+    ("flat", {}, None),
+    ("hierarchical", {}, None),
+    ("hierarchical", {}, 1),
+    ("node", {"sync_every": 3}, P),  # one node: the flat scheme
+])
+def test_custom_loop_equals_one_process(strategy, kwargs, ranks_per_node):
+    model, dp = make(strategy=strategy, speeds=UNEVEN, ranks_per_node=ranks_per_node, **kwargs)
+    distributed = train(model, dp, steps=5)
+    ref_model, ref_dp = make(comm=MPI.COMM_SELF, strategy=strategy, **kwargs)
+    reference = train(ref_model, ref_dp, steps=5)
+    diff = rel_diff(distributed, reference)
+    assert all_agree(WORLD, diff <= 1e-10), f"{strategy}: {diff:.3e}"
+    assert all_agree(WORLD, dp.steps == 5 and dp.exact)
+
+
+def test_two_objects_over_one_topology_train_independently():
+    """A GAN's shape: two models, two optimizers, one topology, steps interleaved."""
+    topo = Topology.from_comm(WORLD)
+    models = [tiny_model(3), tiny_model(4)]
+    dps = [DataParallel(m, SGD(m.params, lr=0.05, momentum=0.9), batch_size=B, topology=topo,
+                        speeds=UNEVEN) for m in models]
+    refs = [tiny_model(3), tiny_model(4)]
+    ref_dps = [DataParallel(m, SGD(m.params, lr=0.05, momentum=0.9), batch_size=B,
+                            topology=Topology.from_comm(MPI.COMM_SELF)) for m in refs]
+    loss_fn = SoftmaxCrossEntropy()
+    for batch in batches(4):
+        for group in ((models, dps), (refs, ref_dps)):
+            for model, dp in zip(*group):
+                local = dp.local_indices(batch)
+                x, y = DATA.read(local)
+                loss_fn.forward(model.forward(x), y)
+                model.backward(loss_fn.backward())
+                dp.step()  # the count of the slice local_indices returned
+    diffs = [rel_diff(m.params.data, r.params.data) for m, r in zip(models, refs)]
+    assert all_agree(WORLD, max(diffs) <= 1e-10), diffs
+
+
+# ------------------------------------------------------------------ collective decisions
+@pytest.mark.parametrize("strategy, ranks_per_node", [("flat", None), ("hierarchical", None), ("node", P)])
+def test_a_stop_request_on_one_rank_stops_every_rank_after_the_next_step(strategy, ranks_per_node):
+    model, dp = make(strategy=strategy, ranks_per_node=ranks_per_node)
+    stopped_at = None
+    loss_fn = SoftmaxCrossEntropy()
+    for t, batch in enumerate(batches(6)):
+        x, y = DATA.read(dp.local_indices(batch))
+        loss_fn.forward(model.forward(x), y)
+        model.backward(loss_fn.backward())
+        dp.step()
+        if t == 1 and RANK == P - 1:
+            dp.request_stop()  # what the SIGTERM handler does
+        if dp.should_stop:
+            stopped_at = t
+            break
+    assert WORLD.allgather(stopped_at) == [2] * P
+
+
+@pytest.mark.mpi(min_size=2)
+def test_node_strategy_agrees_on_a_stop_at_the_next_sync():
+    model, dp = make(strategy="node", sync_every=3, ranks_per_node=1)
+    stops = []
+    loss_fn = SoftmaxCrossEntropy()
+    for t, batch in enumerate(batches(6)):
+        x, y = DATA.read(dp.local_indices(batch))
+        loss_fn.forward(model.forward(x), y)
+        model.backward(loss_fn.backward())
+        synced = dp.step()
+        if t == 0 and RANK == P - 1:
+            dp.request_stop()
+        stops.append((dp.should_stop, synced))
+    # steps 1, 2 carry the flag only inside the node; the sync after step 3 spreads it
+    assert WORLD.allgather(stops) == [[(False, False), (False, False), (True, True),
+                                       (True, False), (True, False), (True, True)]] * P
+
+
+@pytest.mark.parametrize("strategy, ranks_per_node", [("flat", None), ("node", P)])
+def test_a_non_finite_gradient_raises_on_every_rank_at_the_same_step(strategy, ranks_per_node):
+    model, dp = make(strategy=strategy, ranks_per_node=ranks_per_node)
+    raised = None
+    for t in range(3):
+        model.params.grad.fill(0.1)
+        if t == 1 and RANK == 0:
+            model.params.grad[5] = np.nan
+        try:
+            dp.step(2)
+        except NonFiniteGradient:
+            raised = t
+            break
+    assert WORLD.allgather(raised) == [1] * P
+
+
+def test_on_nan_skip_skips_the_update_everywhere():
+    model, dp = make(on_nan="skip")
+    before = model.params.data.copy()
+    model.params.grad.fill(0.1)
+    if RANK == P - 1:
+        model.params.grad[0] = np.inf
+    dp.step(2)
+    assert all_agree(WORLD, dp.last_step_skipped and np.array_equal(model.params.data, before))
+    model.params.grad.fill(0.1)
+    dp.step(2)
+    assert all_agree(WORLD, not dp.last_step_skipped and not np.array_equal(model.params.data, before))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_node_strategy_raises_a_nodes_non_finite_gradient_at_the_next_sync():
+    model, dp = make(strategy="node", sync_every=100, ranks_per_node=1)
+    events = []
+    for t in range(3):
+        model.params.grad.fill(0.1)
+        if t == 0 and RANK == 0:
+            model.params.grad[5] = np.nan  # node 0 skips its update and remembers
+        dp.step(2)
+        events.append(dp.last_step_skipped)
+    try:
+        dp.sync()
+        events.append("synced")
+    except NonFiniteGradient:
+        events.append("raised")
+    expected = [[RANK == 0, False, False, "raised"]]
+    assert WORLD.allgather(events == expected[0]) == [True] * P
+
+
+def test_any_and_all():
+    _, dp = make()
+    results = (dp.any(RANK == P - 1), dp.all(RANK == P - 1), dp.all(True), dp.any(False))
+    assert WORLD.allgather(results) == [(True, P == 1, True, False)] * P
+
+
+# ------------------------------------------------------------------ consensus and state
+@pytest.mark.mpi(min_size=2)
+def test_consensus_between_syncs_is_the_node_weighted_average():
+    model, dp = make(strategy="node", sync_every=100, ranks_per_node=1, speeds=UNEVEN)
+    train(model, dp, steps=3)
+    theirs = np.array(WORLD.allgather(model.params.data.copy()))
+    samples = np.array(WORLD.allgather(dp.reducer.samples_since_sync), dtype=np.float64)
+    expected = (samples[:, None] * theirs).sum(axis=0) / samples.sum()
+    own = model.params.data.copy()
+    consensus = dp.consensus()
+    ok = rel_diff(consensus, expected) <= 1e-12 and np.array_equal(own, model.params.data)
+    dp.sync()  # then every replica holds exactly that average
+    ok = ok and rel_diff(model.params.data, expected) <= 1e-12
+    assert all_agree(WORLD, ok)
+    assert len(set(WORLD.allgather(model.params.data.tobytes()))) == 1
+
+
+@pytest.mark.parametrize("strategy, ranks_per_node", [("flat", None), ("node", 1)])
+def test_state_dict_then_load_continues_exactly(strategy, ranks_per_node):
+    kwargs = dict(strategy=strategy, ranks_per_node=ranks_per_node, speeds=UNEVEN, sync_every=4,
+                  optimizer=Adam)
+    model, dp = make(**kwargs)
+    train(model, dp, steps=6)
+    reference = train(model, dp, steps=3, seed=1)
+
+    model, dp = make(**kwargs)
+    train(model, dp, steps=6)  # between two node syncs: the nodes' parameters differ
+    state = WORLD.bcast(dp.state_dict(), root=0)  # what every rank would read from the file
+    fresh_model, fresh_dp = make(**{**kwargs, "speeds": "equal"})
+    fresh_dp.load_state_dict(state)
+    resumed = train(fresh_model, fresh_dp, steps=3, seed=1)
+    ok = rel_diff(resumed, reference) <= 1e-12 and fresh_dp.steps == 9
+    ok = ok and fresh_dp.batch_sizes == dp.batch_sizes  # the same world: the split is restored
+    assert all_agree(WORLD, ok), rel_diff(resumed, reference)
+
+
+def test_load_state_dict_refuses_a_mismatch_on_every_rank():
+    model, dp = make()
+    state = WORLD.bcast(dp.state_dict(), root=0)
+    state["params"] = np.zeros(3)
+    with pytest.raises(ValueError, match=f"3 parameters, the model {model.params.size}"):
+        dp.load_state_dict(state)
+
+
+# ------------------------------------------------------------------ counters, timings, helpers
+def test_timings_and_counters_per_period():
+    model, dp = make(strategy="hierarchical")
+    train(model, dp, steps=3)
+    timing = dp.timings()
+    ok = timing["steps"] == 3 and len(timing["comp_s"]) == P and min(timing["comp_s"]) > 0
+    ok = ok and all(c >= 0 for c in timing["comm_s"]) and all(i >= 0 for i in timing["idle_s"])
+    counted = sum(level["calls"] for name, level in dp.counters.items() if name != "control")
+    ok = ok and counted == (0 if P == 1 else 3 * (dp.topology.local_size > 1) * 2
+                            + 3 * (dp.topology.is_leader and dp.topology.num_nodes > 1))
+    dp.reset_counters()
+    ok = ok and dp.timings()["steps"] == 0 and dp.counters["intra"]["calls"] == 0
+    assert all_agree(WORLD, ok)
+
+
+def test_sum_and_allgather():
+    _, dp = make()
+    total = dp.sum(np.array([RANK, 1], dtype=np.int64))
+    assert all_agree(WORLD, total.tolist() == [P * (P - 1) // 2, P])
+    assert dp.allgather(RANK * 10) == [r * 10 for r in range(P)]
+
+
+def test_rebalance_follows_the_measured_compute_time():
+    model, dp = make(emulate_slowdown=[1.0] * (P - 1) + [6.0])
+    train(model, dp, steps=2)
+    change = dp.rebalance()
+    ok = P == 1 or (change is not None and dp.batch_sizes[-1] < dp.batch_sizes[0])
+    assert all_agree(WORLD, ok and sum(dp.batch_sizes) == B)
+    assert len(set(map(tuple, WORLD.allgather(dp.batch_sizes)))) == 1
+
+
+# ------------------------------------------------------------------ bad arguments
+@pytest.mark.parametrize("kwargs, match", [
+    ({"strategy": "ring"}, "unknown strategy 'ring'"),
+    ({"weighting": "mean"}, "unknown weighting"),
+    ({"on_nan": "ignore"}, "on_nan must be one of"),
+    ({"batch_size": 0}, "batch_size must be an integer >= 1"),
+    ({"batch_size": P - 1 if P > 1 else 0}, "batch_size"),
+    ({"speeds": "fast"}, "speeds must be 'equal', 'auto'"),
+    ({"speeds": "auto"}, "probe"),
+    ({"speeds": [1.0] * (P + 1)}, "entries for"),
+    ({"speeds": [0.0] * P}, r"speeds\[0\] must be a finite number > 0"),
+    ({"emulate_slowdown": [1.0] * (P + 1)}, "emulate_slowdown has"),
+    ({"emulate_slowdown": 0.5}, "slowdown factor must be"),
+    ({"sync_every": 0, "strategy": "node"}, "sync_every"),
+])
+def test_bad_arguments_are_refused_before_any_collective(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        make(**kwargs)
+
+
+def test_the_optimizer_must_own_the_models_parameters():
+    model, other = tiny_model(), tiny_model()
+    with pytest.raises(ValueError, match="same parameters"):
+        DataParallel(model, SGD(other.params, lr=0.1), batch_size=B)
+    with pytest.raises(ValueError, match="a Model or a FlatParameters"):
+        DataParallel(object(), SGD(model.params, lr=0.1), batch_size=B)
