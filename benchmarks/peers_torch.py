@@ -313,7 +313,7 @@ def run_torch(dist, world, mode, train_set, test_set, lr, epochs, max_steps, syn
     from mpidl.metrics import classification_report, confusion_matrix
     from mpidl.models import build_model
     from mpidl.optim import make_schedule
-    from mpidl.trainer import epoch_permutation, rank_slice
+    from mpidl.trainer import epoch_permutation
 
     rank, size = world.Get_rank(), world.Get_size()
     torch.manual_seed(0)
@@ -360,7 +360,8 @@ def run_torch(dist, world, mode, train_set, test_set, lr, epochs, max_steps, syn
                 break
             batch = perm[t * B:(t + 1) * B]
             counts = sizes if len(batch) == B else balance.split_counts(len(batch), sizes)
-            lo, hi = rank_slice(counts, rank)
+            lo = sum(counts[:rank])  # this rank's contiguous slice, as DataParallel.local_indices
+            hi = lo + counts[rank]
             for group in opt.param_groups:
                 group["lr"] = schedule(step)
             weight.value = counts[rank] / sum(counts)

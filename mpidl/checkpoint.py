@@ -1,35 +1,32 @@
-"""Atomic HDF5 checkpoints and saved models.
+"""Atomic HDF5 checkpoints and saved models, and the protocol that writes and resumes them.
 
-A checkpoint is written to a temporary file in the target folder, flushed, ``fsync``-ed and
-then renamed over the old one with :func:`os.replace`, which is atomic on POSIX file systems:
-a job killed mid-write leaves the previous checkpoint intact and readable, never half a file
-(at worst a stray ``.checkpoint.h5.*.tmp`` when the process is killed with SIGKILL; an
-exception removes it).
+Every file is written to a temporary name in the target folder, flushed, ``fsync``-ed and then
+renamed over the old one with :func:`os.replace`, which is atomic on POSIX file systems: a job
+killed mid-write leaves the previous file intact and readable, never half a file (at worst a
+stray ``.<name>.*.tmp`` when the process is killed with SIGKILL; an exception removes it).
 
-Files in a checkpoint folder ``DIR``:
+A checkpoint is ONE file, ``DIR/checkpoint.h5``, written by world rank 0 from
+:meth:`DataParallel.state_dict() <mpidl.distributed.DataParallel.state_dict>` (which gathers
+what differs between nodes onto rank 0), so one rename makes a complete checkpoint visible:
 
-``DIR/checkpoint.h5`` (written by world rank 0)
-    ``params`` (the flat parameter buffer of the consensus model), ``buffers/<name>`` (batch-norm
-    running statistics, averaged over the replicas), ``rank_buffers/<r>/<name>`` (each rank's
-    own batch-norm buffers, in a checkpoint taken inside an epoch, where they are not yet
-    averaged; restored when the world size is the same), ``optimizer/state<i>`` (the optimizer's
-    flat state buffers, when they are the same on every replica), and JSON attributes
-    ``epoch`` (completed epochs), ``step_in_epoch`` (steps done in epoch ``epoch``; 0 at an
-    epoch boundary), ``global_step``, ``optimizer_step``, ``batch_sizes``, ``speeds``,
-    ``config``, ``model``, ``build_args``, ``world_size``, ``num_nodes``, ``node_samples``,
-    ``num_train_samples``, ``node_state`` and ``node_params`` (whether per-node files belong
-    to it), ``format_version``.
-``DIR/optimizer-node<k>-step<S>.h5`` (written by the leader of node ``k``)
-    Only with ``--strategy node`` on more than one node. Between inter-node syncs each node's
-    optimizer state (momentum, Adam moments) is its own, so each node's leader writes it
-    (``optimizer/state<i>``); with ``--sync-optimizer-state`` it is averaged at epoch ends,
-    and a checkpoint taken there keeps it in ``checkpoint.h5`` instead. A checkpoint taken
-    between two parameter syncs (``--max-steps``) also holds the node's parameters
-    (``params``), so that the resumed run continues exactly.
+``params``
+    the consensus parameters (the average of the nodes' under the ``node`` strategy)
+``optimizer/state<i>``
+    the optimizer's flat state buffers, when every replica holds the same
+``nodes/<k>/params``, ``nodes/<k>/optimizer/state<i>``
+    node ``k``'s own parameters (``node`` strategy, between two inter-node syncs) and its
+    optimizer state (when it is node-local), so that a resumed run continues exactly
+``buffers/<name>``, ``rank_buffers/<r>/<name>``
+    batch-norm running statistics: the world average, and each rank's own (restored when
+    the world size is the same)
+attributes (JSON)
+    the training loop's own (``epoch``, ``step_in_epoch``, ``config``, ``model``,
+    ``build_args``, ``num_train_samples``, ...), ``distributed`` (strategy, world size,
+    nodes, steps, speeds, split, each node's samples since the last sync) and
+    ``format_version``.
 
-Consistency rule: the leaders write their node files *first* (a barrier), then rank 0 renames
-the new ``checkpoint.h5`` into place (a barrier), then each leader removes its node's files of
-other steps. At every instant ``checkpoint.h5`` names a step ``S`` whose node files all exist.
+Rank 0 holds one copy of the per-node state of every node while it writes (``num_nodes``
+times the model's size, only between syncs or with node-local optimizer state).
 
 Data order needs no saved random state: the permutation of epoch ``e`` is a pure function of
 ``(seed, e)``, so resuming at ``(epoch, step_in_epoch)`` replays exactly the same batches.
@@ -47,24 +44,11 @@ import h5py
 import numpy as np
 
 CHECKPOINT_NAME = "checkpoint.h5"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed from; the message says which file and why."""
-
-
-def node_optimizer_name(node_id: int, global_step: int) -> str:
-    return f"optimizer-node{node_id}-step{global_step}.h5"
-
-
-def remove_stale_node_files(folder: str, node_id: int, keep_step: int | None) -> None:
-    """Delete this node's files of steps other than ``keep_step`` (all of them when None)."""
-    prefix = f"optimizer-node{node_id}-step"
-    keep = None if keep_step is None else node_optimizer_name(node_id, keep_step)
-    for name in os.listdir(folder):
-        if name.startswith(prefix) and name.endswith(".h5") and name != keep:
-            os.remove(os.path.join(folder, name))
 
 
 @contextmanager
@@ -93,10 +77,11 @@ def atomic_h5(path: str):
         raise
 
 
+# ----------------------------------------------------------------------------------- models
 def save_model(path: str, model) -> None:
-    """Write the final model: one dataset per parameter, named by its registered name, the
-    batch-norm buffers under ``buffers/``, and the model name and build arguments as attributes
-    (enough for :func:`load_model` to rebuild it)."""
+    """Write a model: one dataset per parameter, named by its registered name, the batch-norm
+    buffers under ``buffers/``, and the model name and build arguments as attributes (enough
+    for :func:`load_model` to rebuild it)."""
     with atomic_h5(path) as f:
         for p in model.params:
             f.create_dataset(p.name, data=np.asarray(model.backend.to_host(p.data)))
@@ -120,131 +105,152 @@ def load_model(path: str, backend=None):
     return model
 
 
-def write_checkpoint(folder: str, *, params, buffers: dict, optimizer_state: list | None,
-                     meta: dict, rank_buffers: list | None = None) -> str:
-    """Rank 0: write ``folder/checkpoint.h5`` atomically.
+# ----------------------------------------------------------------------------------- checkpoints
+def save_checkpoint(folder: str, dp, meta: dict) -> str:
+    """Write ``folder/checkpoint.h5`` (collective over ``dp``'s ranks; rank 0 writes).
 
-    ``params`` : (P,) host array, the consensus parameters; ``buffers`` : name -> host array;
-    ``optimizer_state`` : the optimizer's flat state buffers (host arrays, each (P,)), or None
-    when they are per node; ``meta`` : JSON-serializable attributes; ``rank_buffers`` : one
-    buffer dict per rank (inside an epoch) or None.
+    ``dp`` : the :class:`~mpidl.distributed.DataParallel` whose state is saved; ``meta`` : the
+    training loop's JSON-serializable attributes (the same on every rank). Returns the path.
     """
+    state = dp.state_dict()
     path = os.path.join(folder, CHECKPOINT_NAME)
+    if state is None:
+        return path
+    distributed = {key: state[key] for key in ("strategy", "weighting", "world_size", "num_nodes",
+                                               "steps", "steps_since_sync", "speeds", "batch_sizes")}
+    distributed["optimizer_step"] = state["optimizer"]["step_count"]
+    nodes = state["nodes"]
+    distributed["node_samples"] = None if nodes is None else [int(n["samples"]) for n in nodes]
     with atomic_h5(path) as f:
-        f.create_dataset("params", data=np.asarray(params))
-        for name, value in buffers.items():
+        f.create_dataset("params", data=np.asarray(state["params"]))
+        if state["optimizer"]["state"] is not None:
+            _write_state(f.create_group("optimizer"), state["optimizer"]["state"])
+        for k, node in enumerate(nodes or []):
+            group = f.create_group(f"nodes/{k}")
+            if node["params"] is not None:
+                group.create_dataset("params", data=np.asarray(node["params"]))
+            if node["state"] is not None:
+                _write_state(group.create_group("optimizer"), node["state"])
+        for name, value in state["buffers"].items():
             f.create_dataset("buffers/" + name, data=np.asarray(value))
-        for rank, rank_dict in enumerate(rank_buffers or []):
-            for name, value in rank_dict.items():
+        for rank, buffers in enumerate(state["rank_buffers"] or []):
+            for name, value in buffers.items():
                 f.create_dataset(f"rank_buffers/{rank}/{name}", data=np.asarray(value))
-        if optimizer_state is not None:
-            _write_state(f, optimizer_state)
-        for key, value in meta.items():
+        for key, value in {**meta, "distributed": distributed, "format_version": FORMAT_VERSION}.items():
             f.attrs[key] = json.dumps(value)
     return path
-
-
-def write_node_file(folder: str, node_id: int, *, optimizer_state: list | None, params, meta: dict) -> str:
-    """A node leader: write that node's optimizer state and/or parameters atomically
-    (``meta`` holds ``global_step``, which names the file)."""
-    path = os.path.join(folder, node_optimizer_name(node_id, meta["global_step"]))
-    with atomic_h5(path) as f:
-        if optimizer_state is not None:
-            _write_state(f, optimizer_state)
-        if params is not None:
-            f.create_dataset("params", data=np.asarray(params))
-        for key, value in meta.items():
-            f.attrs[key] = json.dumps(value)
-    return path
-
-
-def write_node_optimizer(folder: str, node_id: int, optimizer_state: list, meta: dict) -> str:
-    """A node leader: write that node's optimizer state atomically (see :func:`write_node_file`)."""
-    return write_node_file(folder, node_id, optimizer_state=optimizer_state, params=None, meta=meta)
-
-
-def _write_state(f, state: list) -> None:
-    g = f.create_group("optimizer")
-    g.attrs["count"] = len(state)
-    for i, buf in enumerate(state):
-        g.create_dataset(f"state{i}", data=np.asarray(buf))
-
-
-def _read_state(f) -> list:
-    g = f["optimizer"]
-    return [g[f"state{i}"][()] for i in range(int(g.attrs["count"]))]
-
-
-def _read_rank_buffers(f) -> list | None:
-    if "rank_buffers" not in f:
-        return None
-    g = f["rank_buffers"]
-    return [{k: g[str(r)][k][()] for k in g[str(r)]} for r in range(len(g))]
 
 
 def read_checkpoint_meta(folder: str) -> dict:
     """The attributes of ``folder/checkpoint.h5`` (cheap: no arrays are read)."""
     path = os.path.join(folder, CHECKPOINT_NAME)
-    if not os.path.isfile(path):
-        raise CheckpointError(f"--resume: no checkpoint at {path}")
+    with _open_checkpoint(path) as f:
+        return _meta(f, path)
+
+
+def read_checkpoint(folder: str, *, node_id: int, rank: int, world_size: int) -> tuple[dict, dict]:
+    """``(state, meta)``: the parts of ``folder/checkpoint.h5`` that rank ``rank`` of node
+    ``node_id`` needs, as :meth:`DataParallel.load_state_dict` takes them (the other nodes'
+    and ranks' entries are left empty), and the file's attributes."""
+    path = os.path.join(folder, CHECKPOINT_NAME)
     try:
-        with h5py.File(path, "r") as f:
-            return _meta(f)
-    except (OSError, KeyError, ValueError) as exc:
+        with _open_checkpoint(path) as f:
+            meta = _meta(f, path)
+            dist = meta["distributed"]
+            node_samples = dist.get("node_samples")
+            nodes = None
+            if node_samples is not None:
+                nodes = [{} for _ in node_samples]
+                if node_id < len(nodes):
+                    group = f[f"nodes/{node_id}"]
+                    nodes[node_id] = {
+                        "params": group["params"][()] if "params" in group else None,
+                        "state": _read_state(group["optimizer"]) if "optimizer" in group else None,
+                        "samples": node_samples[node_id],
+                    }
+            rank_buffers = None
+            if "rank_buffers" in f and dist["world_size"] == world_size and str(rank) in f["rank_buffers"]:
+                rank_buffers = [None] * world_size
+                own = f[f"rank_buffers/{rank}"]
+                rank_buffers[rank] = {k: own[k][()] for k in own}
+            state = {
+                **{key: dist[key] for key in ("strategy", "weighting", "world_size", "num_nodes",
+                                              "steps", "steps_since_sync", "speeds", "batch_sizes")},
+                "params": f["params"][()],
+                "optimizer": {"step_count": dist["optimizer_step"],
+                              "state": _read_state(f["optimizer"]) if "optimizer" in f else None},
+                "nodes": nodes,
+                "buffers": {k: f["buffers"][k][()] for k in f["buffers"]} if "buffers" in f else {},
+                "rank_buffers": rank_buffers,
+            }
+    except (KeyError, ValueError) as exc:
         raise CheckpointError(f"--resume: {path} is not a readable mpidl checkpoint ({exc})") from None
+    return state, meta
 
 
-def _meta(f) -> dict:
-    meta = {k: json.loads(v) for k, v in f.attrs.items()}
-    missing = [k for k in ("epoch", "step_in_epoch", "global_step", "optimizer_step", "build_args")
-               if k not in meta]
-    if missing:
-        raise KeyError(f"attributes {missing} missing")
+def load_checkpoint(folder: str, dp, check) -> dict:
+    """Resume ``dp`` from ``folder/checkpoint.h5`` (collective); returns the file's attributes.
+
+    Every rank reads what it needs, ``check(meta, path)`` (the loop's own compatibility test:
+    raise :class:`CheckpointError` to refuse) runs on every rank, and the ranks agree: a
+    problem on any rank raises the same :class:`CheckpointError` on every rank, before any
+    state is changed.
+    """
+    path = os.path.join(folder, CHECKPOINT_NAME)
+    problem, state, meta = None, None, None
+    topo = dp.topology
+    try:
+        state, meta = read_checkpoint(folder, node_id=topo.node_id, rank=topo.rank, world_size=topo.size)
+        check(meta, path)
+    except (CheckpointError, OSError) as exc:
+        problem = str(exc) if isinstance(exc, CheckpointError) else f"--resume: {exc}"
+    problems = dp.allgather(problem)
+    first = next((p for p in problems if p is not None), None)
+    if first is not None:
+        failing = [r for r, p in enumerate(problems) if p is not None]
+        where = "" if len(failing) == dp.size else f" (on ranks {failing})"
+        raise CheckpointError(first + where)
+    try:
+        dp.load_state_dict(state)
+    except ValueError as exc:  # already agreed by every rank
+        raise CheckpointError(f"--resume: {path}: {exc}") from None
     return meta
 
 
-def read_checkpoint(folder: str, node_id: int | None = None) -> dict:
-    """Read ``folder/checkpoint.h5`` and, when it has per-node files, node ``node_id``'s.
-
-    Returns ``{"params", "buffers", "rank_buffers" (list of dicts, or None), "optimizer_state"
-    (list), "meta"}``: the parameters are the
-    node's own when its file holds them (a checkpoint between two inter-node syncs), else the
-    consensus. Raises :class:`CheckpointError` for a missing or unreadable file, or a
-    checkpoint with per-node state read without ``node_id``.
-    """
-    path = os.path.join(folder, CHECKPOINT_NAME)
+# ----------------------------------------------------------------------------------- helpers
+@contextmanager
+def _open_checkpoint(path: str):
     if not os.path.isfile(path):
         raise CheckpointError(f"--resume: no checkpoint at {path}")
     try:
-        with h5py.File(path, "r") as f:
-            meta = _meta(f)
-            out = {
-                "params": f["params"][()],
-                "buffers": {k: f["buffers"][k][()] for k in f["buffers"]} if "buffers" in f else {},
-                "rank_buffers": _read_rank_buffers(f),
-                "optimizer_state": _read_state(f) if "optimizer" in f else None,
-                "meta": meta,
-            }
-    except (OSError, KeyError, ValueError) as exc:
+        f = h5py.File(path, "r")
+    except OSError as exc:
         raise CheckpointError(f"--resume: {path} is not a readable mpidl checkpoint ({exc})") from None
-    if meta.get("node_state") or meta.get("node_params"):
-        nodes = meta.get("num_nodes")
-        if node_id is None:
-            raise CheckpointError(
-                f"--resume: {path} holds per-node state of {nodes} nodes (--strategy node); "
-                f"resume it with --strategy node on {nodes} nodes"
-            )
-        node_path = os.path.join(folder, node_optimizer_name(node_id, meta["global_step"]))
-        if not os.path.isfile(node_path):
-            raise CheckpointError(f"--resume: missing per-node state {node_path}")
-        try:
-            with h5py.File(node_path, "r") as f:
-                if meta.get("node_state"):
-                    out["optimizer_state"] = _read_state(f)
-                if meta.get("node_params"):
-                    out["params"] = f["params"][()]
-        except (OSError, KeyError, ValueError) as exc:
-            raise CheckpointError(f"--resume: {node_path} is not readable ({exc})") from None
-    if out["optimizer_state"] is None:
-        raise CheckpointError(f"--resume: {path} holds no optimizer state")
-    return out
+    with f:
+        yield f
+
+
+def _meta(f, path: str) -> dict:
+    try:
+        meta = {k: json.loads(v) for k, v in f.attrs.items()}
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"--resume: {path} has unreadable attributes ({exc})") from None
+    version = meta.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"--resume: {path} has checkpoint format {version}; this mpidl reads "
+                              f"format {FORMAT_VERSION} (start a new run, or resume with the mpidl "
+                              "version that wrote it)")
+    missing = [k for k in ("epoch", "step_in_epoch", "build_args", "distributed") if k not in meta]
+    if missing:
+        raise CheckpointError(f"--resume: {path} lacks the attributes {missing}")
+    return meta
+
+
+def _write_state(group, state: list) -> None:
+    group.attrs["count"] = len(state)
+    for i, buf in enumerate(state):
+        group.create_dataset(f"state{i}", data=np.asarray(buf))
+
+
+def _read_state(group) -> list:
+    return [group[f"state{i}"][()] for i in range(int(group.attrs["count"]))]

@@ -12,17 +12,20 @@ import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 
+from mpidl.backend import DEVICES, DTYPES
+from mpidl.distributed import ON_NAN, STRATEGIES, WEIGHTINGS
 from mpidl.distributed.balance import parse_speeds
 from mpidl.distributed.emulation import parse_link, parse_slowdowns
+from mpidl.log import LEVELS
+from mpidl.models import MODELS
+from mpidl.optim import OPTIMIZERS, SCHEDULES
 
-MODEL_NAMES = ("hsicnn", "hsicnn_bn", "resnet8")
-OPTIMIZERS = ("sgd", "adam", "adamw")
-SCHEDULES = ("constant", "step", "cosine")
-STRATEGIES = ("flat", "hierarchical", "node")
-WEIGHTINGS = ("balanced", "uniform")
+# The allowed names are read, when a configuration is validated, from the registries of the
+# modules that own them (models.MODELS, optim.OPTIMIZERS, ...), so a new model, optimizer or
+# strategy is one entry in its own module and nothing here.
 BALANCES = ("speed", "none")
-ON_NAN = ("stop", "skip")
-LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_LEVELS = tuple(LEVELS)
+FAULT_KINDS = ("raise", "nan", "term")
 
 
 class ConfigError(ValueError):
@@ -91,7 +94,7 @@ class Config:
 
         ``world_size`` is the number of ranks, needed for checks such as ``B >= P``.
         """
-        _choice("--model", self.model, MODEL_NAMES)
+        _choice("--model", self.model, MODELS)
         _choice("--optimizer", self.optimizer, OPTIMIZERS)
         _choice("--schedule", self.schedule, SCHEDULES)
         _choice("--strategy", self.strategy, STRATEGIES)
@@ -99,8 +102,8 @@ class Config:
         _choice("--balance", self.balance, BALANCES)
         _choice("--on-nan", self.on_nan, ON_NAN)
         _choice("--log-level", self.log_level, LOG_LEVELS)
-        _choice("--dtype", self.dtype, ("float32", "float64"))
-        _choice("--device", self.device, ("cpu", "gpu"))
+        _choice("--dtype", self.dtype, tuple(DTYPES))
+        _choice("--device", self.device, DEVICES)
         _positive_int("--epochs", self.epochs)
         _positive_int("--batch-size", self.batch_size)
         _positive_int("--sync-every", self.sync_every)
@@ -145,12 +148,12 @@ class Config:
         if self.inject_fault is not None:
             parts = self.inject_fault.split(":")
             try:
-                if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ("raise", "nan")):
+                if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in FAULT_KINDS):
                     raise ValueError
                 self.fault = (int(parts[0]), int(parts[1]), parts[2] if len(parts) == 3 else "raise")
             except ValueError:
                 raise ConfigError(
-                    f"--inject-fault is RANK:STEP[:raise|nan] (e.g. 1:5), got {self.inject_fault!r}"
+                    f"--inject-fault is RANK:STEP[:{'|'.join(FAULT_KINDS)}] (e.g. 1:5), got {self.inject_fault!r}"
                 ) from None
             if not 0 <= self.fault[0] < world_size or self.fault[1] < 0:
                 raise ConfigError(
@@ -201,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("data and model")
     g.add_argument("--data", help="HDF5 dataset in the mpidl layout (default: built-in synthetic scene)")
-    g.add_argument("--model", default=d.model, help=f"one of {', '.join(MODEL_NAMES)}")
+    g.add_argument("--model", default=d.model, help=f"one of {', '.join(MODELS)}")
     g.add_argument("--augment", action="store_true", help="random flips / 90-degree rotations of patches")
 
     g = p.add_argument_group("optimisation")
@@ -261,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--on-nan", default=d.on_nan, help="NaN/Inf in the reduced gradient: stop (default) or skip the step")
     g.add_argument("--inject-fault", default=None, metavar="RANK:STEP[:KIND]",
                    help="TESTING AID: at global step STEP, rank RANK raises an exception (KIND raise, "
-                        "the default) or puts NaN into its local gradient (KIND nan)")
+                        "the default), puts NaN into its local gradient (KIND nan), or sends itself "
+                        "SIGTERM (KIND term)")
     return p
 
 

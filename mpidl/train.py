@@ -9,23 +9,19 @@ Failure policy
 --------------
 *Set-up errors* (a bad option, a missing or malformed data file, a model that cannot take the
 data's shape) are found before training starts. Every rank runs the same checks, and the
-ranks then agree with one ``allgather`` of their error messages, so even an error seen by one
-rank only (say, a file missing on one node) ends every rank cleanly: rank 0 prints
+ranks then agree (:func:`mpidl.distributed.launch.agree_on_error`), so even an error seen by
+one rank only (say, a file missing on one node) ends every rank cleanly: rank 0 prints
 ``error: ...`` once and all exit with code 2.
 
-*Errors during training* may happen on one rank while the others wait inside a collective,
-which would hang forever. An exception hook prints ``rank R: ...`` with the traceback and
-calls ``MPI.COMM_WORLD.Abort(1)``, which makes the launcher kill every rank: the job ends
-within seconds with a non-zero exit code. (A collective error check after every step would
-also work, but costs a collective per step and still hangs if a rank dies inside one.)
+*Errors during training* may happen on one rank while the others wait inside a collective:
+:func:`mpidl.distributed.launch.abort_on_uncaught_exception` prints ``mpidl: rank R failed:
+...`` with the traceback and ends the whole job with ``MPI_Abort``.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import sys
-import traceback
 
 
 def _limit_threads_per_rank() -> int:
@@ -57,31 +53,17 @@ def _limit_threads_per_rank() -> int:
     return local_rank
 
 
-def _abort_on_exception(exc_type, exc, tb) -> None:
-    from mpi4py import MPI
-
-    rank = MPI.COMM_WORLD.Get_rank()
-    text = "".join(traceback.format_exception(exc_type, exc, tb))
-    sys.stderr.write(f"mpidl: rank {rank} failed: {exc_type.__name__}: {exc}\n{text}")
-    sys.stderr.flush()
-    if MPI.COMM_WORLD.Get_size() > 1:
-        MPI.COMM_WORLD.Abort(1)
-    sys.exit(1)
-
-
 def main(argv=None) -> int:
     local_rank = _limit_threads_per_rank()
-    from mpi4py import MPI
-
     from mpidl.checkpoint import CheckpointError
     from mpidl.config import ConfigError, parse_config
-    from mpidl.distributed.topology import Topology
+    from mpidl.distributed import NonFiniteGradient, Topology
+    from mpidl.distributed.launch import abort_on_uncaught_exception, agree_on_error, world
     from mpidl.log import Printer
 
-    world = MPI.COMM_WORLD
-    rank, size = world.Get_rank(), world.Get_size()
+    rank, size = world()
     # An unexpected exception anywhere (a bug, not a bad input) must not leave ranks hanging.
-    sys.excepthook = _abort_on_exception
+    sys.excepthook = abort_on_uncaught_exception
 
     # ---- set-up: every rank validates the same things, then the ranks agree
     error = None
@@ -91,38 +73,35 @@ def main(argv=None) -> int:
         setup = _build(cfg, local_rank)
     except (ConfigError, ValueError, OSError, KeyError, RuntimeError) as exc:
         error = f"{exc}"
-    errors = world.allgather(error)
-    first = next((e for e in errors if e is not None), None)
-    if first is not None:
+    error = agree_on_error(error)
+    if error is not None:
         if rank == 0:
-            failing = [r for r, e in enumerate(errors) if e is not None]
-            where = "" if len(failing) == size else f" (on rank{'s' if len(failing) > 1 else ''} {failing})"
-            print(f"error{where}: {first}", file=sys.stderr, flush=True)
+            print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
 
     backend, model, train_set, test_set, data_desc = setup
-    topo = Topology.from_comm(world, ranks_per_node=cfg.ranks_per_node)
+    topo = Topology.from_comm(ranks_per_node=cfg.ranks_per_node)
     printer = Printer(rank, cfg.log_level, cfg.quiet)
 
-    from mpidl.trainer import NonFiniteGradient, Trainer
+    from mpidl.trainer import Trainer
 
-    trainer = Trainer(cfg, topo, backend, model, train_set, test_set, printer, data_desc)
-    trainer.install_signal_handler()
-    try:
-        trainer.setup()
-    except CheckpointError as exc:
-        # --resume from a missing, corrupt or mismatched checkpoint: Trainer.resume has the
-        # ranks agree first, so every rank is here with the same message.
-        if rank == 0:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    _print_header(printer, cfg, topo, model, train_set, test_set, data_desc, trainer)
+    trainer = Trainer(cfg, model, train_set, test_set, printer, topology=topo, handle_sigterm=True)
+    if cfg.resume:
+        try:
+            trainer.resume()
+        except CheckpointError as exc:
+            # A missing, corrupt or mismatched checkpoint: the ranks agreed first, so every
+            # rank is here with the same message.
+            if rank == 0:
+                print(f"error: {exc}", file=sys.stderr, flush=True)
+            return 2
+    _print_header(printer, cfg, model, train_set, data_desc, trainer)
     trainer.metrics.write(_start_record(cfg, topo, model, data_desc))
     try:
         end = trainer.run()
     except NonFiniteGradient as exc:
-        # Decided collectively (every rank sees the same reduced gradient, or agreed at a
-        # control point), so every rank is here: a clean stop, no Abort needed.
+        # Decided collectively (every rank sees the same reduced gradient, or the flag was
+        # agreed at a sync), so every rank is here: a clean stop, no Abort needed.
         trainer.metrics.write({"event": "end", "step": trainer.global_step, "stopped": "nan",
                                "error": str(exc)})
         if rank == 0:
@@ -154,8 +133,10 @@ def _build(cfg, local_rank: int = 0):
     model = build_model(cfg.model, train_set.sample_shape, train_set.num_classes,
                         backend=backend, seed=cfg.seed)
     # The schedule's length depends on the data size; check it now, before any collective.
+    from mpidl.trainer import steps_per_epoch  # noqa: PLC0415
+
     n = train_set.num_samples
-    per_epoch = n // cfg.batch_size if cfg.drop_last else math.ceil(n / cfg.batch_size)
+    per_epoch = steps_per_epoch(n, cfg.batch_size, cfg.drop_last)
     if per_epoch == 0:
         raise ValueError(f"--drop-last with --batch-size {cfg.batch_size} > {n} training samples leaves no step")
     steps = cfg.epochs * per_epoch
@@ -163,18 +144,16 @@ def _build(cfg, local_rank: int = 0):
     return backend, model, train_set, test_set, desc
 
 
-def _print_header(printer, cfg, topo, model, train_set, test_set, desc, trainer) -> None:
-    printer.info(f"mpidl: {topo.size} rank(s) on {topo.num_nodes} node(s) {topo.node_sizes}; "
-                 f"strategy {cfg.strategy} ({cfg.weighting} weighting"
-                 + (f", K'={cfg.sync_every}" if cfg.strategy == "node" else "") + ")")
-    printer.info(f"data: {desc}: {train_set.num_samples} train / {test_set.num_samples} test samples of "
+def _print_header(printer, cfg, model, train_set, desc, trainer) -> None:
+    dp = trainer.dp
+    printer.info(f"mpidl: {dp.describe()}")
+    printer.info(f"data: {desc}: {train_set.num_samples} train / {trainer.test_set.num_samples} test samples of "
                  f"shape {tuple(train_set.sample_shape)}, {train_set.num_classes} classes")
     printer.info(f"model: {model.name}, {model.params.size} parameters ({cfg.dtype}, {cfg.device}); "
                  f"optimizer {cfg.optimizer} lr {cfg.lr} ({cfg.schedule}); global batch {cfg.batch_size}, "
                  f"{trainer.steps_per_epoch} steps/epoch")
-    speeds = ", ".join(f"{s:.3g}" for s in trainer.speeds)
-    printer.info(f"speeds ({'measured' if cfg.speeds == 'auto' and cfg.balance == 'speed' else cfg.balance if cfg.balance == 'none' else 'given'}): "
-                 f"[{speeds}] -> batch sizes {trainer.batch_sizes}")
+    speeds = ", ".join(f"{s:.3g}" for s in dp.speeds)
+    printer.info(f"speeds ({dp.speeds_source}): [{speeds}] -> batch sizes {dp.batch_sizes}")
     if cfg.slowdown_list:
         printer.info(f"EMULATION: compute slowdown per rank {cfg.slowdown_list}")
     if cfg.link:

@@ -1,4 +1,4 @@
-"""Checkpoint files: atomic writes, the per-node file rule, clear errors, one-rank resume.
+"""Checkpoint files: atomic writes, one file with the per-node parts, clear errors, one-rank resume.
 
 Serial: the trainer runs on ``MPI.COMM_SELF``; the command-line error tests launch
 ``mpiexec -n 2`` subprocesses. The multi-rank equivalence tests are in tests/mpi/test_resume.py,
@@ -28,18 +28,34 @@ from mpidl.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 MPIEXEC = os.environ.get("MPIEXEC") or str(Path(sys.executable).parent / "mpiexec")
+META = {"epoch": 1, "step_in_epoch": 0, "build_args": {"name": "x"}, "model": "x"}
 
 
-def meta_for(step=7, **extra):
-    meta = {"epoch": 1, "step_in_epoch": 0, "global_step": step, "optimizer_step": step,
-            "build_args": {"name": "x"}, "num_nodes": 2}
-    meta.update(extra)
-    return meta
+class SavedState:
+    """Stands in for a DataParallel on rank 0: ``state_dict()`` returns a fixed state."""
+
+    rank = 0
+
+    def __init__(self, value, steps=7, nodes=None):
+        self.state = {
+            "strategy": "node" if nodes else "flat", "weighting": "balanced", "world_size": 2,
+            "num_nodes": len(nodes) if nodes else 1, "steps": steps, "steps_since_sync": 0,
+            "speeds": [1.0, 1.0], "batch_sizes": [4, 4], "params": np.full(5, value),
+            "optimizer": {"step_count": steps, "state": None if nodes else [np.full(5, -value)]},
+            "nodes": nodes, "buffers": {"bn.mean": np.ones(2)},
+            "rank_buffers": [{"bn.mean": np.full(2, 10.0 + r)} for r in range(2)],
+        }
+
+    def state_dict(self):
+        return self.state
 
 
-def write_simple(folder, value, step=7, **extra):
-    return ck.write_checkpoint(str(folder), params=np.full(5, value), buffers={"bn.mean": np.ones(2)},
-                               optimizer_state=[np.full(5, -value)], meta=meta_for(step, **extra))
+def write_simple(folder, value, steps=7, nodes=None):
+    return ck.save_checkpoint(str(folder), SavedState(value, steps, nodes), META)
+
+
+def read(folder, node_id=0, rank=0, world_size=2):
+    return ck.read_checkpoint(str(folder), node_id=node_id, rank=rank, world_size=world_size)
 
 
 def leftovers(folder):
@@ -49,11 +65,14 @@ def leftovers(folder):
 # ---------------------------------------------------------------- atomic writes
 def test_write_and_read_round_trip(tmp_path):
     write_simple(tmp_path, 1.5)
-    out = ck.read_checkpoint(str(tmp_path))
-    np.testing.assert_array_equal(out["params"], np.full(5, 1.5))
-    np.testing.assert_array_equal(out["optimizer_state"][0], np.full(5, -1.5))
-    assert out["buffers"].keys() == {"bn.mean"} and out["rank_buffers"] is None
-    assert out["meta"]["global_step"] == 7 and out["meta"]["build_args"] == {"name": "x"}
+    state, meta = read(tmp_path, rank=1)
+    np.testing.assert_array_equal(state["params"], np.full(5, 1.5))
+    np.testing.assert_array_equal(state["optimizer"]["state"][0], np.full(5, -1.5))
+    assert state["buffers"].keys() == {"bn.mean"} and state["nodes"] is None
+    assert state["rank_buffers"][0] is None and state["rank_buffers"][1]["bn.mean"][0] == 11.0
+    assert state["steps"] == 7 and meta["build_args"] == {"name": "x"}
+    assert meta["distributed"]["optimizer_step"] == 7 and meta["format_version"] == ck.FORMAT_VERSION
+    assert read(tmp_path, world_size=3)[0]["rank_buffers"] is None  # another world: the average only
     assert leftovers(tmp_path) == []
 
 
@@ -61,31 +80,31 @@ def test_failure_mid_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     write_simple(tmp_path, 1.0)
     before = (tmp_path / ck.CHECKPOINT_NAME).read_bytes()
 
-    def fail_after_first_dataset(f, state):  # params and buffers are already in the new file
-        f.create_dataset("optimizer/state0", data=np.asarray(state[0]))
+    def fail_after_first_dataset(group, state):  # params and buffers are already in the new file
+        group.create_dataset("state0", data=np.asarray(state[0]))
         raise OSError("No space left on device (simulated)")
 
     monkeypatch.setattr(ck, "_write_state", fail_after_first_dataset)
     with pytest.raises(OSError, match="simulated"):
-        write_simple(tmp_path, 2.0, step=9)
+        write_simple(tmp_path, 2.0, steps=9)
     assert (tmp_path / ck.CHECKPOINT_NAME).read_bytes() == before
     assert leftovers(tmp_path) == []  # the temporary file is removed
-    np.testing.assert_array_equal(ck.read_checkpoint(str(tmp_path))["params"], np.full(5, 1.0))
+    np.testing.assert_array_equal(read(tmp_path)[0]["params"], np.full(5, 1.0))
 
 
 KILLED_WRITER = """
 import sys, time
 import numpy as np
 import mpidl.checkpoint as ck
-def slow(f, state):
-    f.create_dataset("optimizer/state0", data=np.asarray(state[0]))
-    f.flush()
+sys.path.insert(0, sys.argv[2])
+from test_checkpoint import META, SavedState
+def slow(group, state):
+    group.create_dataset("state0", data=np.asarray(state[0]))
+    group.file.flush()
     print("writing", flush=True)
     time.sleep(60)
 ck._write_state = slow
-ck.write_checkpoint(sys.argv[1], params=np.full(5, 2.0), buffers={}, optimizer_state=[np.zeros(5)],
-                    meta={"epoch": 2, "step_in_epoch": 0, "global_step": 9, "optimizer_step": 9,
-                          "build_args": {"name": "x"}})
+ck.save_checkpoint(sys.argv[1], SavedState(2.0, steps=9), META)
 """
 
 
@@ -93,62 +112,53 @@ def test_sigkill_mid_write_keeps_the_previous_checkpoint(tmp_path):
     """A writer killed outright (SIGKILL, a node failure) can leave only a stray temporary
     file; ``checkpoint.h5`` stays the old, readable one."""
     write_simple(tmp_path, 1.0)
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(tmp_path)], stdout=subprocess.PIPE,
-                            text=True, cwd=ROOT)
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(tmp_path), str(Path(__file__).parent)],
+                            stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         assert proc.stdout.readline().strip() == "writing"
     finally:
         proc.kill()
         proc.wait(timeout=30)
-    out = ck.read_checkpoint(str(tmp_path))
-    np.testing.assert_array_equal(out["params"], np.full(5, 1.0))
-    assert out["meta"]["global_step"] == 7
+    state, _ = read(tmp_path)
+    np.testing.assert_array_equal(state["params"], np.full(5, 1.0))
+    assert state["steps"] == 7
     assert len(leftovers(tmp_path)) == 1  # the killed writer's temporary file, never read
 
 
-# ---------------------------------------------------------------- per-node files
-def test_per_node_state_is_read_from_the_node_file(tmp_path):
-    meta = meta_for(node_state=True, node_params=False)
-    for node in (0, 1):
-        ck.write_node_file(str(tmp_path), node, optimizer_state=[np.full(5, 10.0 + node)], params=None, meta=meta)
-    ck.write_checkpoint(str(tmp_path), params=np.ones(5), buffers={}, optimizer_state=None, meta=meta)
-    assert ck.read_checkpoint(str(tmp_path), node_id=1)["optimizer_state"][0][0] == 11.0
-    with pytest.raises(ck.CheckpointError, match="per-node state of 2 nodes"):
-        ck.read_checkpoint(str(tmp_path))
-    os.remove(tmp_path / ck.node_optimizer_name(1, 7))
-    with pytest.raises(ck.CheckpointError, match="missing per-node state .*optimizer-node1-step7.h5"):
-        ck.read_checkpoint(str(tmp_path), node_id=1)
-
-
-def test_node_params_between_syncs_are_the_nodes_own(tmp_path):
-    meta = meta_for(node_state=True, node_params=True)
-    ck.write_node_file(str(tmp_path), 0, optimizer_state=[np.zeros(5)], params=np.full(5, 3.0), meta=meta)
-    ck.write_checkpoint(str(tmp_path), params=np.full(5, 2.0), buffers={}, optimizer_state=None, meta=meta)
-    np.testing.assert_array_equal(ck.read_checkpoint(str(tmp_path), node_id=0)["params"], np.full(5, 3.0))
-
-
-def test_remove_stale_node_files_keeps_the_named_step_and_other_nodes(tmp_path):
-    names = ["optimizer-node0-step7.h5", "optimizer-node0-step14.h5", "optimizer-node1-step7.h5",
-             "optimizer-node10-step7.h5", ck.CHECKPOINT_NAME]
-    for name in names:
-        (tmp_path / name).write_bytes(b"")
-    ck.remove_stale_node_files(str(tmp_path), 0, 14)
-    assert sorted(os.listdir(tmp_path)) == sorted(set(names) - {"optimizer-node0-step7.h5"})
-    ck.remove_stale_node_files(str(tmp_path), 1, None)  # this checkpoint has no node files
-    assert "optimizer-node1-step7.h5" not in os.listdir(tmp_path)
-    assert "optimizer-node10-step7.h5" in os.listdir(tmp_path)
+# ---------------------------------------------------------------- per-node parts
+def test_each_node_reads_its_own_part(tmp_path):
+    nodes = [{"params": np.full(5, 3.0 + k), "state": [np.full(5, 10.0 + k)], "samples": 100 + k}
+             for k in range(2)]
+    write_simple(tmp_path, 2.0, nodes=nodes)
+    with h5py.File(tmp_path / ck.CHECKPOINT_NAME) as f:
+        assert set(f["nodes"]) == {"0", "1"} and "optimizer" not in f
+    state, meta = read(tmp_path, node_id=1)
+    mine = state["nodes"][1]
+    assert state["nodes"][0] == {} and mine["samples"] == 101
+    np.testing.assert_array_equal(mine["params"], np.full(5, 4.0))
+    np.testing.assert_array_equal(mine["state"][0], np.full(5, 11.0))
+    np.testing.assert_array_equal(state["params"], np.full(5, 2.0))  # the consensus, too
+    assert meta["distributed"]["node_samples"] == [100, 101]
+    with h5py.File(tmp_path / ck.CHECKPOINT_NAME, "r+") as f:
+        del f["nodes/1"]
+    with pytest.raises(ck.CheckpointError, match="is not a readable mpidl checkpoint"):
+        read(tmp_path, node_id=1)
 
 
 # ---------------------------------------------------------------- errors
 def test_missing_and_corrupt_checkpoints_give_clear_errors(tmp_path):
     with pytest.raises(ck.CheckpointError, match=f"no checkpoint at {tmp_path}/checkpoint.h5"):
-        ck.read_checkpoint(str(tmp_path))
+        read(tmp_path)
     (tmp_path / ck.CHECKPOINT_NAME).write_bytes(b"not hdf5 at all" * 10)
     with pytest.raises(ck.CheckpointError, match="is not a readable mpidl checkpoint"):
-        ck.read_checkpoint(str(tmp_path))
+        read(tmp_path)
     with h5py.File(tmp_path / ck.CHECKPOINT_NAME, "w") as f:  # HDF5, but not a checkpoint
         f["params"] = np.zeros(3)
-    with pytest.raises(ck.CheckpointError, match="is not a readable mpidl checkpoint"):
+    with pytest.raises(ck.CheckpointError, match="checkpoint format None"):
+        ck.read_checkpoint_meta(str(tmp_path))
+    with h5py.File(tmp_path / ck.CHECKPOINT_NAME, "w") as f:  # a checkpoint of another format
+        f.attrs["format_version"] = json.dumps(1)
+    with pytest.raises(ck.CheckpointError, match="format 1; this mpidl reads format 2"):
         ck.read_checkpoint_meta(str(tmp_path))
 
 
@@ -166,19 +176,19 @@ def train_serial(argv, stop_after=None):
     backend = get_backend("cpu", "float64")
     train, test = tiny(50, 0), tiny(20, 1)
     model = build_model(cfg.model, train.sample_shape, 3, backend=backend, seed=3, channels=(4, 4), hidden=8)
-    trainer = Trainer(cfg, Topology.from_comm(MPI.COMM_SELF), backend, model, train, test,
-                      Printer(0, quiet=True))
+    trainer = Trainer(cfg, model, train, test, Printer(0, quiet=True),
+                      topology=Topology.from_comm(MPI.COMM_SELF))
     if stop_after is not None:
         step = trainer.train_step
 
         def train_step(*args):
-            synced = step(*args)
+            step(*args)
             if trainer.global_step == stop_after:
-                trainer.stop_requested = True
-            return synced
+                trainer.dp.request_stop()
 
         trainer.train_step = train_step
-    trainer.setup()
+    if cfg.resume:
+        trainer.resume()
     end = trainer.run()
     return trainer, end
 
@@ -193,8 +203,8 @@ def test_one_rank_interrupted_and_resumed_is_bitwise_identical(tmp_path, how):
     reference, _ = train_serial(argv)
     folder = ["--checkpoint", str(tmp_path)]
     if how == "stop-request":
-        _, end = train_serial(argv + folder, stop_after=15)  # control point at step 20, inside epoch 3
-        assert end["stopped"] == "signal" and end["step"] == 20
+        _, end = train_serial(argv + folder, stop_after=15)  # stops after the next step, inside epoch 3
+        assert end["stopped"] == "signal" and end["step"] == 16
     elif how == "max-steps":
         _, end = train_serial(argv + folder + ["--max-steps", "9"])
         assert end["stopped"] == "max_steps" and end["step"] == 9
@@ -223,10 +233,9 @@ def launch(args, np_=2, timeout=120):
 
 def foreign_checkpoint(folder):
     """A readable checkpoint of a different model (a hsicnn with other widths)."""
-    ck.write_checkpoint(str(folder), params=np.zeros(10), buffers={}, optimizer_state=[np.zeros(10)],
-                        meta={"epoch": 1, "step_in_epoch": 0, "global_step": 3, "optimizer_step": 3,
-                              "model": "hsicnn", "world_size": 2, "batch_sizes": [32, 32], "speeds": [1, 1],
-                              "build_args": {"channels": [2, 2], "hidden": 4, "dropout": 0.0}})
+    ck.save_checkpoint(str(folder), SavedState(0.0), {
+        "epoch": 1, "step_in_epoch": 0, "model": "hsicnn",
+        "build_args": {"channels": [2, 2], "hidden": 4, "dropout": 0.0}})
 
 
 @pytest.mark.parametrize("case, message", [
@@ -249,4 +258,4 @@ def test_checkpoint_meta_is_json(tmp_path):
     """Attributes are JSON text: readable from any HDF5 tool, not only mpidl."""
     write_simple(tmp_path, 1.0)
     with h5py.File(tmp_path / ck.CHECKPOINT_NAME) as f:
-        assert json.loads(f.attrs["global_step"]) == 7
+        assert json.loads(f.attrs["distributed"])["steps"] == 7

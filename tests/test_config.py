@@ -42,7 +42,7 @@ def test_lists_are_parsed():
         (["--emulate-slowdown", "1,0.5"], 2, "must be >= 1"),
         (["--emulate-link", "50"], 1, "--emulate-link: expected 'LATENCY_US,GBIT_S'"),
         (["--emulate-link", "50,0"], 1, "--emulate-link: link gbit_s must be a finite number > 0"),
-        (["--inject-fault", "x"], 2, "--inject-fault is RANK:STEP[:raise|nan]"),
+        (["--inject-fault", "x"], 2, "--inject-fault is RANK:STEP[:raise|nan|term]"),
         (["--inject-fault", "5:1"], 2, "rank must be in [0, 2)"),
         (["--resume"], 1, "--resume needs --checkpoint"),
         (["--data", "/nonexistent/file.h5"], 1, "--data /nonexistent/file.h5: no such file"),
@@ -59,3 +59,17 @@ def test_bad_values_are_refused(argv, world, message):
 def test_to_dict_is_plain():
     d = Config().validate().to_dict()
     assert "speed_list" not in d and d["model"] == "hsicnn"
+
+
+def test_allowed_names_come_from_the_registries_that_own_them(monkeypatch):
+    """A model, optimizer or schedule registered in its own module is accepted with no edit
+    of the configuration module."""
+    import mpidl.models as models
+    import mpidl.optim as optim
+
+    monkeypatch.setitem(models.MODELS, "toy", models.MODELS["hsicnn"])
+    monkeypatch.setitem(optim.OPTIMIZERS, "toyopt", optim.SGD)
+    cfg = parse_config(["--model", "toy", "--optimizer", "toyopt"])
+    assert (cfg.model, cfg.optimizer) == ("toy", "toyopt")
+    with pytest.raises(ConfigError, match="--model 'resnet9' is not one of: .*toy"):
+        parse_config(["--model", "resnet9"])

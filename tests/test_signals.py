@@ -33,7 +33,7 @@ EPOCHS, STEPS_PER_EPOCH = 3, 15  # 240 samples, global batch 16
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
     """240 training patches of 4 bands x 5 x 5 pixels in the mpidl layout: fast to train."""
-    from mpidl.data import write_layout
+    from mpidl.layout import write_layout
 
     rng = np.random.default_rng(0)
 
@@ -102,8 +102,8 @@ def params_of(saved_model):
 def test_sigterm_checkpoints_exits_0_and_resume_completes(tmp_path, tiny_data, target):
     ranks = None if target == "serial" else 2
     folder, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
-    # SIGTERM is sent as soon as the run loop starts: the job stops at the control point of
-    # step 10 (or a later one on a very fast machine), well before the last step (45).
+    # SIGTERM is sent as soon as the run loop starts: every rank stops after the step that
+    # carries the flag (the next one), well before the last step (45).
     first = subprocess.Popen(
         command(tiny_data, "--checkpoint", str(folder), "--metrics", str(metrics), ranks=ranks),
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -116,7 +116,7 @@ def test_sigterm_checkpoints_exits_0_and_resume_completes(tmp_path, tiny_data, t
                 break
             time.sleep(0.05)
         assert 1 in pids, pids
-        os.kill(pids[1], signal.SIGTERM)  # rank 1 alone: the control point tells rank 0
+        os.kill(pids[1], signal.SIGTERM)  # rank 1 alone: its next gradient message tells rank 0
     else:
         first.send_signal(signal.SIGTERM)
     out, err = first.communicate(timeout=60)
@@ -125,7 +125,7 @@ def test_sigterm_checkpoints_exits_0_and_resume_completes(tmp_path, tiny_data, t
     assert end["event"] == "end" and end["stopped"] == "signal", end
     assert 0 < end["step"] < EPOCHS * STEPS_PER_EPOCH, end
     meta = read_checkpoint_meta(str(folder))
-    assert meta["global_step"] == end["step"]
+    assert meta["distributed"]["steps"] == end["step"]
     assert (meta["epoch"], meta["step_in_epoch"]) == divmod(end["step"], STEPS_PER_EPOCH)
     assert "checkpoint:" in out and "Traceback" not in err
 

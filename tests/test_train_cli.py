@@ -46,7 +46,7 @@ def test_serial_run_writes_metrics_and_model(tmp_path):
                 "batch_sizes", "speeds", "comp_s", "comm_s", "idle_s", "comm"):
         assert key in epoch, key
     assert epoch["step"] == 3 and records[2]["stopped"] == "max_steps"
-    assert set(epoch["comm"]) == {"intra", "inter", "world"}
+    assert set(epoch["comm"]) == {"intra", "inter", "world", "control"}
     model = load_model(str(model_path))
     with h5py.File(model_path) as f:
         assert f.attrs["model"] == "hsicnn"

@@ -5,13 +5,14 @@ a global batch of 8 (7 steps per epoch, the last of 2 samples, so some ranks get
 epochs, SGD with momentum and weight decay, a cosine schedule with warm-up.
 
 The interruption must not change the schedule (the learning rate of every step), so it is
-what SIGTERM does: a stop request (``trainer.stop_requested = True``, set here on the LAST
-rank only after a chosen step) that the ranks agree on at the next control point (every
-``CONTROL_EVERY`` = 10 steps for the exact strategies, at the inter-node syncs for ``node``,
-at epoch ends). ``--max-steps`` does shorten the schedule, so the ``--max-steps`` test uses
-the constant schedule. The reference is the same job run without interruption.
+what SIGTERM does: a stop request (``dp.request_stop()``, made here on the LAST rank only
+after a chosen step) that travels with the next step's message (exact strategies, and
+``node`` on one node), or with the next inter-node sync (``node`` on several nodes), or is
+agreed at the epoch end. ``--max-steps`` does shorten the schedule, so the ``--max-steps``
+test uses the constant schedule. The reference is the same job run without interruption.
 """
 
+import json
 import os
 
 import h5py
@@ -19,14 +20,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpidl.backend import get_backend
 from mpidl.checkpoint import CHECKPOINT_NAME, CheckpointError
-from mpidl.config import parse_config
-from mpidl.distributed.topology import Topology
-from mpidl.log import Printer
-from mpidl.models import build_model
-from mpidl.trainer import Trainer
-from trainer_harness import all_agree, speeds_for, tiny_dataset
+from trainer_harness import all_agree, make_trainer, speeds_for
 
 WORLD = MPI.COMM_WORLD
 P = WORLD.Get_size()
@@ -37,33 +32,10 @@ STEPS_PER_EPOCH = 7
 TWO_NODES = (P + 1) // 2 if P > 1 else None  # ranks per node giving 2 nodes (None: 1 rank)
 
 
-def make_trainer(argv, *, model="hsicnn", ranks_per_node=None, stop_after=None):
-    """A trainer on WORLD with the harness's tiny data and model; ``stop_after=k`` makes the
-    last rank request a stop (as SIGTERM does) once ``k`` global steps are done."""
-    cfg = parse_config(list(argv) + ["--model", model, "--dtype", "float64", "--quiet"], world_size=P)
-    cfg.ranks_per_node = ranks_per_node
-    topo = Topology.from_comm(WORLD, ranks_per_node=ranks_per_node)
-    backend = get_backend("cpu", "float64")
-    train, test = tiny_dataset(), tiny_dataset(n=20, seed=1)
-    net = build_model(cfg.model, train.sample_shape, train.num_classes, backend=backend,
-                      seed=cfg.seed, channels=(4, 4), hidden=8)
-    trainer = Trainer(cfg, topo, backend, net, train, test, Printer(RANK, quiet=True))
-    if stop_after is not None:
-        step = trainer.train_step
-
-        def train_step(*args, **kwargs):
-            synced = step(*args, **kwargs)
-            if trainer.global_step == stop_after and RANK == P - 1:
-                trainer.stop_requested = True
-            return synced
-
-        trainer.train_step = train_step
-    return trainer
-
-
 def train(argv, **kwargs):
-    trainer = make_trainer(argv, **kwargs)
-    trainer.setup()
+    trainer = make_trainer(WORLD, argv, **kwargs)
+    if trainer.cfg.resume:
+        trainer.resume()
     end = trainer.run()
     return trainer, end
 
@@ -86,24 +58,25 @@ def check_same(resumed, reference, what):
     assert all_agree(WORLD, resumed.global_step == reference.global_step)
 
 
-def checkpoint_meta(folder):
-    """Every rank reads the attributes (the file is complete: save_checkpoint ends in a barrier)."""
-    import json
-
+def checkpoint_contents(folder):
+    """(attributes, top-level groups) of the checkpoint file, read on every rank (rank 0
+    wrote it before the collectives that follow a checkpoint)."""
+    WORLD.Barrier()
     with h5py.File(os.path.join(folder, CHECKPOINT_NAME)) as f:
-        return {k: json.loads(v) for k, v in f.attrs.items()}, "optimizer" in f
+        return {k: json.loads(v) for k, v in f.attrs.items()}, set(f.keys())
 
 
 def expected_stop(strategy, num_nodes, stop_after, sync_every):
-    """The global step of the first control point at or after ``stop_after``: an epoch end,
-    or every 10 steps (exact strategies), or an inter-node sync (``node`` on > 1 node)."""
-    def next_multiple(k):
-        return -(-stop_after // k) * k
+    """The step after which every rank stops when the last rank asks after ``stop_after``:
+    the epoch end if it comes first (agreed by the epoch-end sync), else the next step
+    (its message carries the flag) or, for ``node`` on several nodes, the next K' sync."""
+    def next_multiple(k, at_least):
+        return -(-at_least // k) * k
 
-    epoch_end = next_multiple(STEPS_PER_EPOCH)
-    if strategy == "node":
-        return epoch_end if num_nodes == 1 else min(epoch_end, next_multiple(sync_every))
-    return min(epoch_end, next_multiple(10))
+    epoch_end = next_multiple(STEPS_PER_EPOCH, stop_after)
+    if strategy == "node" and num_nodes > 1:
+        return min(epoch_end, next_multiple(sync_every, stop_after + 1))
+    return min(epoch_end, stop_after + 1)
 
 
 CASES = [
@@ -126,17 +99,19 @@ def test_stop_request_then_resume_equals_uninterrupted(mpi_tmp_path, strategy, e
     reference, ref_end = train(argv, model=model, ranks_per_node=ranks_per_node)
     assert ref_end["stopped"] == "completed" and ref_end["step"] == 2 * STEPS_PER_EPOCH
 
-    stop_after = 8 if strategy != "node" else 9  # stops at step 10 / 12 (inside epoch 2)
+    stop_after = 8 if strategy != "node" else 9  # stops at step 9 / 12 (inside epoch 2)
     first, end = train(argv + ["--checkpoint", folder], model=model, ranks_per_node=ranks_per_node,
                        stop_after=stop_after)
-    num_nodes = first.topo.num_nodes
+    num_nodes = first.dp.topology.num_nodes
     stop = expected_stop(strategy, num_nodes, stop_after, 4)
     assert all_agree(WORLD, end["stopped"] == "signal" and end["step"] == stop), (end, stop)
-    meta, global_state = checkpoint_meta(folder)
-    assert (meta["global_step"], meta["epoch"], meta["step_in_epoch"]) == (
+    meta, groups = checkpoint_contents(folder)
+    assert (meta["distributed"]["steps"], meta["epoch"], meta["step_in_epoch"]) == (
         stop, stop // STEPS_PER_EPOCH, stop % STEPS_PER_EPOCH)
-    per_node = strategy == "node" and num_nodes > 1
-    assert meta["node_state"] == per_node and global_state == (not per_node)
+    # node-local optimizer state between nodes, unless it was averaged at the sync just done
+    per_node = strategy == "node" and num_nodes > 1 and not (
+        "--sync-optimizer-state" in extra and stop % 4 == 0)
+    assert ("nodes" in groups) == per_node and ("optimizer" in groups) == (not per_node)
 
     resumed, end = train(argv + ["--checkpoint", folder, "--resume"], model=model,
                          ranks_per_node=ranks_per_node)
@@ -147,17 +122,20 @@ def test_stop_request_then_resume_equals_uninterrupted(mpi_tmp_path, strategy, e
 @pytest.mark.mpi
 @pytest.mark.parametrize("ranks_per_node", [None, TWO_NODES], ids=["launcher-nodes", "two-nodes"])
 def test_max_steps_between_node_syncs_then_resume(mpi_tmp_path, ranks_per_node):
-    """``--max-steps 6`` with ``K' = 4``: the nodes' parameters differ at the stop, so each
-    node's file holds its own parameters too (and the samples since the last sync)."""
+    """``--max-steps 6`` with ``K' = 4``: the nodes' parameters differ at the stop, so the
+    checkpoint holds each node's own parameters too (and its samples since the last sync)."""
     argv = BASE + ["--schedule", "constant", "--strategy", "node", "--sync-every", "4"]
     folder = str(mpi_tmp_path / "ck")
     reference, _ = train(argv, ranks_per_node=ranks_per_node)
     first, end = train(argv + ["--checkpoint", folder, "--max-steps", "6"], ranks_per_node=ranks_per_node)
     assert end["stopped"] == "max_steps" and end["step"] == 6
-    meta, _ = checkpoint_meta(folder)
-    assert meta["node_params"] == (first.topo.num_nodes > 1) and meta["step_in_epoch"] == 6
+    meta, groups = checkpoint_contents(folder)
+    multi = first.dp.topology.num_nodes > 1
+    assert ("nodes" in groups) == multi and meta["step_in_epoch"] == 6
+    if multi:
+        assert meta["distributed"]["node_samples"] is not None and meta["distributed"]["steps_since_sync"] == 2
     resumed, _ = train(argv + ["--checkpoint", folder, "--resume"], ranks_per_node=ranks_per_node)
-    check_same(resumed, reference, f"node, max-steps, nodes={first.topo.num_nodes}")
+    check_same(resumed, reference, f"node, max-steps, nodes={first.dp.topology.num_nodes}")
 
 
 @pytest.mark.mpi
@@ -171,30 +149,24 @@ def test_epochs_then_more_epochs_with_constant_schedule(mpi_tmp_path):
 
 
 @pytest.mark.mpi
-def test_node_files_written_first_and_stale_ones_removed(mpi_tmp_path):
-    """Per-node optimizer files: one per node, named by the step checkpoint.h5 names; older
-    ones are gone after the next checkpoint."""
+def test_a_checkpoint_is_one_file(mpi_tmp_path):
+    """Per-node state lives in the one file rank 0 renames into place: nothing else is left."""
     folder = str(mpi_tmp_path / "ck")
     trainer, _ = train(BASE + ["--strategy", "node", "--sync-every", "4", "--checkpoint", folder],
                        ranks_per_node=TWO_NODES)
-    WORLD.Barrier()  # the leaders remove stale files after the last barrier of save_checkpoint
-    meta, global_state = checkpoint_meta(folder)
-    names = sorted(n for n in os.listdir(folder) if not n.startswith("."))
-    if trainer.topo.num_nodes > 1:
-        expected = sorted([CHECKPOINT_NAME] + [f"optimizer-node{k}-step{meta['global_step']}.h5"
-                                               for k in range(trainer.topo.num_nodes)])
-        ok = names == expected and not global_state
-    else:
-        ok = names == [CHECKPOINT_NAME] and global_state
-    ok = ok and meta["global_step"] == 2 * STEPS_PER_EPOCH and meta["epoch"] == 2
+    meta, groups = checkpoint_contents(folder)
+    names = sorted(os.listdir(folder))
+    multi = trainer.dp.topology.num_nodes > 1
+    ok = names == [CHECKPOINT_NAME] and ("nodes" in groups) == multi
+    ok = ok and meta["distributed"]["steps"] == 2 * STEPS_PER_EPOCH and meta["epoch"] == 2
     assert all_agree(WORLD, ok), names
 
 
 def expect_checkpoint_error(argv, match, **kwargs):
     """Every rank must raise the same CheckpointError (never one rank alone)."""
-    trainer = make_trainer(argv, **kwargs)
+    trainer = make_trainer(WORLD, argv, **kwargs)
     try:
-        trainer.setup()
+        trainer.resume()
         message = None
     except CheckpointError as exc:
         message = str(exc)
@@ -216,16 +188,18 @@ def test_resume_errors_are_raised_on_every_rank(mpi_tmp_path):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_missing_node_file_on_one_node(mpi_tmp_path):
+def test_missing_node_state_on_one_node(mpi_tmp_path):
     folder = str(mpi_tmp_path / "ck")
     argv = BASE + ["--strategy", "node", "--sync-every", "4", "--checkpoint", folder]
     trainer, _ = train(argv + ["--epochs", "1"], ranks_per_node=TWO_NODES)
-    meta, _ = checkpoint_meta(folder)
-    if RANK == P - 1:
-        os.remove(os.path.join(folder, f"optimizer-node{trainer.topo.num_nodes - 1}-step{meta['global_step']}.h5"))
-    WORLD.Barrier()
-    # the ranks of the other node read fine: still every rank raises, naming the failing ranks
-    failing = [r for r, n in enumerate(trainer.topo.node_of_rank) if n == trainer.topo.num_nodes - 1]
-    expect_checkpoint_error(argv + ["--resume"], f"(on ranks {failing})", ranks_per_node=TWO_NODES)
+    topo = trainer.dp.topology
     # a per-node checkpoint cannot be resumed with another strategy
     expect_checkpoint_error(BASE + ["--checkpoint", folder, "--resume"], "per-node state of 2 nodes")
+    WORLD.Barrier()
+    if RANK == 0:  # the last node's part of the file is lost
+        with h5py.File(os.path.join(folder, CHECKPOINT_NAME), "r+") as f:
+            del f[f"nodes/{topo.num_nodes - 1}"]
+    WORLD.Barrier()
+    # the ranks of the other node read fine: still every rank raises, naming the failing ranks
+    failing = [r for r, n in enumerate(topo.node_of_rank) if n == topo.num_nodes - 1]
+    expect_checkpoint_error(argv + ["--resume"], f"(on ranks {failing})", ranks_per_node=TWO_NODES)

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
+from mpidl.distributed import NonFiniteGradient
 from trainer_harness import all_agree, run, tiny_dataset
 
 WORLD = MPI.COMM_WORLD
@@ -20,7 +21,7 @@ def test_rebalance_moves_work_away_from_an_emulated_slow_rank():
     slow = ",".join(["1"] * (P - 1) + ["6"])
     trainer, _ = run(WORLD, BASE + ["--speeds", ",".join(["1"] * P), "--rebalance",
                                     "--emulate-slowdown", slow], train=tiny_dataset(n=96))
-    sizes = trainer.batch_sizes
+    sizes = trainer.dp.batch_sizes
     gathered = WORLD.allgather(sizes)
     assert all(g == gathered[0] for g in gathered)
     assert sum(sizes) == 24
@@ -33,8 +34,8 @@ def test_emulated_link_adds_modelled_time_on_inter_node_collectives():
                                     ",".join(["1"] * P), "--emulate-link", "2000,1"],
                      ranks_per_node=1)
     # one rank per node: every rank leads a node and pays the modelled inter-node time
-    syncs = trainer.reducer.counters["inter"]["calls"]
-    assert all_agree(WORLD, syncs > 0 and trainer.reducer.emulated_seconds > 0)
+    syncs = trainer.dp.counters["inter"]["calls"]
+    assert all_agree(WORLD, syncs > 0 and trainer.dp.reducer.emulated_seconds > 0)
 
 
 @pytest.mark.mpi
@@ -54,3 +55,42 @@ def test_augmentation_trains_and_is_identical_across_replicas():
                        train=tiny_dataset(n=48, shape=(5, 5, 5)))
     digests = WORLD.allgather(trainer.params.data.tobytes())
     assert end["step"] == 4 and all(d == digests[0] for d in digests)
+
+
+@pytest.mark.mpi
+def test_node_strategy_on_one_node_stops_inside_the_epoch():
+    """One node: every step's reduction spans the world, so a stop request is agreed at the
+    next step, not at the epoch's end (7 steps per epoch here)."""
+    _, end = run(WORLD, ["--batch-size", "8", "--epochs", "2", "--strategy", "node", "--sync-every", "50",
+                         "--speeds", ",".join(["1"] * P)], ranks_per_node=P, stop_after=2)
+    assert all_agree(WORLD, end["stopped"] == "signal" and end["step"] == 3), end
+
+
+@pytest.mark.mpi(min_size=2)
+def test_max_steps_does_not_drop_a_pending_node_nan():
+    """A node's non-finite gradient under ``node`` is decided at the next sync; a run that
+    ends by --max-steps before it still meets that decision (the last epoch-end sync)."""
+    try:
+        run(WORLD, ["--batch-size", "8", "--epochs", "2", "--strategy", "node", "--sync-every", "100",
+                    "--speeds", ",".join(["1"] * P), "--inject-fault", "0:1:nan", "--max-steps", "3"],
+            ranks_per_node=1)
+        outcome = "completed"
+    except NonFiniteGradient as exc:
+        outcome = "nan" if "non-finite" in str(exc) else str(exc)
+    assert WORLD.allgather(outcome) == ["nan"] * P
+
+
+@pytest.mark.mpi
+def test_comm_seconds_mean_the_same_in_metrics_and_timing_files(tmp_path_factory):
+    """``comm_s`` is the time in the distributed step minus the idle estimate, in both files."""
+    folder = Path(WORLD.bcast(str(tmp_path_factory.mktemp("timing")) if WORLD.rank == 0 else None))
+    run(WORLD, BASE + ["--speeds", ",".join(["1"] * P), "--timing-dir", str(folder / "t"),
+                       "--metrics", str(folder / "m.jsonl")])
+    WORLD.Barrier()
+    epochs = [json.loads(line) for line in (folder / "m.jsonl").read_text().splitlines()
+              if json.loads(line)["event"] == "epoch"]
+    own = [json.loads(line) for line in (folder / "t" / f"rank{WORLD.rank}.jsonl").read_text().splitlines()]
+    ok = len(epochs) == len(own) == 2
+    ok = ok and all(e["comm_s"][WORLD.rank] == o["comm_s"] and e["idle_s"][WORLD.rank] == o["idle_s"]
+                    for e, o in zip(epochs, own))
+    assert all_agree(WORLD, ok)

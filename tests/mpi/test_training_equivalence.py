@@ -47,7 +47,7 @@ def test_exact_strategies_equal_single_rank(strategy, reference):
 def test_node_strategy_with_one_node_equals_flat(reference):
     trainer, _ = run(WORLD, BASE + ["--strategy", "node", "--sync-every", "4", "--speeds", speeds_for(P)],
                      ranks_per_node=P)
-    assert trainer.reducer.counters["inter"]["calls"] == 0
+    assert trainer.dp.counters["inter"]["calls"] == 0
     diff = rel_diff(trainer.params.data, reference)
     assert all_agree(WORLD, diff <= 1e-10), f"relative difference {diff:.3e}"
 
@@ -76,7 +76,7 @@ def test_uniform_equals_balanced_with_equal_batches():
     equal = ["--speeds", ",".join(["1"] * P), "--batch-size", str(4 * P)]
     a, _ = run(WORLD, BASE + equal + ["--weighting", "uniform"], train=train)
     b, _ = run(WORLD, BASE + equal + ["--weighting", "balanced"], train=train)
-    assert a.batch_sizes == [4] * P
+    assert a.dp.batch_sizes == [4] * P
     diff = rel_diff(a.params.data, b.params.data)
     assert all_agree(WORLD, diff <= 1e-12), f"relative difference {diff:.3e}"
 

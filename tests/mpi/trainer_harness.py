@@ -25,19 +25,39 @@ def tiny_dataset(n: int = 50, seed: int = 0, shape=(5, 5, 5), classes: int = 3) 
     return ArrayDataset(x, y, [f"c{k}" for k in range(classes)])
 
 
-def run(comm, argv, *, ranks_per_node=None, train=None, test=None, dtype="float64"):
-    """Train with the command-line options ``argv`` on ``comm``; return (trainer, end record)."""
-    cfg = parse_config(list(argv) + ["--dtype", dtype, "--quiet"], world_size=comm.Get_size())
+def make_trainer(comm, argv, *, ranks_per_node=None, train=None, test=None, dtype="float64",
+                 model=None, stop_after=None) -> Trainer:
+    """A trainer on ``comm`` with the options ``argv`` and the tiny data and model;
+    ``stop_after=k`` makes the last rank request a stop (as SIGTERM does) once ``k`` global
+    steps are done."""
+    size = comm.Get_size()
+    extra = ["--model", model] if model else []
+    cfg = parse_config(list(argv) + extra + ["--dtype", dtype, "--quiet"], world_size=size)
     if ranks_per_node is not None:
         cfg.ranks_per_node = ranks_per_node
     train = train if train is not None else tiny_dataset()
     test = test if test is not None else tiny_dataset(n=20, seed=1)
     topo = Topology.from_comm(comm, ranks_per_node=cfg.ranks_per_node)
-    backend = get_backend("cpu", dtype)
-    model = build_model(cfg.model, train.sample_shape, train.num_classes, backend=backend,
-                        seed=cfg.seed, channels=(4, 4), hidden=8)
-    trainer = Trainer(cfg, topo, backend, model, train, test, Printer(comm.Get_rank(), quiet=True))
-    trainer.setup()
+    net = build_model(cfg.model, train.sample_shape, train.num_classes,
+                      backend=get_backend("cpu", dtype), seed=cfg.seed, channels=(4, 4), hidden=8)
+    trainer = Trainer(cfg, net, train, test, Printer(comm.Get_rank(), quiet=True), topology=topo)
+    if stop_after is not None:
+        step = trainer.train_step
+
+        def train_step(*args, **kwargs):
+            step(*args, **kwargs)
+            if trainer.global_step == stop_after and comm.Get_rank() == size - 1:
+                trainer.dp.request_stop()
+
+        trainer.train_step = train_step
+    return trainer
+
+
+def run(comm, argv, **kwargs):
+    """Train with the command-line options ``argv`` on ``comm``; return (trainer, end record)."""
+    trainer = make_trainer(comm, argv, **kwargs)
+    if trainer.cfg.resume:
+        trainer.resume()
     end = trainer.run()
     return trainer, end
 
