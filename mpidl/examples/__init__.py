@@ -1,0 +1,1 @@
+"""Runnable examples of the public API (``python -m mpidl.examples.<name>``)."""
