@@ -256,6 +256,8 @@ def epoch_samples(record: dict, previous_step: int, num_samples: int, global_bat
     same proportions (as the trainer does, :func:`mpidl.distributed.balance.split_counts`)."""
     from mpidl.distributed.balance import split_counts  # noqa: PLC0415
 
+    if "samples" in record:  # the trainer records them (the split may change inside an epoch)
+        return list(record["samples"])
     sizes = record["batch_sizes"]
     steps = record["step"] - previous_step
     full, rest = divmod(num_samples, global_batch)

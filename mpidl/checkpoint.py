@@ -22,7 +22,7 @@ what differs between nodes onto rank 0), so one rename makes a complete checkpoi
 attributes (JSON)
     the training loop's own (``epoch``, ``step_in_epoch``, ``config``, ``model``,
     ``build_args``, ``num_train_samples``, ...), ``distributed`` (strategy, world size,
-    nodes, steps, speeds, split, each node's samples since the last sync) and
+    nodes, steps, the ranks' cost models, split, each node's samples since the last sync) and
     ``format_version``.
 
 Rank 0 holds one copy of the per-node state of every node while it writes (``num_nodes``
@@ -117,7 +117,7 @@ def save_checkpoint(folder: str, dp, meta: dict) -> str:
     if state is None:
         return path
     distributed = {key: state[key] for key in ("strategy", "weighting", "world_size", "num_nodes",
-                                               "steps", "steps_since_sync", "speeds", "batch_sizes")}
+                                               "steps", "steps_since_sync", "costs", "batch_sizes")}
     distributed["optimizer_step"] = state["optimizer"]["step_count"]
     nodes = state["nodes"]
     distributed["node_samples"] = None if nodes is None else [int(n["samples"]) for n in nodes]
@@ -175,7 +175,7 @@ def read_checkpoint(folder: str, *, node_id: int, rank: int, world_size: int) ->
                 rank_buffers[rank] = {k: own[k][()] for k in own}
             state = {
                 **{key: dist[key] for key in ("strategy", "weighting", "world_size", "num_nodes",
-                                              "steps", "steps_since_sync", "speeds", "batch_sizes")},
+                                              "steps", "steps_since_sync", "costs", "batch_sizes")},
                 "params": f["params"][()],
                 "optimizer": {"step_count": dist["optimizer_step"],
                               "state": _read_state(f["optimizer"]) if "optimizer" in f else None},

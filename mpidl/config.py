@@ -64,6 +64,8 @@ class Config:
     balance: str = "speed"
     speeds: str = "auto"
     rebalance: bool = False
+    rebalance_every: int = 20
+    balance_threshold: float = 0.05
     ranks_per_node: int | None = None
     check_replicas: bool = False
     # emulation (experiments on one machine)
@@ -108,6 +110,9 @@ class Config:
         _positive_int("--batch-size", self.batch_size)
         _positive_int("--sync-every", self.sync_every)
         _positive_int("--checkpoint-every", self.checkpoint_every)
+        _positive_int("--rebalance-every", self.rebalance_every)
+        if not (isinstance(self.balance_threshold, (int, float)) and 0 <= self.balance_threshold < 1):
+            raise ConfigError(f"--balance-threshold must be a fraction in [0, 1), got {self.balance_threshold}")
         if self.max_steps is not None:
             _positive_int("--max-steps", self.max_steps)
         if self.ranks_per_node is not None:
@@ -234,9 +239,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sync-every", type=int, default=d.sync_every, help="K': steps between inter-node syncs (node strategy)")
     g.add_argument("--sync-optimizer-state", action="store_true",
                    help="node strategy: average optimizer state too at each inter-node sync")
-    g.add_argument("--balance", default=d.balance, help="speed: batch sizes proportional to speed; none: equal")
-    g.add_argument("--speeds", default=d.speeds, help="'auto' (measured) or one relative speed per rank, e.g. 1,2,2,4")
-    g.add_argument("--rebalance", action="store_true", help="re-measure speeds from each epoch and re-split the batch")
+    g.add_argument("--balance", default=d.balance,
+                   help="speed: split B by the ranks' speeds (--speeds); none: equal split")
+    g.add_argument("--speeds", default=d.speeds,
+                   help="'auto': fit each rank's cost t(b) = a + c b from timed passes at several "
+                        "batch sizes and split B to minimize the slowest rank's step; or one "
+                        "relative speed per rank, e.g. 1,2,2,4")
+    g.add_argument("--balance-threshold", type=float, default=d.balance_threshold, metavar="FRACTION",
+                   help="keep the equal (or, re-balancing, the current) split unless another is "
+                        "predicted to make the step faster by more than this fraction")
+    g.add_argument("--rebalance", action="store_true",
+                   help="re-fit every rank's cost model from its own steps every --rebalance-every "
+                        "steps and re-split when the gain passes --balance-threshold")
+    g.add_argument("--rebalance-every", type=int, default=d.rebalance_every, metavar="STEPS",
+                   help="steps between re-fits with --rebalance")
     g.add_argument("--ranks-per-node", type=int, default=None,
                    help="group consecutive ranks into emulated nodes of K ranks (default: real nodes; "
                         "env MPIDL_RANKS_PER_NODE)")

@@ -152,8 +152,7 @@ def _print_header(printer, cfg, model, train_set, desc, trainer) -> None:
     printer.info(f"model: {model.name}, {model.params.size} parameters ({cfg.dtype}, {cfg.device}); "
                  f"optimizer {cfg.optimizer} lr {cfg.lr} ({cfg.schedule}); global batch {cfg.batch_size}, "
                  f"{trainer.steps_per_epoch} steps/epoch")
-    speeds = ", ".join(f"{s:.3g}" for s in dp.speeds)
-    printer.info(f"speeds ({dp.speeds_source}): [{speeds}] -> batch sizes {dp.batch_sizes}")
+    printer.info(dp.describe_split())
     if cfg.slowdown_list:
         printer.info(f"EMULATION: compute slowdown per rank {cfg.slowdown_list}")
     if cfg.link:

@@ -101,7 +101,9 @@ class Trainer:
         self.dp = DataParallel(
             model, self.optimizer, batch_size=cfg.batch_size, topology=topology,
             strategy=cfg.strategy, sync_every=cfg.sync_every, weighting=cfg.weighting,
-            speeds=speeds, probe=self._probe, sync_optimizer_state=cfg.sync_optimizer_state,
+            speeds=speeds, probe=self._probe, balance_threshold=cfg.balance_threshold,
+            rebalance_every=cfg.rebalance_every if cfg.rebalance else None,
+            sync_optimizer_state=cfg.sync_optimizer_state,
             on_nan=cfg.on_nan, check_replicas=cfg.check_replicas,
             emulate_slowdown=cfg.slowdown_list or 1.0, emulate_link=cfg.emulate_link,
         )
@@ -169,6 +171,12 @@ class Trainer:
         self.dp.step(len(local))
         if self.dp.last_step_skipped:
             self.printer.warning(f"non-finite gradient at step {step}: step skipped (--on-nan skip)")
+        if self.dp.last_rebalance is not None:
+            change = self.dp.last_rebalance
+            self.metrics.write({"event": "rebalance", **change})
+            self.printer.info(f"  rebalance after step {change['step']}: batch sizes {change['old']} -> "
+                              f"{change['new']} (predicted step {1e3 * change['predicted_old_s']:.3g} -> "
+                              f"{1e3 * change['predicted_new_s']:.3g} ms)")
         totals.loss_sum += loss * len(local)
         totals.samples += len(local)
         totals.steps += 1
@@ -189,19 +197,23 @@ class Trainer:
         self.model.train()
         return classification_report(cm)
 
-    def end_epoch(self, epoch: int, totals: EpochTotals, stopped: bool) -> dict:
-        """Epoch-end record (collective): timings, loss, evaluation, re-balancing."""
+    def end_epoch(self, epoch: int, totals: EpochTotals) -> dict:
+        """Epoch-end record (collective): timings, loss, evaluation."""
         wall = time.perf_counter() - totals.start
         timing = self.dp.timings()
-        loss_sum, samples = self.dp.sum(np.array([totals.loss_sum, totals.samples], dtype=np.float64))
+        per_rank = self.dp.allgather((totals.loss_sum, totals.samples))
+        samples = sum(n for _, n in per_rank)
         report = self.evaluate()
         record = {
-            "event": "epoch", "epoch": epoch + 1, "step": self.dp.steps, "loss": loss_sum / max(samples, 1),
+            "event": "epoch", "epoch": epoch + 1, "step": self.dp.steps,
+            "loss": sum(loss for loss, _ in per_rank) / max(samples, 1),
             "oa": report["oa"], "aa": report["aa"], "kappa": report["kappa"],
             "lr": float(self.optimizer.lr), "time_s": wall,
             "samples_per_s": samples / wall if wall > 0 else 0.0,
             "strategy": self.cfg.strategy, "weighting": self.cfg.weighting,
-            "batch_sizes": list(self.dp.batch_sizes), "speeds": list(self.dp.speeds),
+            "batch_sizes": list(self.dp.batch_sizes), "samples": [n for _, n in per_rank],
+            "speeds": list(self.dp.speeds),
+            "costs": [[c.a, c.c] for c in self.dp.costs], "predicted_step_s": self.dp.predicted_step_s,
             "comp_s": timing["comp_s"], "comm_s": timing["comm_s"], "idle_s": timing["idle_s"],
             "comm": self.dp.counters,
         }
@@ -211,10 +223,6 @@ class Trainer:
                            "comm_s": timing["comm_s"][r], "idle_s": timing["idle_s"][r],
                            "samples": totals.samples, "step_comp_s": timing["step_comp_s"]})
         self.print_epoch(record)
-        if self.cfg.rebalance and not stopped:
-            change = self.dp.rebalance()
-            if change is not None:
-                self.printer.info(f"  rebalance: batch sizes {change[0]} -> {change[1]}")
         return record
 
     def print_epoch(self, r: dict) -> None:
@@ -304,7 +312,7 @@ class Trainer:
             if stopped == "completed" and dp.should_stop:
                 stopped = "signal"
             if totals.steps:  # the same on every rank: they step together
-                last = self.end_epoch(epoch, totals, stopped != "completed")
+                last = self.end_epoch(epoch, totals)
             if cfg.checkpoint and not saved and (
                     stopped != "completed" or epochs_done % cfg.checkpoint_every == 0 or epochs_done == cfg.epochs):
                 self.save_checkpoint(epochs_done, 0)

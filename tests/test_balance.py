@@ -1,70 +1,166 @@
-"""Serial tests of mpidl.distributed.balance: batch sizes from speeds, splits, re-balancing."""
+"""Serial tests of mpidl.distributed.balance: the cost model, the split solver, re-splits."""
 
+import itertools
 import math
 
 import numpy as np
 import pytest
 
-from mpidl.distributed.balance import (batch_sizes, gather_speeds, measure_speed, parse_speeds,
-                                       rebalance, split_counts)
+from mpidl.distributed.balance import (RankCost, choose_split, costs_from_speeds, equal_split,
+                                       fit_cost, parse_speeds, scale_cost, solve_split, split_counts,
+                                       step_time)
 
 
-def random_cases(seed, n_cases=400):
-    """(speeds, B) pairs: 1..16 ranks, speeds spanning three orders of magnitude, B >= P."""
-    rng = np.random.default_rng(seed)
-    for _ in range(n_cases):
-        ranks = int(rng.integers(1, 17))
-        speeds = list(10.0 ** rng.uniform(-1.5, 1.5, size=ranks))
-        global_batch = int(rng.integers(ranks, 40 * ranks + 2))
-        yield speeds, global_batch
+def random_costs(rng, ranks):
+    """Per-sample costs over two orders of magnitude; fixed parts from 0 to a few samples' worth."""
+    c = 10.0 ** rng.uniform(-4, -2, size=ranks)
+    a = c * rng.uniform(0, 5, size=ranks) * (rng.random(ranks) < 0.8)
+    return [RankCost(float(x), float(y)) for x, y in zip(a, c)]
 
 
-# ----------------------------------------------------------------------------- batch_sizes
-def test_batch_sizes_properties_on_random_speeds():
-    for speeds, total in random_cases(seed=0):
-        sizes = batch_sizes(speeds, total)
-        assert len(sizes) == len(speeds)
-        assert sum(sizes) == total
-        assert all(isinstance(b, int) and b >= 1 for b in sizes)
-        shares = [total * s / sum(speeds) for s in speeds]
-        if min(shares) >= 1:  # no rank pinned to one sample: proportional within one sample
-            assert all(abs(b - share) < 1 for b, share in zip(sizes, shares)), (speeds, total)
+def brute_force(costs, total):
+    """min over every split of ``total`` into len(costs) integers >= 0 of max_i t_i(b_i)."""
+    best = math.inf
+    for cut in itertools.combinations(range(total + len(costs) - 1), len(costs) - 1):
+        bounds = (-1,) + cut + (total + len(costs) - 1,)
+        split = [bounds[k + 1] - bounds[k] - 1 for k in range(len(costs))]
+        best = min(best, step_time(costs, split))
+    return best
 
 
-def test_batch_sizes_pins_tiny_shares_to_one_and_shares_the_rest():
-    # shares 0.4, 0.4, 2.2 of B=3: everybody computes one sample
-    assert batch_sizes([0.4, 0.4, 2.2], 3) == [1, 1, 1]
-    # shares ~0.001 each for the slow ranks: they get one, the fast one the rest
-    assert batch_sizes([1, 1, 1, 1000], 1000) == [1, 1, 1, 997]
-    sizes = batch_sizes([1, 1000], 50)
-    assert sizes == [1, 49]
+# ----------------------------------------------------------------------------- the solver
+def test_solve_split_is_optimal_on_small_cases_checked_by_brute_force():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        ranks = int(rng.integers(1, 5))
+        total = int(rng.integers(0, 13))
+        costs = random_costs(rng, ranks)
+        split = solve_split(costs, total)
+        assert sum(split) == total and all(isinstance(b, int) and b >= 0 for b in split)
+        assert step_time(costs, split) == pytest.approx(brute_force(costs, total), rel=1e-12), (costs, total)
 
 
-def test_batch_sizes_examples_and_symmetry():
-    assert batch_sizes([1, 2, 2, 4], 64) == [7, 14, 14, 29]   # 7.1, 14.2, 14.2, 28.4
-    assert batch_sizes([1, 1, 1], 10) == [4, 3, 3]            # ties go to the lower rank
-    assert batch_sizes([3.0], 17) == [17]
-    assert batch_sizes([2, 2, 2, 2], 4) == [1, 1, 1, 1]
-    # only the ratios matter
-    assert batch_sizes([1, 2, 5], 101) == batch_sizes([10, 20, 50], 101)
-    # numpy inputs are fine
-    assert batch_sizes(np.array([1.0, 3.0]), np.int64(8)) == [2, 6]
+def test_solve_split_sums_to_the_total_on_large_random_cases():
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        ranks = int(rng.integers(1, 200))
+        total = int(rng.integers(0, 5000))
+        split = solve_split(random_costs(rng, ranks), total)
+        assert sum(split) == total and min(split) >= 0 and len(split) == ranks
 
 
-@pytest.mark.parametrize("speeds,total,match", [
-    ([], 4, "empty"),
-    ([1, 0], 4, r"speeds\[1\]"),
-    ([1, -2], 4, r"speeds\[1\]"),
-    ([1, float("nan")], 4, r"speeds\[1\]"),
-    ([1, float("inf")], 4, r"speeds\[1\]"),
-    ([1, 1, 1], 2, "smaller than the number of ranks"),
-    ([1, 1], 0, "global_batch"),
-    ([1, 1], 4.0, "global_batch"),
-    ([1, 1], True, "global_batch"),
+def test_a_fixed_cost_moves_samples_to_the_rank_without_one():
+    """Proportional to 'samples per second at 32' gives the fast rank too few: with a fixed
+    part, the slow rank's speed at a small batch is lower than at 32."""
+    fast, slow = RankCost(0.0, 1e-3), RankCost(20e-3, 1e-3)
+    split = solve_split([fast, slow], 64)
+    assert split == [42, 22]  # 42 ms each: t_fast = 42 ms, t_slow = 20 + 22 ms
+    speeds_at_32 = [32 / fast.time(32), 32 / slow.time(32)]
+    proportional = split_counts(64, speeds_at_32)
+    assert step_time([fast, slow], proportional) > step_time([fast, slow], split)
+
+
+def test_solve_split_examples_and_edge_cases():
+    assert solve_split(costs_from_speeds([1, 2, 2, 4]), 63) == [7, 14, 14, 28]
+    assert solve_split(costs_from_speeds([1, 1, 1]), 10) == [4, 3, 3]  # ties go to the lower rank
+    assert solve_split([RankCost(1.0, 1.0)], 17) == [17]  # one rank takes everything
+    assert solve_split(costs_from_speeds([1, 1]), 0) == [0, 0]
+    # a rank so slow that even one sample would exceed the others' time gets none
+    assert solve_split([RankCost(0, 1e-3), RankCost(0, 1.0)], 10) == [10, 0]
+    # only the ratios of the costs matter
+    assert solve_split(costs_from_speeds([1, 2, 5]), 101) == solve_split(costs_from_speeds([10, 20, 50]), 101)
+
+
+@pytest.mark.parametrize("costs, total, match", [
+    ([], 4, "must not be empty"),
+    ([RankCost(0, 1)], -1, "total must be an integer >= 0"),
+    ([RankCost(0, 1)], 2.5, "total must be an integer >= 0"),
+    ([(0, 1)], 4, r"costs\[0\] must be a RankCost"),
 ])
-def test_batch_sizes_refuses_bad_input(speeds, total, match):
+def test_solve_split_refuses_bad_input(costs, total, match):
     with pytest.raises(ValueError, match=match):
-        batch_sizes(speeds, total)
+        solve_split(costs, total)
+
+
+@pytest.mark.parametrize("a, c, match", [
+    (-1.0, 1.0, "cost a"), (float("nan"), 1.0, "cost a"), (0.0, 0.0, "cost c"),
+    (0.0, -1.0, "cost c"), (0.0, float("inf"), "cost c"), (True, 1.0, "cost a"),
+])
+def test_rank_cost_refuses_bad_values(a, c, match):
+    with pytest.raises(ValueError, match=match):
+        RankCost(a, c)
+
+
+def test_a_zero_speed_is_refused_with_a_clear_message():
+    with pytest.raises(ValueError, match=r"speeds\[1\] must be a finite number > 0"):
+        costs_from_speeds([1.0, 0.0])
+
+
+# ----------------------------------------------------------------------------- equal unless unequal
+def test_choose_split_keeps_the_equal_split_unless_measurably_better():
+    nearly = [RankCost(1e-3, 1.00e-3), RankCost(1e-3, 1.03e-3)]  # 3 % apart: noise
+    split, predicted = choose_split(nearly, 64, threshold=0.05)
+    assert split == [32, 32] and predicted == step_time(nearly, [32, 32])
+    uneven = [RankCost(1e-3, 1e-3), RankCost(2e-3, 2e-3)]  # a 1:2 pair: a real difference
+    split, predicted = choose_split(uneven, 64, threshold=0.05)
+    assert split == solve_split(uneven, 64) and split[0] > split[1]
+    assert predicted < 0.95 * step_time(uneven, [32, 32])
+    # with threshold 0 the optimum is always taken
+    assert choose_split(nearly, 64, threshold=0.0)[0] == solve_split(nearly, 64)
+
+
+def test_choose_split_against_the_current_split_is_hysteresis():
+    costs = [RankCost(0, 1.0), RankCost(0, 1.02)]
+    current = [31, 33]  # 3 % worse than the optimum: not worth a change
+    assert choose_split(costs, 64, 0.05, current=current)[0] == current
+    far = [20, 44]
+    assert choose_split(costs, 64, 0.05, current=far)[0] == solve_split(costs, 64)
+    with pytest.raises(ValueError, match="does not split 64"):
+        choose_split(costs, 64, 0.05, current=[1, 2])
+    with pytest.raises(ValueError, match="threshold"):
+        choose_split(costs, 64, 1.5)
+
+
+def test_equal_split():
+    assert equal_split(10, 3) == [4, 3, 3] and equal_split(2, 4) == [1, 1, 0, 0]
+    with pytest.raises(ValueError, match="ranks"):
+        equal_split(4, 0)
+
+
+# ----------------------------------------------------------------------------- fitting
+def test_fit_cost_recovers_a_line_through_noisy_passes():
+    rng = np.random.default_rng(2)
+    sizes, times = [], []
+    for b in (8, 16, 32):
+        for _ in range(5):
+            sizes.append(b)
+            times.append(2e-3 + 0.5e-3 * b)
+    times[3] *= 3.0  # one disturbed pass: the median per size ignores it
+    cost = fit_cost(sizes, times)
+    assert cost.a == pytest.approx(2e-3, rel=1e-9) and cost.c == pytest.approx(0.5e-3, rel=1e-9)
+    noisy = [t * (1 + 0.01 * rng.standard_normal()) for t in times]
+    cost = fit_cost(sizes, noisy)
+    assert cost.a == pytest.approx(2e-3, rel=0.2) and cost.c == pytest.approx(0.5e-3, rel=0.05)
+
+
+def test_fit_cost_falls_back_to_a_line_through_the_origin():
+    assert fit_cost([16, 16], [4.0, 4.0]) == RankCost(0.0, 0.25)  # one size: a = 0
+    cost = fit_cost([8, 16], [4.0, 4.0])  # no growth (noise): a = 0, least squares slope
+    assert cost.a == 0.0 and cost.c == pytest.approx((8 * 4 + 16 * 4) / (64 + 256))
+
+
+def test_fit_cost_refuses_bad_input():
+    with pytest.raises(ValueError, match="entries"):
+        fit_cost([8, 16], [1.0])
+    with pytest.raises(ValueError, match=r"seconds\[0\]"):
+        fit_cost([8], [0.0])
+    with pytest.raises(ValueError, match=r"batch_sizes\[0\]"):
+        fit_cost([0], [1.0])
+
+
+def test_scale_cost_keeps_the_models_shape():
+    cost = scale_cost(RankCost(2.0, 1.0), 8, [20.0, 21.0, 19.0])  # predicted 10, measured 20
+    assert cost == RankCost(4.0, 2.0)
 
 
 # ----------------------------------------------------------------------------- split_counts
@@ -72,141 +168,47 @@ def test_split_counts_for_a_last_smaller_batch():
     rng = np.random.default_rng(1)
     for _ in range(300):
         ranks = int(rng.integers(1, 12))
-        proportions = [int(x) for x in rng.integers(1, 40, size=ranks)]
+        proportions = [int(x) for x in rng.integers(0, 40, size=ranks)]
+        if sum(proportions) == 0:
+            continue
         total = int(rng.integers(0, sum(proportions) + 1))
         counts = split_counts(total, proportions)
         assert sum(counts) == total and all(c >= 0 for c in counts)
         for c, p in zip(counts, proportions):
             assert abs(c - total * p / sum(proportions)) < 1
-    assert split_counts(3, [10, 10, 10, 10]) == [1, 1, 1, 0]   # zeros allowed
-    assert split_counts(0, [1, 2]) == [0, 0]
-    assert split_counts(10, [0, 1]) == [0, 10]
-    assert split_counts(1000, [7, 14, 14, 29]) == [109, 219, 219, 453]  # data shares n_i = N b_i / B
 
 
-@pytest.mark.parametrize("total,proportions,match", [
-    (-1, [1], "total"), (3, [], "empty"), (3, [0, 0], "all zero"),
-    (3, [1, -1], r"proportions\[1\]"), (3, [1, float("nan")], r"proportions\[1\]"),
+@pytest.mark.parametrize("total, proportions, match", [
+    (-1, [1], "total"), (3, [], "empty"), (3, [1, -1], r"proportions\[1\]"),
+    (3, [0, 0], "all zero"), (3, [1, float("nan")], r"proportions\[1\]"),
 ])
 def test_split_counts_refuses_bad_input(total, proportions, match):
     with pytest.raises(ValueError, match=match):
         split_counts(total, proportions)
 
 
-# ----------------------------------------------------------------------------- parse_speeds
+# ----------------------------------------------------------------------------- --speeds
 def test_parse_speeds():
-    assert parse_speeds("1,2,2,4", 4) == [1.0, 2.0, 2.0, 4.0]
-    assert parse_speeds(" 0.5 , 1.5 ", 2) == [0.5, 1.5]
-    for text, size, match in [
-        ("1,2,2", 4, "3 entries.*4 ranks"),
-        ("1,2,x,4", 4, r"entry 2 \('x'\) is not a number"),
-        ("", 1, "empty"),
-        ("1,,2", 3, "entry 1"),
-        ("1,0", 2, r"entry 1 \('0'\) must be a finite number > 0"),
-        ("1,-3", 2, "entry 1"),
-        ("1,inf", 2, "entry 1"),
-        ("nan", 1, "entry 0"),
-    ]:
+    assert parse_speeds("1, 2,4", 3) == [1.0, 2.0, 4.0]
+    for text, world, match in [("", 2, "empty"), ("1,x", 2, "not a number"), ("1,0", 2, "must be a finite"),
+                               ("1,inf", 2, "must be a finite"), ("1,2,3", 2, "3 entries")]:
         with pytest.raises(ValueError, match=match):
-            parse_speeds(text, size)
+            parse_speeds(text, world)
 
 
-# ----------------------------------------------------------------------------- measure_speed
-def test_measure_speed_calls_warmup_then_repeats_and_synchronizes():
-    calls, syncs = [], []
-    speed = measure_speed(calls.append, probe_batch=8, repeats=3, warmup=2,
-                          synchronize=lambda: syncs.append(len(calls)))
-    assert calls == [8] * 5
-    # every timed repeat is bracketed by a synchronize (start and stop of the clock)
-    assert syncs == [2, 3, 3, 4, 4, 5]
-    assert math.isfinite(speed) and speed > 0
-
-
-def test_measure_speed_refuses_bad_arguments():
-    with pytest.raises(ValueError, match="probe_batch"):
-        measure_speed(lambda n: None, probe_batch=0)
-    with pytest.raises(ValueError, match="repeats"):
-        measure_speed(lambda n: None, probe_batch=4, repeats=0)
-    with pytest.raises(ValueError, match="warmup"):
-        measure_speed(lambda n: None, probe_batch=4, warmup=-1)
-
-
-# ----------------------------------------------------------------------------- rebalance
-def test_rebalance_gives_batches_inverse_to_time_per_sample():
-    # 100 samples each; rank 1 took twice as long per sample as rank 0, rank 2 four times
-    speeds = rebalance([1.0, 2.0, 4.0], [100, 100, 100])
-    assert speeds == pytest.approx([100.0, 50.0, 25.0])  # samples per second
-    sizes = batch_sizes(speeds, 70)
-    assert sizes == [40, 20, 10]
-    # ranks then finish a step together: b_i * t_i is the same for all
-    times = [1.0 / s for s in speeds]
-    assert [b * t for b, t in zip(sizes, times)] == pytest.approx([0.4] * 3)
-
-
-def test_rebalance_uses_samples_over_seconds():
-    # uneven shares last epoch: rank 0 computed 300 samples in 3 s, rank 1 100 in 2 s
-    assert rebalance([3.0, 2.0], [300, 100]) == pytest.approx([100.0, 50.0])
-
-
-def test_rebalance_smoothing_blends_with_rescaled_previous_speeds():
-    # measured 1:1 (10 samples/s each); previous 3:1 in other units, rescaled to total 20
-    # -> 15:5, blended half-half -> 12.5 : 7.5
-    speeds = rebalance([1.0, 1.0], [10, 10], previous_speeds=[30.0, 10.0], smoothing=0.5)
-    assert speeds == pytest.approx([12.5, 7.5])
-    assert batch_sizes(speeds, 80) == [50, 30]
-    # without smoothing the previous speeds do not matter
-    assert rebalance([1.0, 1.0], [10, 10], previous_speeds=[30.0, 10.0]) == pytest.approx([10, 10])
-
-
-def test_rebalance_keeps_previous_speeds_when_a_rank_computed_nothing():
-    assert rebalance([1.0, 0.0], [10, 0], previous_speeds=[2.0, 1.0]) == [2.0, 1.0]
-    with pytest.raises(ValueError, match=r"rank\(s\) \[1\] computed nothing"):
-        rebalance([1.0, 0.0], [10, 0])
-
-
-def test_rebalance_random_inputs_keep_batch_invariants():
-    rng = np.random.default_rng(2)
+def test_a_minimum_per_rank_is_honoured_and_still_optimal():
+    rng = np.random.default_rng(3)
     for _ in range(200):
-        ranks = int(rng.integers(1, 9))
-        samples = [int(n) for n in rng.integers(1, 500, size=ranks)]
-        seconds = list(np.array(samples) * 10.0 ** rng.uniform(-4, -1, size=ranks))
-        total = int(rng.integers(ranks, 50 * ranks))
-        speeds = rebalance(seconds, samples)
-        assert speeds == pytest.approx([n / c for n, c in zip(samples, seconds)])
-        sizes = batch_sizes(speeds, total)
-        assert sum(sizes) == total and min(sizes) >= 1
-
-
-@pytest.mark.parametrize("args,kwargs,match", [
-    (([1.0, -1.0], [1, 1]), {}, r"compute_seconds\[1\]"),
-    (([1.0, float("nan")], [1, 1]), {}, r"compute_seconds\[1\]"),
-    (([], []), {}, "empty"),
-    (([1.0, 1.0], [1]), {}, "samples has 1"),
-    (([1.0, 1.0], [1, -1]), {}, r"samples\[1\]"),
-    (([1.0, 1.0], [1, 2.5]), {}, r"samples\[1\]"),
-    (([1.0, 1.0], [1, 1]), dict(smoothing=1.0, previous_speeds=[1, 1]), "smoothing"),
-    (([1.0, 1.0], [1, 1]), dict(smoothing=0.5), "needs previous_speeds"),
-    (([1.0, 1.0], [1, 1]), dict(previous_speeds=[1.0]), "previous_speeds has 1"),
-    (([1.0, 1.0], [1, 1]), dict(previous_speeds=[1.0, 0.0]), r"previous_speeds\[1\]"),
-])
-def test_rebalance_refuses_bad_input(args, kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        rebalance(*args, **kwargs)
-
-
-# ----------------------------------------------------------------------------- gather_speeds
-class _FakeComm:
-    """Stands in for an MPI communicator: the other ranks' speeds are fixed."""
-
-    def __init__(self, others):
-        self.others = others
-
-    def allgather(self, value):
-        return [value, *self.others]
-
-
-def test_gather_speeds_validates_after_the_gather():
-    assert gather_speeds(_FakeComm([2.0, 4.0]), 1) == [1.0, 2.0, 4.0]
-    # another rank's bad speed raises here too (every rank sees the same list)
-    with pytest.raises(ValueError, match=r"gathered speeds\[2\]"):
-        gather_speeds(_FakeComm([2.0, float("nan")]), 1.0)
+        ranks = int(rng.integers(1, 5))
+        total = int(rng.integers(ranks, 13))
+        costs = random_costs(rng, ranks)
+        split = solve_split(costs, total, minimum=1)
+        assert sum(split) == total and min(split) >= 1
+        best = math.inf
+        for cut in itertools.combinations(range(1, total), ranks - 1):
+            bounds = (0,) + cut + (total,)
+            best = min(best, step_time(costs, [bounds[k + 1] - bounds[k] for k in range(ranks)]))
+        assert step_time(costs, split) == pytest.approx(best, rel=1e-12)
+    assert solve_split([RankCost(0, 1e-3), RankCost(0, 1.0)], 10, minimum=1) == [9, 1]
+    with pytest.raises(ValueError, match="cannot give each of the 3 ranks 1"):
+        solve_split(costs_from_speeds([1, 1, 1]), 2, minimum=1)

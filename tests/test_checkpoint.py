@@ -40,7 +40,7 @@ class SavedState:
         self.state = {
             "strategy": "node" if nodes else "flat", "weighting": "balanced", "world_size": 2,
             "num_nodes": len(nodes) if nodes else 1, "steps": steps, "steps_since_sync": 0,
-            "speeds": [1.0, 1.0], "batch_sizes": [4, 4], "params": np.full(5, value),
+            "costs": [[0.0, 1.0], [0.0, 1.0]], "batch_sizes": [4, 4], "params": np.full(5, value),
             "optimizer": {"step_count": steps, "state": None if nodes else [np.full(5, -value)]},
             "nodes": nodes, "buffers": {"bn.mean": np.ones(2)},
             "rank_buffers": [{"bn.mean": np.full(2, 10.0 + r)} for r in range(2)],

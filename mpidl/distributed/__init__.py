@@ -8,7 +8,8 @@
 * :mod:`~mpidl.distributed.emulation` EMULATED slow ranks and slow inter-node links
 """
 
-from mpidl.distributed.balance import batch_sizes, measure_speed, parse_speeds, split_counts
+from mpidl.distributed.balance import (RankCost, choose_split, fit_cost, parse_speeds, solve_split,
+                                       split_counts)
 from mpidl.distributed.data_parallel import ON_NAN, DataParallel, NonFiniteGradient
 from mpidl.distributed.emulation import LinkModel, Slowdown, parse_link, parse_slowdowns
 from mpidl.distributed.reducers import (LEVELS, STRATEGIES, WEIGHTINGS, FlatReducer,
@@ -18,6 +19,7 @@ from mpidl.distributed.topology import Topology
 __all__ = [
     "DataParallel", "NonFiniteGradient", "ON_NAN", "Topology", "make_reducer", "Reducer",
     "FlatReducer", "HierarchicalReducer", "NodeReducer", "STRATEGIES", "WEIGHTINGS", "LEVELS",
-    "batch_sizes", "split_counts", "measure_speed", "parse_speeds", "Slowdown", "LinkModel",
+    "RankCost", "fit_cost", "solve_split", "choose_split", "split_counts", "parse_speeds",
+    "Slowdown", "LinkModel",
     "parse_slowdowns", "parse_link",
 ]

@@ -1,23 +1,60 @@
-"""Heterogeneous data parallelism: from measured rank speeds to local batch sizes.
+"""Heterogeneous data parallelism: a cost model per rank, and the split that minimizes the step.
 
-A rank that processes ``s_i`` samples per second gets a local batch proportional to its
-speed, so that every rank of a global step of ``B`` samples finishes at the same time:
+Cost model
+----------
+Rank ``i`` computing a local batch of ``b`` samples (read, forward, backward) takes::
 
-    b_i ≈ B * s_i / S,    S = sum_j s_j,    sum_i b_i = B exactly,   b_i >= 1.
+    t_i(b) = a_i + c_i b    for b >= 1,          t_i(0) = 0
 
-The epoch's data is shared the same way, ``n_i = N * b_i / B`` (use :func:`split_counts`),
-so every rank runs the same number of steps. Everything here is a pure function of numbers
-that every rank holds alike (after :func:`gather_speeds`), so all ranks compute the same
-batch sizes without further communication, and a bad value is refused on every rank alike.
+``a_i`` (seconds) is the fixed part of a step (kernel launches, Python, small tensors),
+``c_i`` (seconds per sample) the part that grows with the batch. A split proportional to
+"samples per second at one batch size" ignores ``a_i`` and is biased: per-sample cost falls
+with the batch, so the fast rank looks faster than it is at the batch it will really get.
+:func:`fit_cost` fits ``(a_i, c_i)`` by least squares through the medians of timed passes at
+two or more batch sizes (every rank probing at the same time, so all are measured under the
+contention of a real step).
+
+The split
+---------
+Every step waits for its slowest rank, so the global batch ``B`` is split to minimize the
+step time::
+
+    minimize  T = max_i t_i(b_i)   subject to   sum_i b_i = B,  b_i >= 0 integers
+
+:func:`solve_split` does it in two passes:
+
+1. water-filling, the continuous relaxation: the level ``T_c`` at which
+   ``sum_i max(0, (T_c - a_i) / c_i) = B`` (found by bisection), and ``b_i = floor((T_c - a_i) /
+   c_i)`` clipped at 0, so that every ``t_i(b_i) <= T_c``;
+2. integer repair: each of the ``B - sum_i b_i`` samples left goes to the rank whose time after
+   taking it, ``t_i(b_i + 1)``, is the smallest (ties to the lower rank).
+
+This is optimal: the continuous optimum is a lower bound, ``T_c <= T*``, so every starting
+``b_i`` is within rank ``i``'s capacity at ``T*``; while fewer than ``B`` samples are placed,
+some rank is below its capacity at ``T*``, so the smallest next time is ``<= T*``, and the
+greedy never exceeds ``T*``.
+
+**Equal unless measurably unequal.** Measured models always differ a little, even for
+identical ranks. :func:`choose_split` keeps the equal split unless the optimal one is
+predicted to be faster by more than a threshold (a few per cent): ``1 - T(opt) / T(equal) >
+threshold``. The same rule, against the current split, gives re-balancing its hysteresis.
+
+Everything here is a pure function of numbers every rank holds alike (after a gather), so all
+ranks compute the same split without further communication, and a bad value is refused on
+every rank alike.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 import statistics
-import time
+from dataclasses import dataclass
 from numbers import Integral, Real
-from typing import Callable, Sequence
+from typing import Sequence
+
+__all__ = ["RankCost", "fit_cost", "scale_cost", "costs_from_speeds", "solve_split", "step_time",
+           "choose_split", "equal_split", "split_counts", "parse_speeds", "check_speeds"]
 
 
 # --------------------------------------------------------------------------- validation
@@ -41,86 +78,161 @@ def _positive_finite(values: Sequence[float], name: str) -> list[float]:
     return [float(v) for v in values]
 
 
-# --------------------------------------------------------------------------- apportionment
-def _largest_remainder(total: int, weights: Sequence[float]) -> list[int]:
-    """Integers ``n_i`` summing to ``total`` with ``|n_i - total * w_i / W| < 1``.
+# --------------------------------------------------------------------------- the cost model
+@dataclass(frozen=True)
+class RankCost:
+    """``t(b) = a + c b`` seconds for ``b >= 1`` samples, ``t(0) = 0``.
 
-    Each ``n_i`` starts at ``floor(total * w_i / W)``; the ``total - sum(floors)`` samples
-    left over go one each to the largest fractional parts (ties to the lower index, so the
-    result is deterministic and identical on every rank).
+    ``a >= 0`` is the fixed part of a step, ``c > 0`` the seconds per sample.
     """
-    weight_sum = math.fsum(weights)
-    ideal = [total * w / weight_sum for w in weights]
-    counts = [math.floor(x) for x in ideal]
-    left = total - sum(counts)
-    # Rounding in `ideal` can push a floor one too high or low; clamp so the loop below
-    # always distributes a number in [0, len(weights)].
-    order = sorted(range(len(weights)), key=lambda i: (-(ideal[i] - counts[i]), i))
-    while left < 0:  # pragma: no cover - only on pathological float rounding
-        i = max(range(len(counts)), key=lambda j: (counts[j] - ideal[j], -j))
-        counts[i] -= 1
-        left += 1
-    for k in range(left):
-        counts[order[k % len(order)]] += 1
-    return counts
+
+    a: float
+    c: float
+
+    def __post_init__(self):
+        if isinstance(self.a, bool) or not isinstance(self.a, Real) or not math.isfinite(self.a) or self.a < 0:
+            raise ValueError(f"cost a (fixed seconds per step) must be a finite number >= 0, got {self.a!r}")
+        if isinstance(self.c, bool) or not isinstance(self.c, Real) or not math.isfinite(self.c) or self.c <= 0:
+            raise ValueError(f"cost c (seconds per sample) must be a finite number > 0, got {self.c!r}")
+
+    def time(self, b: int) -> float:
+        """Predicted seconds for a local batch of ``b`` samples."""
+        return 0.0 if b <= 0 else self.a + self.c * b
 
 
-def batch_sizes(speeds: Sequence[float], global_batch: int) -> list[int]:
-    """Local batch sizes proportional to rank speeds, summing exactly to ``global_batch``.
-
-    Parameters
-    ----------
-    speeds : sequence of float, length P
-        Samples per second of every rank (only the ratios matter).
-    global_batch : int
-        ``B``, the samples of one global step; ``B >= P`` so that every rank computes.
-
-    Returns
-    -------
-    list of int, length P, each >= 1, summing to B.
+def fit_cost(batch_sizes: Sequence[int], seconds: Sequence[float]) -> RankCost:
+    """Fit ``t(b) = a + c b`` to timed passes ``(batch_sizes[k], seconds[k])``.
 
     Notes
     -----
-    ``b_i ≈ B s_i / S`` with ``S = sum_j s_j``, rounded by largest remainder. When every
-    share ``B s_i / S`` is at least 1, each ``b_i`` is within one sample of it:
-    ``|b_i - B s_i / S| < 1``. A rank whose share is below one sample is pinned to
-    ``b_i = 1`` (every rank computes something, so its speed stays measurable), and the
-    remaining ``B - #pinned`` samples are shared among the other ranks in proportion to
-    their speeds, repeating until no new rank falls below one sample.
-
-    Raises ValueError for an empty list, a speed that is not a finite number > 0, or
-    ``B < P``.
+    The passes at each distinct batch size are reduced to their median (robust to a pass
+    disturbed by another process), then ``(a, c)`` is the least-squares line through the
+    medians ``(b_j, m_j)``: ``c = sum_j (b_j - mean b)(m_j - mean m) / sum_j (b_j - mean b)^2``,
+    ``a = mean m - c mean b``. A negative intercept (noise) is clipped to ``a = 0`` with the
+    line through the origin refitted, ``c = sum b_j m_j / sum b_j^2``; with one distinct batch
+    size, ``a = 0`` and ``c = m / b``.
     """
-    speeds = _positive_finite(speeds, "speeds")
-    total = _as_count(global_batch, "global_batch", 1)
-    ranks = len(speeds)
-    if total < ranks:
-        raise ValueError(f"global_batch={total} is smaller than the number of ranks ({ranks}); "
-                         "every rank needs at least one sample per step")
-    pinned: set[int] = set()
-    while True:
-        free = [i for i in range(ranks) if i not in pinned]
-        budget = total - len(pinned)
-        speed_sum = math.fsum(speeds[i] for i in free)
-        below_one = [i for i in free if budget * speeds[i] / speed_sum < 1.0]
-        if not below_one:
+    sizes = [_as_count(b, f"batch_sizes[{k}]", 1) for k, b in enumerate(batch_sizes)]
+    times = _positive_finite(seconds, "seconds")
+    if len(sizes) != len(times):
+        raise ValueError(f"batch_sizes has {len(sizes)} entries, seconds {len(times)}")
+    by_size: dict[int, list[float]] = {}
+    for b, t in zip(sizes, times):
+        by_size.setdefault(b, []).append(t)
+    points = sorted((b, statistics.median(ts)) for b, ts in by_size.items())
+    if len(points) == 1:
+        b, m = points[0]
+        return RankCost(0.0, m / b)
+    mean_b = statistics.fmean(b for b, _ in points)
+    mean_m = statistics.fmean(m for _, m in points)
+    slope = (sum((b - mean_b) * (m - mean_m) for b, m in points)
+             / sum((b - mean_b) ** 2 for b, _ in points))
+    intercept = mean_m - slope * mean_b
+    if slope <= 0 or intercept < 0:
+        return RankCost(0.0, sum(b * m for b, m in points) / sum(b * b for b, _ in points))
+    return RankCost(intercept, slope)
+
+
+def scale_cost(cost: RankCost, batch: int, seconds: Sequence[float]) -> RankCost:
+    """Re-fit a model from steps that all had one local batch size: ``t(batch)`` alone cannot
+    separate ``a`` from ``c``, so both are scaled by ``median(seconds) / t(batch)``."""
+    batch = _as_count(batch, "batch", 1)
+    factor = statistics.median(_positive_finite(seconds, "seconds")) / cost.time(batch)
+    return RankCost(cost.a * factor, cost.c * factor)
+
+
+def costs_from_speeds(speeds: Sequence[float]) -> list[RankCost]:
+    """Given relative speeds ``s_i`` (samples per second, any unit): ``t_i(b) = b / s_i``."""
+    return [RankCost(0.0, 1.0 / s) for s in _positive_finite(speeds, "speeds")]
+
+
+# --------------------------------------------------------------------------- the split
+def step_time(costs: Sequence[RankCost], split: Sequence[int]) -> float:
+    """``max_i t_i(b_i)``: the predicted compute time of a step (its slowest rank)."""
+    return max(cost.time(b) for cost, b in zip(costs, split))
+
+
+def equal_split(total: int, ranks: int) -> list[int]:
+    """``total`` samples over ``ranks`` ranks, as equal as integers allow (the first ranks
+    take the remainder)."""
+    total, ranks = _as_count(total, "total", 0), _as_count(ranks, "ranks", 1)
+    return [total // ranks + (1 if r < total % ranks else 0) for r in range(ranks)]
+
+
+def solve_split(costs: Sequence[RankCost], total: int, minimum: int = 0) -> list[int]:
+    """The integer split of ``total`` samples minimizing ``max_i t_i(b_i)`` subject to
+    ``b_i >= minimum`` (see the module docstring: water-filling, then integer repair).
+    Returns ``P`` integers summing to ``total``; deterministic (ties go to the lower rank).
+
+    ``minimum = 1`` keeps every rank computing (so that its cost stays measured); the
+    water-filling then starts every rank at ``max(minimum, ...)`` and the argument for
+    optimality is unchanged (``T* >= max_i t_i(minimum)``)."""
+    costs = list(costs)
+    if not costs:
+        raise ValueError("costs must not be empty")
+    for i, cost in enumerate(costs):
+        if not isinstance(cost, RankCost):
+            raise ValueError(f"costs[{i}] must be a RankCost, got {cost!r}")
+    total = _as_count(total, "total", 0)
+    minimum = _as_count(minimum, "minimum", 0)
+    if minimum * len(costs) > total:
+        raise ValueError(f"total={total} cannot give each of the {len(costs)} ranks {minimum} sample(s)")
+    # 1. water-filling: the continuous level T_c with sum_i max(0, (T - a_i) / c_i) = total.
+    def capacity(level: float) -> float:
+        return sum(max(float(minimum), (level - cost.a) / cost.c) for cost in costs)
+
+    low, high = 0.0, max(cost.a + cost.c * total for cost in costs)
+    for _ in range(200):  # bisection to float precision; capacity is monotone in the level
+        middle = 0.5 * (low + high)
+        if middle in (low, high):
             break
-        pinned.update(below_one)
-    sizes = [1] * ranks
-    for i, n in zip(free, _largest_remainder(budget, [speeds[i] for i in free])):
-        sizes[i] = n
-    return sizes
+        low, high = (middle, high) if capacity(middle) < total else (low, middle)
+    split = [max(minimum, min(total, math.floor((low - cost.a) / cost.c))) for cost in costs]
+    while sum(split) > total:  # only reachable through float rounding at the level
+        i = max((r for r in range(len(costs)) if split[r] > minimum),
+                key=lambda r: (costs[r].time(split[r]), -r))
+        split[i] -= 1
+    # 2. integer repair: each remaining sample where it finishes first (a heap of the ranks'
+    #    times after one more sample; the rank index breaks ties).
+    heap = [(cost.time(b + 1), r) for r, (cost, b) in enumerate(zip(costs, split))]
+    heapq.heapify(heap)
+    for _ in range(total - sum(split)):
+        _, r = heapq.heappop(heap)
+        split[r] += 1
+        heapq.heappush(heap, (costs[r].time(split[r] + 1), r))
+    return split
+
+
+def choose_split(costs: Sequence[RankCost], total: int, threshold: float = 0.05,
+                 current: Sequence[int] | None = None, minimum: int = 0) -> tuple[list[int], float]:
+    """The split to use and its predicted step time: the optimal split, unless it is not
+    predicted to beat the reference by more than ``threshold`` (a fraction), in which case the
+    reference is kept. The reference is ``current`` when given (re-balancing: hysteresis), else
+    the equal split (the start: equal unless measurably unequal). ``minimum`` as in
+    :func:`solve_split`."""
+    costs = list(costs)
+    if isinstance(threshold, bool) or not isinstance(threshold, Real) or not 0 <= threshold < 1:
+        raise ValueError(f"threshold must be a number in [0, 1), got {threshold!r}")
+    reference = list(current) if current is not None else equal_split(total, len(costs))
+    if len(reference) != len(costs) or sum(reference) != total:
+        raise ValueError(f"current split {reference} does not split {total} over {len(costs)} ranks")
+    best = solve_split(costs, total, minimum)
+    best_time, reference_time = step_time(costs, best), step_time(costs, reference)
+    if best_time < (1.0 - threshold) * reference_time:
+        return best, best_time
+    return reference, reference_time
 
 
 def split_counts(total: int, proportions: Sequence[float]) -> list[int]:
     """Split ``total`` items in proportion to ``proportions`` (largest remainder; zeros allowed).
 
     Used for the last, smaller global batch of an epoch (``proportions`` = the batch sizes
-    ``b_i``, ``total`` = the samples left) and for the data shares ``n_i = N b_i / B``.
+    ``b_i``, ``total`` = the samples left).
 
-    Returns a list of ints summing to ``total`` with ``|n_i - total p_i / sum(p)| < 1``.
-    Raises ValueError for a negative ``total``, an empty list, a negative or non-finite
-    proportion, or proportions that sum to zero.
+    Returns a list of ints summing to ``total`` with ``|n_i - total p_i / sum(p)| < 1``; the
+    leftover items go to the largest fractional parts, ties to the lower index. Raises
+    ValueError for a negative ``total``, an empty list, a negative or non-finite proportion,
+    or proportions that sum to zero.
     """
     total = _as_count(total, "total", 0)
     proportions = list(proportions)
@@ -129,56 +241,24 @@ def split_counts(total: int, proportions: Sequence[float]) -> list[int]:
     for i, p in enumerate(proportions):
         if isinstance(p, bool) or not isinstance(p, Real) or not math.isfinite(p) or p < 0:
             raise ValueError(f"proportions[{i}] must be a finite number >= 0, got {p!r}")
-    if math.fsum(proportions) <= 0:
+    weight_sum = math.fsum(proportions)
+    if weight_sum <= 0:
         raise ValueError("proportions are all zero; at least one must be > 0")
-    return _largest_remainder(total, [float(p) for p in proportions])
+    ideal = [total * p / weight_sum for p in proportions]
+    counts = [math.floor(x) for x in ideal]
+    order = sorted(range(len(proportions)), key=lambda i: (-(ideal[i] - counts[i]), i))
+    for k in range(total - sum(counts)):
+        counts[order[k % len(order)]] += 1
+    return counts
 
 
-# --------------------------------------------------------------------------- measuring speed
-def measure_speed(step_fn: Callable[[int], None], probe_batch: int, repeats: int = 3,
-                  warmup: int = 1, synchronize: Callable[[], None] | None = None) -> float:
-    """Samples per second of ``step_fn`` on this rank: ``probe_batch / median(seconds)``.
-
-    ``step_fn(n)`` runs one training-like step (forward + backward, no communication) on
-    ``n`` samples. It is called ``warmup`` times untimed (first-call costs: allocation, JIT
-    compilation, kernel caches), then ``repeats`` times timed; the median ignores a single
-    disturbed repeat. ``synchronize`` (e.g. ``backend.synchronize``) is called before the
-    clock starts and before it stops, because GPU work is asynchronous and would otherwise
-    be timed as queued, not as done.
-    """
-    probe_batch = _as_count(probe_batch, "probe_batch", 1)
-    repeats = _as_count(repeats, "repeats", 1)
-    warmup = _as_count(warmup, "warmup", 0)
-    sync = synchronize if synchronize is not None else (lambda: None)
-    for _ in range(warmup):
-        step_fn(probe_batch)
-    seconds = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        step_fn(probe_batch)
-        sync()
-        seconds.append(time.perf_counter() - start)
-    # A step faster than the clock's resolution would give an infinite speed.
-    return probe_batch / max(statistics.median(seconds), 1e-9)
-
-
+# --------------------------------------------------------------------------- given speeds
 def check_speeds(speeds: Sequence[float], world_size: int) -> list[float]:
     """Relative speeds given by the caller: one finite number > 0 per rank."""
     speeds = _positive_finite(speeds, "speeds")
     if len(speeds) != _as_count(world_size, "world_size", 1):
         raise ValueError(f"speeds has {len(speeds)} entries for {world_size} ranks; give one per rank")
     return speeds
-
-
-def gather_speeds(comm, local: float) -> list[float]:
-    """Every rank's speed, on every rank (``comm.allgather``), validated after the gather.
-
-    Validation happens after the collective on the gathered list, so a bad value on one
-    rank raises the same ValueError on all ranks instead of leaving the others waiting.
-    """
-    speeds = comm.allgather(float(local))
-    return _positive_finite(speeds, "gathered speeds")
 
 
 def parse_speeds(text: str, world_size: int) -> list[float]:
@@ -204,75 +284,3 @@ def parse_speeds(text: str, world_size: int) -> list[float]:
         raise ValueError(f"speeds: {len(values)} entries in {text!r} but there are "
                          f"{world_size} ranks; give one per rank")
     return values
-
-
-# --------------------------------------------------------------------------- re-balancing
-def rebalance(compute_seconds: Sequence[float], samples: Sequence[int],
-              previous_speeds: Sequence[float] | None = None, smoothing: float = 0.0) -> list[float]:
-    """New rank speeds from the compute time every rank measured over an epoch.
-
-    The new batch sizes are then ``batch_sizes(rebalance(...), B)``.
-
-    Parameters
-    ----------
-    compute_seconds : sequence of float, length P
-        Rank i's compute seconds in the epoch (forward + backward, emulated slowdown
-        included; communication and waiting excluded). The trainer allgathers them.
-    samples : sequence of int, length P
-        The samples rank i computed in the epoch.
-    previous_speeds : sequence of float, optional
-        The speeds the current batch sizes came from (any unit).
-    smoothing : float in [0, 1)
-        Weight of the previous speeds (needs ``previous_speeds``); 0 (default) uses only
-        the new measurement.
-
-    Returns
-    -------
-    list of float, length P: samples per second of every rank.
-
-    Notes
-    -----
-    The measured speed is samples over compute time, ``s_i = n_i / c_i = 1 / t_i`` with
-    ``t_i`` the seconds per sample. With smoothing ``a`` (damping noisy epochs), the previous
-    speeds are first rescaled to the same total, since only ratios matter::
-
-        s_i <- a * p_i * (sum_j s_j / sum_j p_j) + (1 - a) * s_i
-
-    When the model holds (time per sample independent of the batch size), the batch sizes
-    ``b_i ≈ B s_i / S`` make the ranks finish a step together: ``b_i t_i ≈ B / S`` for all i.
-
-    A rank that computed nothing (``n_i = 0`` or ``c_i = 0``) has no speed to measure: the
-    previous speeds are returned unchanged then (ValueError without them).
-    """
-    seconds = list(compute_seconds)
-    counts = list(samples)
-    if not seconds:
-        raise ValueError("compute_seconds must not be empty")
-    if len(counts) != len(seconds):
-        raise ValueError(f"samples has {len(counts)} entries, compute_seconds has {len(seconds)}")
-    for i, c in enumerate(seconds):
-        if isinstance(c, bool) or not isinstance(c, Real) or not math.isfinite(c) or c < 0:
-            raise ValueError(f"compute_seconds[{i}] must be a finite number >= 0, got {c!r}")
-    for i, n in enumerate(counts):
-        _as_count(n, f"samples[{i}]", 0)
-    if isinstance(smoothing, bool) or not isinstance(smoothing, Real) or not 0 <= smoothing < 1:
-        raise ValueError(f"smoothing must be a number in [0, 1), got {smoothing!r}")
-    previous = None
-    if previous_speeds is not None:
-        previous = _positive_finite(previous_speeds, "previous_speeds")
-        if len(previous) != len(seconds):
-            raise ValueError(f"previous_speeds has {len(previous)} entries, "
-                             f"compute_seconds has {len(seconds)}")
-    elif smoothing > 0:
-        raise ValueError("smoothing > 0 needs previous_speeds")
-    unmeasured = [i for i, (c, n) in enumerate(zip(seconds, counts)) if c == 0 or n == 0]
-    if unmeasured:
-        if previous is None:
-            raise ValueError(f"cannot rebalance: rank(s) {unmeasured} computed nothing this "
-                             "epoch and no previous speeds were given")
-        return previous
-    speeds = [n / c for n, c in zip(counts, seconds)]
-    if previous is not None and smoothing > 0:
-        scale = math.fsum(speeds) / math.fsum(previous)
-        speeds = [smoothing * p * scale + (1 - smoothing) * s for p, s in zip(previous, speeds)]
-    return speeds

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import deque
 from numbers import Integral, Real
 from typing import Callable, Sequence
 
@@ -54,9 +55,15 @@ from mpidl.distributed.reducers import STRATEGIES, make_reducer
 from mpidl.distributed.topology import Topology
 
 ON_NAN = ("stop", "skip")
-#: samples per timed forward+backward when measuring speeds (at most the global batch)
-PROBE_BATCH = 64
-PROBE_REPEATS = 5
+#: timed rounds of the speed probe (each times every probe batch size once)
+PROBE_ROUNDS = 5
+#: default minimum predicted gain (a fraction of the step) for an uneven split or a re-split
+BALANCE_THRESHOLD = 0.05
+#: samples every rank computes at least in a full global batch: a rank that computes keeps
+#: being measured (a last, smaller batch may still give a rank none)
+MIN_LOCAL_BATCH = 1
+#: steps whose compute times a re-fit may use (a bound on memory, not a tuning knob)
+RECENT_STEPS = 1024
 
 __all__ = ["DataParallel", "NonFiniteGradient", "ON_NAN"]
 
@@ -85,14 +92,24 @@ class DataParallel:
         ``K'``, steps between the node strategy's parameter syncs.
     weighting : 'balanced' | 'uniform'
     speeds : 'equal' | 'auto' | sequence of P positive numbers
-        How ``B`` is split: equally; in proportion to speeds measured with ``probe``; or in
-        proportion to the given relative speeds.
+        How ``B`` is split (:mod:`~mpidl.distributed.balance`): equally; by a cost model
+        ``t_i(b) = a_i + c_i b`` of every rank fitted from timed ``probe`` passes at several
+        batch sizes, the split minimizing the slowest rank's step, kept equal unless it is
+        predicted to be more than ``balance_threshold`` faster; or in proportion to the given
+        relative speeds (``t_i(b) = b / s_i``).
     probe : callable(n), optional
         Runs one forward + backward pass of the real model on ``n`` samples, with no
         communication. Needed for ``speeds='auto'``; when given it also runs once untimed
         on every rank before training (the Numba JIT compiles then: the node's first rank
         compiles and writes the on-disk cache while the others wait in a sleeping poll, then
         they load it), so the first timed step measures the model and not the compiler.
+    balance_threshold : float in [0, 1)
+        The predicted gain (a fraction of the step time) an uneven split must bring over the
+        equal one, and a re-split over the current one (hysteresis).
+    rebalance_every : int, optional
+        Re-fit every rank's cost model from its own last ``rebalance_every`` steps (their
+        compute times and batch sizes) and re-split when the gain passes the threshold; a
+        collective decision every rank takes alike (:attr:`last_rebalance` records it).
     sync_optimizer_state : bool
         ``node``: average the optimizer state at each parameter sync too.
     on_nan : 'stop' | 'skip'
@@ -113,6 +130,7 @@ class DataParallel:
     def __init__(self, model, optimizer, *, batch_size: int, topology: Topology | None = None,
                  strategy: str = "flat", sync_every: int = 50, weighting: str = "balanced",
                  speeds: str | Sequence[float] = "equal", probe: Callable[[int], None] | None = None,
+                 balance_threshold: float = BALANCE_THRESHOLD, rebalance_every: int | None = None,
                  sync_optimizer_state: bool = False, on_nan: str = "stop",
                  check_replicas: bool = False, emulate_slowdown: float | Sequence[float] = 1.0,
                  emulate_link: LinkModel | str | None = None):
@@ -139,12 +157,20 @@ class DataParallel:
             raise ValueError(f"speeds must be 'equal', 'auto' or one number per rank, got {speeds!r}")
         if speeds == "auto" and probe is None:
             raise ValueError("speeds='auto' measures the ranks with probe(n): pass probe=")
+        if isinstance(balance_threshold, bool) or not isinstance(balance_threshold, Real) \
+                or not 0 <= balance_threshold < 1:
+            raise ValueError(f"balance_threshold must be a number in [0, 1), got {balance_threshold!r}")
+        if rebalance_every is not None and (isinstance(rebalance_every, bool) or not isinstance(
+                rebalance_every, Integral) or rebalance_every < 1):
+            raise ValueError(f"rebalance_every must be an integer >= 1 or None, got {rebalance_every!r}")
         if isinstance(emulate_link, str):
             emulate_link = parse_link(emulate_link)
         self.model = model if params is not model else None
         self.params = params
         self.optimizer = optimizer
         self.batch_size = int(batch_size)
+        self.balance_threshold = float(balance_threshold)
+        self.rebalance_every = rebalance_every
         self.on_nan = on_nan
         self.sync_optimizer_state = bool(sync_optimizer_state)
         self.check_replicas = bool(check_replicas)
@@ -168,13 +194,20 @@ class DataParallel:
         if probe is not None:
             self._warm_up(probe)
         if speeds == "auto":
-            self.speeds = self._measure_speeds(probe)
+            #: every rank's cost model t_i(b) = a_i + c_i b (seconds), indexed by rank
+            self.costs = self._measure_costs(probe)
             self.speeds_source = "measured"
-        elif given is not None:
-            self.speeds, self.speeds_source = given, "given"
+            self.batch_sizes, self.predicted_step_s = balance.choose_split(
+                self.costs, self.batch_size, self.balance_threshold, minimum=MIN_LOCAL_BATCH)
         else:
-            self.speeds, self.speeds_source = [1.0] * topo.size, "equal"
-        self.batch_sizes = balance.batch_sizes(self.speeds, self.batch_size)
+            self.costs = balance.costs_from_speeds(given if given is not None else [1.0] * topo.size)
+            self.speeds_source = "given" if given is not None else "equal"
+            self.batch_sizes = (balance.solve_split(self.costs, self.batch_size, MIN_LOCAL_BATCH)
+                                if given is not None
+                                else balance.equal_split(self.batch_size, topo.size))
+            self.predicted_step_s = balance.step_time(self.costs, self.batch_sizes)
+        #: the last re-split: {"step", "old", "new", "predicted_old_s", "predicted_new_s"} or None
+        self.last_rebalance: dict | None = None
         #: optimizer steps done through this object
         self.steps = 0
         self.should_stop = False
@@ -182,8 +215,8 @@ class DataParallel:
         self._pending_stop = False
         self._pending_nonfinite = False
         self._local_count: int | None = None
-        self._balance_seconds = 0.0
-        self._balance_samples = 0
+        #: (samples, compute seconds) of this rank's steps since the last re-fit (the latest only)
+        self._recent: deque = deque(maxlen=RECENT_STEPS)
         self.reset_counters()
         self._mark = time.perf_counter()
 
@@ -257,8 +290,7 @@ class DataParallel:
         seconds = time.perf_counter() - self._mark
         seconds += self.slowdown.stretch(seconds)  # EMULATION: sleeps (f - 1) * seconds
         self._step_compute.append(seconds)
-        self._balance_seconds += seconds
-        self._balance_samples += int(count)
+        self._recent.append((int(count), seconds))
 
         t0 = time.perf_counter()
         message = self.params.message
@@ -292,6 +324,9 @@ class DataParallel:
             self._agree(result)
         if self.check_replicas and (self.exact or result is not None):
             self._compare_replicas()
+        self.last_rebalance = None
+        if self.rebalance_every is not None and self.steps % self.rebalance_every == 0:
+            self.rebalance()
         self._wait_seconds += time.perf_counter() - t0
         self._mark = time.perf_counter()
         return result is not None
@@ -337,18 +372,53 @@ class DataParallel:
         return self.topology.world.allgather(value)
 
     # ------------------------------------------------------------------ balance
+    @property
+    def speeds(self) -> list[float]:
+        """Every rank's marginal speed ``1 / c_i`` (samples per second) from its cost model."""
+        return [1.0 / cost.c for cost in self.costs]
+
+    def describe_split(self) -> str:
+        """One line for the log: how ``B`` is split, each rank's model and predicted time."""
+        times = [cost.time(b) for cost, b in zip(self.costs, self.batch_sizes)]
+        if self.speeds_source != "measured":
+            speeds = ", ".join(f"{s:.3g}" for s in self.speeds)
+            return f"split ({self.speeds_source} speeds [{speeds}]): batch sizes {self.batch_sizes}"
+        equal = balance.step_time(self.costs, balance.equal_split(self.batch_size, self.size))
+        a = ", ".join(f"{cost.a * 1e3:.3g}" for cost in self.costs)
+        c = ", ".join(f"{cost.c * 1e3:.3g}" for cost in self.costs)
+        t = ", ".join(f"{x * 1e3:.3g}" for x in times)
+        return (f"split (measured cost t_i(b) = a_i + c_i b; a [{a}] ms, c [{c}] ms/sample): "
+                f"batch sizes {self.batch_sizes}, predicted step [{t}] ms "
+                f"(equal split {equal * 1e3:.3g} ms; threshold {100 * self.balance_threshold:g} %)")
+
     def rebalance(self) -> tuple[list[int], list[int]] | None:
-        """Re-split ``B`` from the compute seconds per sample every rank measured in its own
-        steps since the last re-balance (collective; every rank computes the same split).
-        Returns ``(old, new)`` batch sizes when they changed, else None."""
-        gathered = self.allgather((self._balance_seconds, self._balance_samples))
-        self._balance_seconds, self._balance_samples = 0.0, 0
-        seconds, samples = [g[0] for g in gathered], [g[1] for g in gathered]
-        self.speeds = [float(s) for s in balance.rebalance(seconds, samples, self.speeds)]
-        new = balance.batch_sizes(self.speeds, self.batch_size)
-        if new == self.batch_sizes:
+        """Re-fit every rank's cost model from its own steps since the last re-fit and re-split
+        if that is predicted to be more than ``balance_threshold`` faster than the current
+        split (collective; every rank computes the same split). Returns ``(old, new)`` batch
+        sizes when they changed, else None.
+
+        A rank's steps mostly share one local batch size ``b``, which cannot separate ``a_i``
+        from ``c_i``: its model is scaled by ``median(t) / t_i(b)`` over the steps at its most
+        frequent ``b`` (:func:`~mpidl.distributed.balance.scale_cost`). A rank that computed
+        nothing keeps its model."""
+        samples = [b for b, _ in self._recent if b > 0]
+        cost = self.costs[self.rank]
+        if samples:
+            usual = max(set(samples), key=samples.count)
+            cost = balance.scale_cost(cost, usual, [t for b, t in self._recent if b == usual])
+        self._recent.clear()
+        self.costs = [balance.RankCost(a, c) for a, c in self.allgather((cost.a, cost.c))]
+        old = list(self.batch_sizes)
+        new, predicted = balance.choose_split(self.costs, self.batch_size, self.balance_threshold,
+                                              current=old, minimum=MIN_LOCAL_BATCH)
+        predicted_old = balance.step_time(self.costs, old)
+        self.predicted_step_s = predicted
+        if new == old:
             return None
-        old, self.batch_sizes = self.batch_sizes, new
+        self.batch_sizes = new
+        self.last_rebalance = {"step": self.steps, "old": old, "new": new,
+                               "predicted_old_s": predicted_old, "predicted_new_s": predicted,
+                               "costs": [[c.a, c.c] for c in self.costs]}
         return old, new
 
     # ------------------------------------------------------------------ counters and timers
@@ -392,7 +462,8 @@ class DataParallel:
         rank 0, None elsewhere.
 
         Keys: ``strategy``, ``weighting``, ``world_size``, ``num_nodes``, ``steps``,
-        ``steps_since_sync``, ``speeds``, ``batch_sizes``, ``params`` (the consensus),
+        ``steps_since_sync``, ``costs`` (``[a_i, c_i]`` per rank), ``batch_sizes``, ``params``
+        (the consensus),
         ``optimizer`` (``{"step_count", "state": [arrays]}``, the replicas' common state, or
         None when it is per node), ``nodes`` (None, or per node ``{"params": array or None,
         "state": [arrays] or None, "samples": int}`` when the nodes' parameters or optimizer
@@ -420,7 +491,7 @@ class DataParallel:
         return {
             "strategy": self.strategy, "weighting": self.weighting, "world_size": topo.size,
             "num_nodes": topo.num_nodes, "steps": self.steps, "steps_since_sync": since_sync,
-            "speeds": list(self.speeds), "batch_sizes": list(self.batch_sizes),
+            "costs": [[c.a, c.c] for c in self.costs], "batch_sizes": list(self.batch_sizes),
             "params": params,
             "optimizer": {"step_count": int(self.optimizer.step_count),
                           "state": None if state_differs else state},
@@ -433,7 +504,7 @@ class DataParallel:
 
         Everything is checked first on every rank and the ranks agree: a problem on any rank
         raises the same ValueError on every rank, before anything is changed. The split and
-        the speeds are restored when the world size is the same (the run continues exactly);
+        the cost models are restored when the world size is the same (the run continues exactly);
         otherwise this run's own are kept.
         """
         problem = None
@@ -457,7 +528,8 @@ class DataParallel:
             self.reducer.steps_since_sync = int(state["steps_since_sync"])
         self.reducer.set_pending_samples(samples)
         if state["world_size"] == self.size:
-            self.speeds, self.batch_sizes = list(state["speeds"]), list(state["batch_sizes"])
+            self.costs = [balance.RankCost(a, c) for a, c in state["costs"]]
+            self.batch_sizes = list(state["batch_sizes"])
 
     # ------------------------------------------------------------------ internals
     def _flags(self) -> tuple[float, float]:
@@ -535,23 +607,38 @@ class DataParallel:
         if saved:
             self.model.load_buffers_host(saved)
 
-    def _measure_speeds(self, probe) -> list[float]:
-        """Samples per second of every rank: timed ``probe`` passes (EMULATED slowdown
-        included), median of :data:`PROBE_REPEATS`, gathered on every rank."""
+    def _measure_costs(self, probe) -> list[balance.RankCost]:
+        """Every rank's ``t_i(b) = a_i + c_i b``: timed ``probe`` passes at the batch sizes of
+        :func:`probe_sizes`, in :data:`PROBE_ROUNDS` rounds after one untimed round, every
+        pass started by all ranks together (a sleeping barrier) so that each is measured
+        under the contention of a real step; EMULATED slowdown included. Fitted per rank by
+        :func:`~mpidl.distributed.balance.fit_cost`, gathered on every rank."""
         saved = self._buffers_host()
-        n = min(PROBE_BATCH, self.batch_size)
-
-        def timed(k):
-            t0 = time.perf_counter()
-            probe(k)
-            if self._backend is not None:
-                self._backend.synchronize()
-            self.slowdown.stretch(time.perf_counter() - t0)
-
-        local = balance.measure_speed(timed, n, repeats=PROBE_REPEATS, warmup=1)
+        sizes = probe_sizes(self.batch_size, self.size)
+        measured_sizes, measured_times = [], []
+        for round_ in range(PROBE_ROUNDS + 1):
+            for b in sizes[round_ % len(sizes):] + sizes[:round_ % len(sizes)]:  # rotate the order
+                self._sleeping_barrier()
+                t0 = time.perf_counter()
+                probe(b)
+                if self._backend is not None:
+                    self._backend.synchronize()
+                seconds = time.perf_counter() - t0
+                seconds += self.slowdown.stretch(seconds)
+                if round_ > 0:
+                    measured_sizes.append(b)
+                    measured_times.append(max(seconds, 1e-9))
         if saved:
             self.model.load_buffers_host(saved)
-        return balance.gather_speeds(self.topology.world, local)
+        own = balance.fit_cost(measured_sizes, measured_times)
+        return [balance.RankCost(a, c) for a, c in self.allgather((own.a, own.c))]
+
+    def _sleeping_barrier(self) -> None:
+        """A world barrier that sleeps while it waits: a busy-waiting MPI_Barrier would take
+        the cores from ranks still computing on an oversubscribed machine."""
+        waiting = self.topology.world.Ibarrier()
+        while not waiting.Test():
+            time.sleep(0.0005)
 
     def _compare_replicas(self) -> None:
         digest = hashlib.sha1(np.ascontiguousarray(to_host(self.params.data)).tobytes()).hexdigest()
@@ -603,3 +690,10 @@ class DataParallel:
         if set(buffers) != set(own_buffers):
             raise ValueError(f"buffers {sorted(buffers)} do not match the model's {sorted(own_buffers)}")
         return params, opt_state, int(mine.get("samples", 0)), buffers
+
+
+def probe_sizes(batch_size: int, ranks: int) -> list[int]:
+    """The local batch sizes the speed probe times: half, one and two equal shares
+    ``m = ceil(B / P)`` (at most ``B``), so the fitted line covers the splits it will choose."""
+    share = -(-batch_size // ranks)
+    return sorted({max(1, share // 2), share, min(batch_size, 2 * share)})

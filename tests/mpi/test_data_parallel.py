@@ -295,10 +295,30 @@ def test_sum_and_allgather():
     assert dp.allgather(RANK * 10) == [r * 10 for r in range(P)]
 
 
+def test_measured_costs_split_away_from_a_slow_rank_identically_everywhere():
+    """speeds='auto': every rank probes its real compute (here EMULATED 8x slower on the last
+    rank), fits t(b) = a + c b, and every rank computes the same split from the gathered fits."""
+    loss_fn = SoftmaxCrossEntropy()
+    model = tiny_model()
+
+    def probe(n):
+        x, y = DATA.read(np.resize(np.arange(DATA.num_samples), n))
+        loss_fn.forward(model.forward(x), y)
+        model.backward(loss_fn.backward())
+
+    dp = DataParallel(model, SGD(model.params, lr=0.05), batch_size=B, speeds="auto", probe=probe,
+                      emulate_slowdown=[1.0] * (P - 1) + [8.0])
+    gathered = WORLD.allgather((dp.batch_sizes, dp.costs))
+    assert all(g == gathered[0] for g in gathered)
+    ok = sum(dp.batch_sizes) == B and dp.speeds_source == "measured"
+    ok = ok and (P == 1 or dp.batch_sizes[-1] < dp.batch_sizes[0])
+    assert all_agree(WORLD, ok), dp.describe_split()
+
+
 def test_rebalance_follows_the_measured_compute_time():
     model, dp = make(emulate_slowdown=[1.0] * (P - 1) + [6.0])
     train(model, dp, steps=2)
-    change = dp.rebalance()
+    change = dp.rebalance()  # re-fits from the two steps (the same at every rank alike)
     ok = P == 1 or (change is not None and dp.batch_sizes[-1] < dp.batch_sizes[0])
     assert all_agree(WORLD, ok and sum(dp.batch_sizes) == B)
     assert len(set(map(tuple, WORLD.allgather(dp.batch_sizes)))) == 1
@@ -318,6 +338,8 @@ def test_rebalance_follows_the_measured_compute_time():
     ({"emulate_slowdown": [1.0] * (P + 1)}, "emulate_slowdown has"),
     ({"emulate_slowdown": 0.5}, "slowdown factor must be"),
     ({"sync_every": 0, "strategy": "node"}, "sync_every"),
+    ({"balance_threshold": 1.0}, "balance_threshold"),
+    ({"rebalance_every": 0}, "rebalance_every"),
 ])
 def test_bad_arguments_are_refused_before_any_collective(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -330,3 +352,21 @@ def test_the_optimizer_must_own_the_models_parameters():
         DataParallel(model, SGD(other.params, lr=0.1), batch_size=B)
     with pytest.raises(ValueError, match="a Model or a FlatParameters"):
         DataParallel(object(), SGD(model.params, lr=0.1), batch_size=B)
+
+
+def test_continuous_rebalance_is_a_collective_decision_logged_once():
+    model, dp = make(emulate_slowdown=[1.0] * (P - 1) + [6.0], rebalance_every=2)
+    changes = []
+    loss_fn = SoftmaxCrossEntropy()
+    for batch in batches(4):
+        x, y = DATA.read(dp.local_indices(batch))
+        loss_fn.forward(model.forward(x), y)
+        model.backward(loss_fn.backward())
+        dp.step()
+        changes.append(None if dp.last_rebalance is None else dp.last_rebalance["new"])
+    gathered = WORLD.allgather(changes)
+    assert all(g == gathered[0] for g in gathered)
+    # decisions only every 2 steps; the first moves samples away from the EMULATED slow rank
+    assert changes[0] is None and changes[2] is None, changes
+    if P > 1:
+        assert changes[1] is not None and changes[1][-1] < changes[1][0], changes

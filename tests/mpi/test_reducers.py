@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpidl.distributed.balance import batch_sizes, gather_speeds
 from mpidl.distributed.emulation import LinkModel
 from mpidl.distributed.reducer_base import COUNT, NONFINITE, SLOTS, STOP
 from mpidl.distributed.reducers import FlatReducer, HierarchicalReducer, NodeReducer, make_reducer
@@ -433,20 +432,6 @@ def test_emulated_link_sleeps_the_modelled_time_on_the_inter_node_level():
     ok = ok and "EMULATED" in hier.describe()
     topo.free()
     assert everywhere(ok)
-
-
-def test_gathered_speeds_give_the_same_batch_sizes_on_every_rank():
-    speeds = gather_speeds(WORLD, 1.0 + 0.5 * RANK)
-    sizes = batch_sizes(speeds, 16 * P)
-    results = WORLD.allgather((speeds, sizes))
-    assert results == [results[0]] * P
-    assert speeds == [1.0 + 0.5 * r for r in range(P)] and sum(sizes) == 16 * P
-
-
-def test_gather_speeds_refuses_a_bad_speed_on_every_rank():
-    # validation happens after the collective, so all ranks raise together
-    with pytest.raises(ValueError, match=rf"gathered speeds\[{P - 1}\]"):
-        gather_speeds(WORLD, 0.0 if RANK == P - 1 else 1.0)
 
 
 # ----------------------------------------------------------------------------- bad input
