@@ -3,7 +3,8 @@
 Every file is written to a temporary name in the target folder, flushed, ``fsync``-ed and then
 renamed over the old one with :func:`os.replace`, which is atomic on POSIX file systems: a job
 killed mid-write leaves the previous file intact and readable, never half a file (at worst a
-stray ``.<name>.*.tmp`` when the process is killed with SIGKILL; an exception removes it).
+stray ``.<name>.XXXXXXXX.tmp`` when the process is killed with SIGKILL, which the next start
+in that folder removes; an exception removes it at once). See :mod:`mpidl.outputs`.
 
 A checkpoint is ONE file, ``DIR/checkpoint.h5``, written by world rank 0 from
 :meth:`DataParallel.state_dict() <mpidl.distributed.DataParallel.state_dict>` (which gathers
@@ -37,11 +38,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from contextlib import contextmanager
 
 import h5py
 import numpy as np
+
+from mpidl.outputs import atomic_h5  # noqa: F401 - the writer of every file here
 
 CHECKPOINT_NAME = "checkpoint.h5"
 FORMAT_VERSION = 2
@@ -49,32 +51,6 @@ FORMAT_VERSION = 2
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed from; the message says which file and why."""
-
-
-@contextmanager
-def atomic_h5(path: str):
-    """Yield an ``h5py.File`` open for writing at a temporary name beside ``path``; on success
-    flush, fsync and rename it to ``path``; on any error remove the temporary file."""
-    folder = os.path.dirname(os.path.abspath(path)) or "."
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
-    os.close(fd)
-    try:
-        with h5py.File(tmp, "w") as f:
-            yield f
-            f.flush()
-        with open(tmp, "rb+") as raw:  # h5py has no fsync; do it on the closed file
-            os.fsync(raw.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # make the rename itself durable
-        finally:
-            os.close(dir_fd)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 # ----------------------------------------------------------------------------------- models

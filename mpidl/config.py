@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 from dataclasses import asdict, dataclass, field, fields
 
 from mpidl.backend import DEVICES, DTYPES
@@ -167,6 +168,8 @@ class Config:
                 )
         if self.resume and not self.checkpoint:
             raise ConfigError("--resume needs --checkpoint DIR (the folder to resume from)")
+        if self.data is not None and os.path.isdir(self.data):
+            raise ConfigError(f"--data {self.data}: is a directory, not an HDF5 layout file")
         if self.data is not None and not os.path.isfile(self.data):
             raise ConfigError(f"--data {self.data}: no such file")
         return self
@@ -198,35 +201,74 @@ def _parsed(option: str, what: str, parse, *args):
         raise ConfigError(f"{option}: {message}") from None
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: ...)" to a help text that does not already say its default."""
+
+    def _get_help_string(self, action):
+        if "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose errors raise :class:`ConfigError` (instead of printing the
+    usage and exiting), so that the command line reports them like every other set-up
+    error: agreed by the ranks, one ``error:`` line from rank 0, exit code 2."""
+
+    def error(self, message):
+        raise ConfigError(f"{message} (python -m mpidl.train --help lists the options)")
+
+
+def _join_negative_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``--speeds -1,1`` -> ``--speeds=-1,1``: argparse takes a value that starts with ``-``
+    and is not a plain number for an option, so a list of numbers starting with a negative
+    one would be reported as a missing value instead of being validated."""
+    takes_value = {opt for a in parser._actions if a.nargs is None and a.option_strings
+                   and not isinstance(a, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+                   for opt in a.option_strings}
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if (arg in takes_value and i + 1 < len(argv)
+                and re.fullmatch(r"-[0-9.][0-9.,:eE+-]*", argv[i + 1])):
+            out.append(f"{arg}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``python -m mpidl.train`` (and ``mpiexec -n N python -m mpidl.train``)."""
     d = Config()
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m mpidl.train",
         description="Train a model data-parallel over MPI ranks (run under mpiexec -n N). "
         "With no --data, trains on the built-in synthetic hyperspectral scene.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     g = p.add_argument_group("data and model")
-    g.add_argument("--data", help="HDF5 dataset in the mpidl layout (default: built-in synthetic scene)")
+    g.add_argument("--data", metavar="PATH", help="HDF5 dataset in the mpidl layout (default: the built-in synthetic scene)")
     g.add_argument("--model", default=d.model, help=f"one of {', '.join(MODELS)}")
-    g.add_argument("--augment", action="store_true", help="random flips / 90-degree rotations of patches")
+    g.add_argument("--augment", action="store_true", help="random flips / 90-degree rotations of training patches")
 
     g = p.add_argument_group("optimisation")
-    g.add_argument("--epochs", type=int, default=d.epochs)
+    g.add_argument("--epochs", type=int, default=d.epochs, help="passes over the training split")
     g.add_argument("--batch-size", type=int, default=d.batch_size,
                    help="the GLOBAL batch B, split over the ranks in proportion to their speed")
     g.add_argument("--drop-last", action="store_true",
                    help="skip each epoch's last, smaller global batch (as PyTorch's DataLoader option)")
-    g.add_argument("--lr", type=float, default=d.lr)
-    g.add_argument("--momentum", type=float, default=d.momentum)
-    g.add_argument("--nesterov", action="store_true")
-    g.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    g.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (of the schedule)")
+    g.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum, in [0, 1)")
+    g.add_argument("--nesterov", action="store_true", help="Nesterov momentum (--optimizer sgd)")
+    g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="L2 weight decay (decoupled for adamw)")
     g.add_argument("--optimizer", default=d.optimizer, help=f"one of {', '.join(OPTIMIZERS)}")
     g.add_argument("--schedule", default=d.schedule, help=f"one of {', '.join(SCHEDULES)}")
-    g.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
-    g.add_argument("--max-steps", type=int, default=None, help="stop after this many global steps")
-    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="steps of linear learning-rate warm-up")
+    g.add_argument("--max-steps", type=int, default=None, help="stop after this many global steps (default: none, every epoch runs)")
+    g.add_argument("--seed", type=int, default=d.seed, help="seed of the model's initial weights, the data order and augmentation")
     g.add_argument("--dtype", default=d.dtype, help="float32 or float64")
     g.add_argument("--device", default=d.device, help="cpu or gpu (CuPy)")
 
@@ -253,42 +295,45 @@ def build_parser() -> argparse.ArgumentParser:
                         "steps and re-split when the gain passes --balance-threshold")
     g.add_argument("--rebalance-every", type=int, default=d.rebalance_every, metavar="STEPS",
                    help="steps between re-fits with --rebalance")
-    g.add_argument("--ranks-per-node", type=int, default=None,
-                   help="group consecutive ranks into emulated nodes of K ranks (default: real nodes; "
-                        "env MPIDL_RANKS_PER_NODE)")
+    g.add_argument("--ranks-per-node", type=int, default=None, metavar="K",
+                   help="group consecutive ranks into emulated nodes of K ranks (default: the real "
+                        "nodes, or env MPIDL_RANKS_PER_NODE)")
     g.add_argument("--check-replicas", action="store_true", help="debug: compare parameter checksums after each global sync")
 
     g = p.add_argument_group("emulation (experiments on one machine; always reported as emulation)")
     g.add_argument("--emulate-slowdown", default=None, metavar="F0,F1,...",
-                   help="stretch rank i's compute time by factor f_i >= 1")
+                   help="stretch rank i's compute time by factor f_i >= 1 (default: none)")
     g.add_argument("--emulate-link", default=None, metavar="LATENCY_US,GBIT_S",
-                   help="add the alpha-beta modelled time of each inter-node collective")
+                   help="add the alpha-beta modelled time of each inter-node collective (default: none)")
 
     g = p.add_argument_group("output")
-    g.add_argument("--metrics", default=None, metavar="PATH", help="JSON Lines metrics file (rank 0)")
-    g.add_argument("--save", default=None, metavar="PATH", help="write the final model as HDF5")
-    g.add_argument("--checkpoint", default=None, metavar="DIR", help="write checkpoints into DIR")
+    g.add_argument("--metrics", default=None, metavar="PATH", help="JSON Lines metrics file, written by rank 0 (default: none)")
+    g.add_argument("--save", default=None, metavar="PATH", help="write the final model as HDF5 (default: not saved)")
+    g.add_argument("--checkpoint", default=None, metavar="DIR", help="write DIR/checkpoint.h5 (DIR is created if missing; default: no checkpoints)")
     g.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="epochs between checkpoints")
     g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint DIR")
-    g.add_argument("--timing-dir", default=None, metavar="DIR", help="every rank writes its per-step timing here")
+    g.add_argument("--timing-dir", default=None, metavar="DIR", help="every rank writes its per-step timing to DIR/rank<r>.jsonl (default: none)")
     g.add_argument("--quiet", action="store_true", help="print only errors and the final summary")
     g.add_argument("--log-level", default=d.log_level, help=f"one of {', '.join(LOG_LEVELS)}")
     g.add_argument("--progress-every", dest="progress_every_s", type=float, default=d.progress_every_s,
                    metavar="SECONDS", help="progress line within an epoch at most this often")
 
     g = p.add_argument_group("failures")
-    g.add_argument("--on-nan", default=d.on_nan, help="NaN/Inf in the reduced gradient: stop (default) or skip the step")
+    g.add_argument("--on-nan", default=d.on_nan, help="NaN/Inf in the reduced gradient: stop or skip the step")
     g.add_argument("--inject-fault", default=None, metavar="RANK:STEP[:KIND]",
                    help="TESTING AID: at global step STEP, rank RANK raises an exception (KIND raise, "
-                        "the default), puts NaN into its local gradient (KIND nan), or sends itself "
-                        "SIGTERM (KIND term)")
+                        "if KIND is left out), puts NaN into its local gradient (KIND nan), or sends itself "
+                        "SIGTERM (KIND term) (default: no fault)")
     return p
 
 
 def parse_config(argv=None, world_size: int = 1) -> Config:
-    """Parse and validate a command line. argparse errors exit with code 2 (its usual way);
-    value errors raise :class:`ConfigError`."""
-    ns = build_parser().parse_args(argv)
+    """Parse and validate a command line. Every error, argparse's own included, raises
+    :class:`ConfigError`; ``--help`` prints and exits (SystemExit 0) as usual."""
+    import sys  # noqa: PLC0415
+
+    parser = build_parser()
+    ns = parser.parse_args(_join_negative_values(parser, list(sys.argv[1:] if argv is None else argv)))
     names = {f.name for f in fields(Config)}
     cfg = Config(**{k: v for k, v in vars(ns).items() if k in names})
     return cfg.validate(world_size)

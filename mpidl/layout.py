@@ -18,6 +18,8 @@ One file holds every split of one dataset::
       split_seed      the seed of the train/test split
       mean, std       (C,) float64, per-channel statistics of the TRAINING split only
       layout_version  1
+      fingerprint     optional: "sha256:..." of the splits' contents (see fingerprint()),
+                      written at conversion; a resumed run compares it with its checkpoint's
 
 ``x`` is chunked one sample per chunk (``chunks=(1, C, H, W)``), so reading sample ``i``
 touches exactly one chunk and a rank that reads only its share reads only those chunks.
@@ -34,11 +36,13 @@ therefore never leaves a partial file, and a reader never sees a half-written on
 
 from __future__ import annotations
 
+import hashlib
 import os
-import tempfile
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+
+from mpidl.outputs import atomic_h5
 
 LAYOUT_VERSION = 1
 REQUIRED_SPLITS = ("train", "test")
@@ -49,6 +53,7 @@ REQUIRED_ATTRS = ("class_names", "bands", "patch_size", "source", "split_seed", 
 __all__ = [
     "LAYOUT_VERSION", "REQUIRED_SPLITS", "OPTIONAL_SPLITS", "REQUIRED_ATTRS", "LayoutError",
     "LayoutFileNotFoundError", "validate_layout", "write_layout", "channel_stats",
+    "scan_nonfinite", "nonfinite_problem", "fingerprint", "file_fingerprint", "stored_fingerprint",
 ]
 
 
@@ -191,12 +196,6 @@ def validate_layout(path: str | os.PathLike) -> dict:
 _BLOCK = 1024
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def channel_stats(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per-channel mean and population std of ``x : (N, C, H, W)``, both ``(C,) float64``.
 
@@ -298,6 +297,8 @@ def write_layout(path: str | os.PathLike, splits: Mapping[str, Sequence[np.ndarr
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"cannot write {path}: folder {folder} does not exist")
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"cannot write {path}: is a directory (give a file name)")
     mean, std = channel_stats(checked["train"][0])
     c, h, w = checked["train"][0].shape[1:]
     meta = {
@@ -309,47 +310,106 @@ def write_layout(path: str | os.PathLike, splits: Mapping[str, Sequence[np.ndarr
         "mean": mean,
         "std": std,
         "layout_version": LAYOUT_VERSION,
+        "fingerprint": fingerprint({name: arrays[:2] for name, arrays in checked.items()}),
     }
-    # The temporary file lives in the destination folder so that os.replace is a rename
-    # within one file system (atomic), never a copy.
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
-    os.close(fd)
-    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual permissions
-    try:
-        with h5py.File(tmp, "w") as f:
-            for key, value in meta.items():
+    # Written under a temporary name in the destination folder (a rename within one file
+    # system: atomic), fsynced, then renamed; a failed write names `path`, never the temporary.
+    with atomic_h5(path, permissions=True) as f:
+        for key, value in meta.items():
+            f.attrs[key] = value
+        for key, value in (attrs or {}).items():
+            if value is not None:  # HDF5 has no null attribute: an absent one means "not set"
                 f.attrs[key] = value
-            for key, value in (attrs or {}).items():
-                if value is not None:  # HDF5 has no null attribute: an absent one means "not set"
-                    f.attrs[key] = value
-            for name, (x, y, pos) in checked.items():
-                n = x.shape[0]
-                dx = f.create_dataset(f"{name}/x", shape=x.shape, dtype=np.float32,
-                                      chunks=(1, c, h, w) if n else None)
-                for start in range(0, n, _BLOCK):
-                    dx[start:start + _BLOCK] = x[start:start + _BLOCK].astype(np.float32)
-                f.create_dataset(f"{name}/y", data=y, dtype=np.int64)
-                if pos is not None:
-                    f.create_dataset(f"{name}/pos", data=pos, dtype=np.int32)
-        # Flush the bytes to the disk before the rename makes them visible under `path`:
-        # after a crash, `path` is then either the old file or the complete new one.
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    try:  # make the rename itself durable (best effort: not every file system allows it)
-        dfd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass
+        for name, (x, y, pos) in checked.items():
+            n = x.shape[0]
+            dx = f.create_dataset(f"{name}/x", shape=x.shape, dtype=np.float32,
+                                  chunks=(1, c, h, w) if n else None)
+            for start in range(0, n, _BLOCK):
+                dx[start:start + _BLOCK] = x[start:start + _BLOCK].astype(np.float32)
+            f.create_dataset(f"{name}/y", data=y, dtype=np.int64)
+            if pos is not None:
+                f.create_dataset(f"{name}/pos", data=pos, dtype=np.int32)
     meta["splits"] = {name: int(arrs[0].shape[0]) for name, arrs in checked.items()}
     return meta
+
+
+# --------------------------------------------------------------------------------------------
+# Values: non-finite samples, and the content fingerprint
+# --------------------------------------------------------------------------------------------
+def scan_nonfinite(path: str | os.PathLike, split: str, start: int = 0, stop: int | None = None,
+                   block: int = _BLOCK) -> tuple[int, int, int | None]:
+    """Count the non-finite values (NaN, +-Inf) of ``split/x`` over samples ``[start, stop)``,
+    reading ``block`` samples at a time (a large file is never loaded whole).
+
+    Returns ``(samples, values, first)``: the samples that hold at least one non-finite
+    value, the non-finite values in all, and the index of the first such sample (None when
+    there is none).
+    """
+    import h5py  # noqa: PLC0415
+
+    samples = values = 0
+    first = None
+    with h5py.File(os.fspath(path), "r") as f:
+        x = f[f"{split}/x"]
+        stop = x.shape[0] if stop is None else min(stop, x.shape[0])
+        for lo in range(start, stop, block):
+            chunk = x[lo:min(lo + block, stop)]
+            finite = np.isfinite(chunk)
+            if finite.all():
+                continue
+            bad = ~finite.reshape(chunk.shape[0], -1)
+            per_sample = bad.sum(axis=1)
+            hit = np.flatnonzero(per_sample)
+            samples += int(hit.size)
+            values += int(per_sample.sum())
+            if first is None:
+                first = lo + int(hit[0])
+    return samples, values, first
+
+
+def nonfinite_problem(split: str, samples: int, values: int, first: int) -> str:
+    """The words for non-finite values found by :func:`scan_nonfinite`."""
+    return (f"{split}/x holds non-finite values (NaN or Inf): {values} value(s) in {samples} "
+            f"sample(s), the first at sample {first}")
+
+
+def fingerprint(splits: Mapping[str, Sequence[np.ndarray]]) -> str:
+    """A content fingerprint of ``{split: (x, y)}``: SHA-256 over, split by split in name
+    order, the name, the shape of ``x``, ``y`` as little-endian int64 and ``x`` as
+    little-endian float32. Stored by :func:`write_layout` as the root attribute
+    ``fingerprint``; :func:`file_fingerprint` recomputes it from a file."""
+    digest = hashlib.sha256()
+    for name in sorted(splits):
+        x, y = splits[name][0], splits[name][1]
+        _digest_split(digest, name, x, y)
+    return "sha256:" + digest.hexdigest()
+
+
+def file_fingerprint(path: str | os.PathLike) -> str:
+    """:func:`fingerprint` of a layout file's splits, read ``_BLOCK`` samples at a time."""
+    import h5py  # noqa: PLC0415
+
+    digest = hashlib.sha256()
+    with h5py.File(os.fspath(path), "r") as f:
+        for name in sorted(s for s in REQUIRED_SPLITS + OPTIONAL_SPLITS if s in f):
+            _digest_split(digest, name, f[f"{name}/x"], f[f"{name}/y"][...])
+    return "sha256:" + digest.hexdigest()
+
+
+def stored_fingerprint(path: str | os.PathLike) -> str | None:
+    """The ``fingerprint`` attribute of a layout file (None for a file written without one)."""
+    import h5py  # noqa: PLC0415
+
+    with h5py.File(os.fspath(path), "r") as f:
+        value = f.attrs.get("fingerprint")
+    if value is None:
+        return None
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _digest_split(digest, name: str, x, y) -> None:
+    digest.update(name.encode())
+    digest.update(np.asarray(x.shape, dtype="<i8").tobytes())
+    digest.update(np.ascontiguousarray(np.asarray(y), dtype="<i8").tobytes())
+    for lo in range(0, x.shape[0], _BLOCK):
+        digest.update(np.ascontiguousarray(x[lo:lo + _BLOCK], dtype="<f4").tobytes())

@@ -73,3 +73,40 @@ def test_allowed_names_come_from_the_registries_that_own_them(monkeypatch):
     assert (cfg.model, cfg.optimizer) == ("toy", "toyopt")
     with pytest.raises(ConfigError, match="--model 'resnet9' is not one of: .*toy"):
         parse_config(["--model", "resnet9"])
+
+
+def test_negative_numbers_in_list_options_parse():
+    with pytest.raises(ConfigError, match=r"--speeds: entry 0 \('-1'\) must be a finite number > 0"):
+        parse_config(["--speeds", "-1,1,1,1"], world_size=4)
+    with pytest.raises(ConfigError, match="--emulate-slowdown"):
+        parse_config(["--emulate-slowdown", "-2,1"], world_size=2)
+    assert parse_config(["--lr", "1e-3"]).lr == 1e-3
+
+
+def test_argparse_errors_are_config_errors():
+    """The command line agrees on them like any set-up error: one line, rank 0, exit 2."""
+    with pytest.raises(ConfigError, match="unrecognized arguments: --nope"):
+        parse_config(["--nope"])
+    with pytest.raises(ConfigError, match="argument --epochs: invalid int value: 'x'"):
+        parse_config(["--epochs", "x"])
+
+
+def test_a_directory_as_data_says_so(tmp_path):
+    with pytest.raises(ConfigError, match=f"--data {tmp_path}: is a directory"):
+        parse_config(["--data", str(tmp_path)])
+
+
+def test_every_option_has_a_help_text_with_its_default():
+    from mpidl.config import build_parser
+
+    parser = build_parser()
+    text = parser.format_help()
+    for action in parser._actions:
+        if action.dest == "help":
+            continue
+        name = action.option_strings[-1]
+        assert action.help, f"{name} has no help text"
+        shown = parser._get_formatter()._expand_help(action) if action.help else ""
+        assert "default" in shown, f"{name}: no default in {shown!r}"
+        assert shown.count("(default") <= 1, f"{name}: the default twice in {shown!r}"
+    assert text.count("(default: None)") == 0

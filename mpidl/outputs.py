@@ -1,0 +1,263 @@
+"""Output paths: checked before any work, temporary files of atomic writes, and a rescue
+place for a trained model whose final write fails.
+
+Every file mpidl writes (checkpoints, saved models, layout files) is written to a temporary
+name beside its target, ``.<target name>.<8 random characters>.tmp`` (:func:`make_temp`),
+then renamed over the target. The same naming serves three purposes:
+
+* :func:`check_output_file` / :func:`check_output_folder` test, at set-up, that a target can
+  be written by creating and removing such a temporary file next to it -- exactly what the
+  atomic writer will do -- so an unwritable ``--save`` or ``--checkpoint`` is refused
+  before training, not after it;
+* :func:`remove_stale_temps` removes the temporaries an interrupted write (``kill -9``) left
+  behind, recognising only names of that form for the targets mpidl writes in that folder;
+* :func:`rescue_model` writes a model to a fallback place when its own target fails (disk
+  full, quota, a file system gone), so that a finished training run is not thrown away.
+
+Nothing here talks MPI: the command line runs the checks on the ranks that will write and
+agrees on the result with the other set-up errors.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import tempfile
+from contextlib import contextmanager
+
+#: mkstemp's random part: 8 characters of [a-z0-9_]
+_RANDOM = r"[a-z0-9_]{8}"
+
+
+class OutputError(ValueError):
+    """An output path that cannot be written; the message names the option and the path."""
+
+
+def make_temp(path: str) -> str:
+    """Create an empty temporary file beside ``path`` (same folder, so that ``os.replace``
+    is a rename within one file system) and return its name, ``.<basename>.XXXXXXXX.tmp``.
+    Raises OSError from the file system."""
+    folder = os.path.dirname(os.path.abspath(path)) or "."
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+    os.close(fd)
+    return tmp
+
+
+def write_error(path: str, exc: BaseException) -> OSError:
+    """An OSError whose message names the user's ``path`` (never the temporary name) and the
+    operating system's cause; its ``errno`` is the original one."""
+    error = OSError(f"cannot write {path}: {cause(exc)}")
+    error.errno = getattr(exc, "errno", None) or _buried_errno(exc)
+    return error
+
+
+@contextmanager
+def atomic_h5(path: str, *, permissions: bool = False):
+    """Yield an ``h5py.File`` open for writing at a temporary name beside ``path``
+    (:func:`make_temp`); on success flush, fsync and rename it to ``path`` (atomic on POSIX),
+    then fsync the folder (best effort). On any error the temporary file is closed and
+    removed, and an OSError is re-raised as :func:`write_error` (naming ``path``).
+
+    ``permissions=True`` gives the file the usual ``0666 & ~umask`` mode (mkstemp makes 0600).
+
+    A write that fails in HDF5 (a full disk) leaves the file open inside the library, which
+    can neither flush nor close it, and the interpreter later crashes when it tries again;
+    so the file's descriptor is pointed at ``/dev/null`` first (:func:`_abandon`), which lets
+    the library close it, and only then is the temporary removed.
+    """
+    import h5py  # noqa: PLC0415
+
+    folder = os.path.dirname(os.path.abspath(path)) or "."
+    if os.path.isdir(path):
+        raise OSError(f"cannot write {path}: is a directory")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        tmp = make_temp(path)
+    except OSError as exc:
+        raise write_error(path, exc) from None
+    try:
+        if permissions:
+            mask = os.umask(0)
+            os.umask(mask)
+            os.chmod(tmp, 0o666 & ~mask)
+        f = h5py.File(tmp, "w")
+        try:
+            yield f
+            f.flush()
+        except BaseException:
+            _abandon(f)
+            raise
+        f.close()
+        fd = os.open(tmp, os.O_RDONLY)  # h5py has no fsync; do it on the closed file
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException as exc:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        if isinstance(exc, OSError):
+            raise write_error(path, exc) from None
+        raise
+    try:  # make the rename itself durable (not every file system allows it)
+        dir_fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError:
+        pass
+
+
+def _abandon(f) -> None:
+    """Close an ``h5py.File`` whose writes failed, discarding what it still holds: its
+    descriptor is redirected to ``/dev/null``, so the library's final flush succeeds."""
+    try:
+        handle = f.id.get_vfd_handle()
+        if isinstance(handle, int) and handle >= 0:
+            sink = os.open(os.devnull, os.O_RDWR)
+            os.dup2(sink, handle)
+            os.close(sink)
+    except Exception:  # not the POSIX driver, or already closed: close as it is
+        pass
+    try:
+        f.close()
+    except Exception:
+        pass
+
+
+def is_temp_of(name: str, target: str) -> bool:
+    """True iff file name ``name`` is a temporary of :func:`make_temp` for target ``target``
+    (a base name)."""
+    return re.fullmatch(re.escape("." + target + ".") + _RANDOM + re.escape(".tmp"), name) is not None
+
+
+def remove_stale_temps(path: str) -> list[str]:
+    """Remove the temporaries of ``path`` that an interrupted atomic write left in its folder;
+    return the paths removed. Only names of :func:`make_temp`'s form for this target's name
+    are touched: nothing else in the folder is."""
+    folder = os.path.dirname(os.path.abspath(path)) or "."
+    target = os.path.basename(path)
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for name in sorted(names):
+        full = os.path.join(folder, name)
+        if is_temp_of(name, target) and os.path.isfile(full) and not os.path.islink(full):
+            try:
+                os.remove(full)
+                removed.append(full)
+            except OSError:
+                pass
+    return removed
+
+
+def _buried_errno(exc: BaseException) -> int | None:
+    found = re.search(r"errno = (\d+)", str(exc))
+    return int(found.group(1)) if found else None
+
+
+def cause(exc: BaseException) -> str:
+    """The operating system's words for ``exc`` ("No space left on device (ENOSPC)"), also
+    when HDF5 buries the errno inside a longer message; else the exception's first line."""
+    text = str(exc).strip().splitlines()
+    if text and text[0].startswith("cannot write "):  # already one of ours
+        return text[0].split(": ", 1)[-1]
+    number = getattr(exc, "errno", None)
+    if not isinstance(number, int) or number <= 0:
+        number = _buried_errno(exc)
+    if number:
+        return f"{os.strerror(number)} ({errno.errorcode.get(number, number)})"
+    return text[0] if text else type(exc).__name__
+
+
+def _probe(folder: str, target: str) -> None:
+    """Create and remove a temporary file for ``target`` in ``folder`` (raises OSError)."""
+    tmp = make_temp(os.path.join(folder, target))
+    os.remove(tmp)
+
+
+def check_output_file(option: str, path: str) -> list[str]:
+    """Check that the file ``path`` (given as ``option``) can be written atomically: it is not
+    a folder, its folder exists or can be created, and a temporary file can be created and
+    removed there. Removes the stale temporaries of ``path``; returns their paths.
+    Raises :class:`OutputError` naming ``option`` and ``path``."""
+    if os.path.isdir(path):
+        raise OutputError(f"{option} {path}: is a directory (give a file name)")
+    folder = os.path.dirname(os.path.abspath(path))
+    _make_folder(option, path, folder)
+    try:
+        _probe(folder, os.path.basename(path))
+    except OSError as exc:
+        raise OutputError(f"{option} {path}: cannot write in {folder}: {cause(exc)}") from None
+    return remove_stale_temps(path)
+
+
+def check_output_folder(option: str, folder: str, targets=()) -> list[str]:
+    """Check that ``folder`` (given as ``option``) is a folder, created if missing, in which a
+    temporary file can be created and removed. Removes the stale temporaries of each file
+    name in ``targets`` there; returns their paths. Raises :class:`OutputError`."""
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise OutputError(f"{option} {folder}: is a file, not a folder")
+    _make_folder(option, folder, folder)
+    try:
+        _probe(folder, targets[0] if targets else "probe")
+    except OSError as exc:
+        raise OutputError(f"{option} {folder}: cannot write in this folder: {cause(exc)}") from None
+    removed = []
+    for target in targets:
+        removed += remove_stale_temps(os.path.join(folder, target))
+    return removed
+
+
+def _make_folder(option: str, path: str, folder: str) -> None:
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except FileExistsError:
+        raise OutputError(f"{option} {path}: {_first_file(folder)} is a file, not a folder") from None
+    except OSError as exc:
+        raise OutputError(f"{option} {path}: cannot create the folder {folder}: {cause(exc)}") from None
+
+
+def _first_file(folder: str) -> str:
+    """The first component of ``folder`` that exists and is not a folder."""
+    parts = os.path.abspath(folder).split(os.sep)
+    for i in range(2, len(parts) + 1):
+        candidate = os.sep.join(parts[:i])
+        if os.path.exists(candidate) and not os.path.isdir(candidate):
+            return candidate
+    return folder
+
+
+def rescue_places(failed: str, name: str) -> list[str]:
+    """Where a model goes when writing ``failed`` did not work: the working folder, then the
+    system's temporary folder (each skipped when it is the failed file's own folder)."""
+    own = os.path.dirname(os.path.abspath(failed))
+    places = []
+    for folder in (os.getcwd(), tempfile.gettempdir()):
+        folder = os.path.abspath(folder)
+        if folder != own and folder not in places:
+            places.append(folder)
+    return [os.path.join(folder, name) for folder in places]
+
+
+def rescue_model(save, model, failed: str, exc: BaseException, what: str) -> str:
+    """``save(path, model)`` to the first of :func:`rescue_places` that works, after writing
+    ``failed`` (``what``: "the final model", "the checkpoint") raised ``exc``. Returns the
+    message for the user: the failed path and its cause, and where the model is now."""
+    name = f"mpidl-rescued-model.{os.getpid()}.h5"
+    problems = []
+    for place in rescue_places(failed, name):
+        try:
+            save(place, model)
+        except (OSError, RuntimeError, ValueError) as again:
+            problems.append(f"{place}: {cause(again)}")
+            continue
+        return (f"cannot write {what} to {failed}: {cause(exc)}; the trained model was saved to "
+                f"{place} instead (mpidl.checkpoint.load_model reads it)")
+    return (f"cannot write {what} to {failed}: {cause(exc)}; the trained model could not be saved "
+            f"anywhere else either ({'; '.join(problems) or 'no other place'})")
