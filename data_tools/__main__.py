@@ -9,9 +9,11 @@ subcommand              does
 ``info``                print a layout file's contents; exit code 1 if it is invalid
 ======================  ===========================================================
 
-Errors in the input (a bad option, a missing key, mismatched sizes, an invalid file) print
-one line ``error: ...`` naming the file and the problem, and exit with code 1; no output
-file is left behind.
+Errors in the input (a bad option, a missing key, mismatched sizes, an invalid file, NaN or
+Inf values) print one line ``error: ...`` naming the file and the problem, and exit with
+code 1; no output file is left behind. A converter's ``--out`` is checked first (not a
+folder; a temporary file can be created and removed beside it, as the atomic writer will),
+and a write that fails later (disk full) names ``--out``, never the temporary file.
 """
 
 from __future__ import annotations
@@ -39,8 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mpidl.outputs import check_output_file  # noqa: PLC0415
+
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "out", None):
+            check_output_file("--out", args.out)
         return args.run(args)
     except (ValueError, OSError, KeyError, ImportError) as exc:  # they name the file and problem
         print(f"error: {exc}", file=sys.stderr)

@@ -4,8 +4,11 @@
 
 Prints the sample shape, the splits, the class balance per split, the stored training
 statistics and the converter's attributes. An invalid file prints ``error: FILE: problem``
-and exits with code 1. ``--verify`` also reads the training split and checks that the
-stored mean/std are its statistics (they must be: the reader normalizes with them).
+and exits with code 1; so do NaN or Inf sample values (every split is read in blocks, and the
+message names the split, how many values and samples, and the first such sample).
+``--verify`` also checks that the stored mean/std are the training split's statistics (they
+must be: the reader normalizes with them) and that the stored content ``fingerprint``
+matches the file's contents.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import os
 import numpy as np
 
 from mpidl.layout import REQUIRED_ATTRS, LayoutError, validate_layout
-from mpidl.layout import channel_stats
+from mpidl.layout import channel_stats, file_fingerprint, nonfinite_problem, scan_nonfinite
 
 
 def _fmt_range(values: np.ndarray) -> str:
@@ -28,6 +31,13 @@ def describe(path: str, verify: bool = False) -> str:
     import h5py  # noqa: PLC0415
 
     meta = validate_layout(path)
+    problems = []
+    for split in meta["splits"]:
+        samples, values, first = scan_nonfinite(path, split)
+        if samples:
+            problems.append(nonfinite_problem(split, samples, values, first))
+    if problems:
+        raise LayoutError(path, "; ".join(problems))
     names = meta["class_names"]
     k = len(names)
     lines = [f"file         {path} ({os.path.getsize(path) / 2**20:.1f} MiB), layout version "
@@ -62,6 +72,14 @@ def describe(path: str, verify: bool = False) -> str:
                                         f"(relative deviation {dev:.3g})")
             lines.append(f"verified     stored mean/std match the training split "
                          f"(relative deviation {dev:.1e})")
+            stored = f.attrs.get("fingerprint")
+            if stored is not None:
+                stored = stored.decode() if isinstance(stored, bytes) else str(stored)
+                actual = file_fingerprint(path)
+                if actual != stored:
+                    raise LayoutError(path, f"the stored fingerprint {stored} is not the contents' "
+                                            f"({actual}): the file was changed after conversion")
+                lines.append("verified     the stored fingerprint matches the contents")
     return "\n".join(lines)
 
 

@@ -7,11 +7,20 @@ every option.
 
 Failure policy
 --------------
-*Set-up errors* (a bad option, a missing or malformed data file, a model that cannot take the
-data's shape) are found before training starts. Every rank runs the same checks, and the
+*Set-up errors* (a bad option, argparse's own errors included; a missing or malformed data
+file, non-finite values in it, an empty test split; a model that cannot take the data's
+shape; an output path that cannot be written; a checkpoint that does not match the run) are
+found before training starts. Every rank runs the same checks, and the
 ranks then agree (:func:`mpidl.distributed.launch.agree_on_error`), so even an error seen by
 one rank only (say, a file missing on one node) ends every rank cleanly: rank 0 prints
 ``error: ...`` once and all exit with code 2.
+
+*Output paths* are checked on the ranks that will write them (``--save``, ``--checkpoint`` and
+``--metrics`` on rank 0, ``--timing-dir`` on every rank) by creating and removing a temporary
+file beside the target, as the atomic writer will (:mod:`mpidl.outputs`); the temporaries an
+interrupted write left there are removed at the same time. A write that still fails later
+(disk full) stops the job with exit code 1 and an ``error:`` line that names the path, the
+cause and the place the trained model was rescued to.
 
 *Errors during training* may happen on one rank while the others wait inside a collective:
 :func:`mpidl.distributed.launch.abort_on_uncaught_exception` prints ``mpidl: rank R failed:
@@ -20,6 +29,8 @@ one rank only (say, a file missing on one node) ends every rank cleanly: rank 0 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import sys
 
@@ -58,7 +69,7 @@ def main(argv=None) -> int:
     from mpidl.checkpoint import CheckpointError
     from mpidl.config import ConfigError, parse_config
     from mpidl.distributed import NonFiniteGradient, Topology
-    from mpidl.distributed.launch import abort_on_uncaught_exception, agree_on_error, world
+    from mpidl.distributed.launch import abort_on_uncaught_exception, agree_on_error, allgather, world
     from mpidl.log import Printer
 
     rank, size = world()
@@ -68,12 +79,23 @@ def main(argv=None) -> int:
     # ---- set-up: every rank validates the same things, then the ranks agree
     error = None
     setup = None
+    removed = []
     try:
-        cfg = parse_config(argv, world_size=size)
+        # --help is printed by rank 0 only (every rank then exits 0)
+        with contextlib.nullcontext() if rank == 0 else contextlib.redirect_stdout(io.StringIO()):
+            cfg = parse_config(argv, world_size=size)
+        removed = check_outputs(cfg, rank)
         setup = _build(cfg, local_rank)
     except (ConfigError, ValueError, OSError, KeyError, RuntimeError) as exc:
         error = f"{exc}"
     error = agree_on_error(error)
+    if error is None and cfg.data is not None:
+        # the values, once the file is known to be valid: each rank scans its share
+        try:
+            share = _scan_share(cfg.data, rank, size)
+        except OSError as exc:
+            share = f"--data {cfg.data}: {exc}"
+        error = _nonfinite_error(cfg.data, allgather(share))
     if error is not None:
         if rank == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
@@ -82,8 +104,11 @@ def main(argv=None) -> int:
     backend, model, train_set, test_set, data_desc = setup
     topo = Topology.from_comm(ranks_per_node=cfg.ranks_per_node)
     printer = Printer(rank, cfg.log_level, cfg.quiet)
+    if removed:
+        printer.info(f"removed {len(removed)} temporary file(s) left by an interrupted write: "
+                     f"{', '.join(removed)}")
 
-    from mpidl.trainer import Trainer
+    from mpidl.trainer import OutputWriteError, Trainer
 
     trainer = Trainer(cfg, model, train_set, test_set, printer, topology=topo, handle_sigterm=True)
     if cfg.resume:
@@ -99,6 +124,14 @@ def main(argv=None) -> int:
     trainer.metrics.write(_start_record(cfg, topo, model, data_desc))
     try:
         end = trainer.run()
+    except OutputWriteError as exc:
+        # agreed by every rank; the trained model is already rescued (the message says where)
+        with contextlib.suppress(OSError):
+            trainer.metrics.write({"event": "end", "step": trainer.global_step, "stopped": "write_error",
+                                   "error": str(exc)})
+        if rank == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
     except NonFiniteGradient as exc:
         # Decided collectively (every rank sees the same reduced gradient, or the flag was
         # agreed at a sync), so every rank is here: a clean stop, no Abort needed.
@@ -112,6 +145,61 @@ def main(argv=None) -> int:
         f"test OA {100 * end['oa']:.2f}%  AA {100 * end['aa']:.2f}%  kappa {end['kappa']:.4f}"
     )
     return 0
+
+
+def check_outputs(cfg, rank: int) -> list[str]:
+    """Check every output path on the ranks that will write it (raises
+    :class:`mpidl.outputs.OutputError`, agreed with the other set-up errors); returns the
+    stale temporaries of earlier, interrupted writes that were removed."""
+    from mpidl.checkpoint import CHECKPOINT_NAME
+    from mpidl.outputs import check_output_file, check_output_folder
+
+    removed = []
+    if rank == 0:
+        if cfg.save:
+            removed += check_output_file("--save", cfg.save)
+        if cfg.checkpoint:
+            removed += check_output_folder("--checkpoint", cfg.checkpoint, [CHECKPOINT_NAME])
+        if cfg.metrics:
+            removed += check_output_file("--metrics", cfg.metrics)
+    if cfg.timing_dir:
+        removed += check_output_folder("--timing-dir", cfg.timing_dir, [f"rank{rank}.jsonl"])
+    return removed
+
+
+def _scan_share(path: str, rank: int, size: int) -> dict:
+    """``{split: (samples, values, first)}`` of the non-finite values in this rank's
+    contiguous share of each split's ``x`` (:func:`mpidl.layout.scan_nonfinite`)."""
+    import h5py
+
+    from mpidl.layout import OPTIONAL_SPLITS, REQUIRED_SPLITS, scan_nonfinite
+
+    found = {}
+    with h5py.File(path, "r") as f:
+        counts = {s: f[f"{s}/x"].shape[0] for s in REQUIRED_SPLITS + OPTIONAL_SPLITS if s in f}
+    for split, n in counts.items():
+        lo, hi = n * rank // size, n * (rank + 1) // size
+        found[split] = scan_nonfinite(path, split, lo, hi)
+    return found
+
+
+def _nonfinite_error(path: str, shares: list[dict]) -> str | None:
+    """The set-up error for the ranks' :func:`_scan_share` results (None when all finite)."""
+    from mpidl.layout import nonfinite_problem
+
+    failed = [share for share in shares if isinstance(share, str)]
+    if failed:
+        return failed[0]
+    problems = []
+    for split in shares[0]:
+        parts = [share[split] for share in shares]
+        samples, values = sum(p[0] for p in parts), sum(p[1] for p in parts)
+        if samples:
+            first = min(p[2] for p in parts if p[2] is not None)
+            problems.append(nonfinite_problem(split, samples, values, first))
+    if not problems:
+        return None
+    return f"--data {path}: {'; '.join(problems)} (python -m mpidl.data_tools info {path} checks a file)"
 
 
 def _build(cfg, local_rank: int = 0):
@@ -130,6 +218,9 @@ def _build(cfg, local_rank: int = 0):
     else:
         train_set, test_set, meta = data.load_splits(cfg.data, augment=cfg.augment, seed=cfg.seed)
         desc = meta["description"]
+        if test_set.num_samples == 0:
+            raise ValueError(f"--data {cfg.data}: the test split is empty (0 samples): there is "
+                             "nothing to evaluate the model on (convert the data with a test split)")
     model = build_model(cfg.model, train_set.sample_shape, train_set.num_classes,
                         backend=backend, seed=cfg.seed)
     # The schedule's length depends on the data size; check it now, before any collective.

@@ -30,12 +30,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mpidl.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_model
-from mpidl.distributed import DataParallel
+from mpidl.checkpoint import CHECKPOINT_NAME, CheckpointError, load_checkpoint, save_checkpoint, save_model
+from mpidl.distributed import DataParallel, NonFiniteGradient
 from mpidl.log import MetricsWriter, RankTimingLog
 from mpidl.metrics import classification_report, confusion_matrix
 from mpidl.nn import SoftmaxCrossEntropy
 from mpidl.optim import build_optimizer, make_schedule
+from mpidl.outputs import rescue_model
 
 EVAL_BATCH = 512
 #: samples the speed probe cycles through (at most the training set)
@@ -44,6 +45,45 @@ PROBE_SAMPLES = 64
 
 class InjectedFault(RuntimeError):
     """Raised by ``--inject-fault RANK:STEP`` (a testing aid)."""
+
+
+class OutputWriteError(RuntimeError):
+    """A checkpoint or the final model could not be written (disk full, quota, a file system
+    gone); raised on every rank alike. The message names the path, the cause and where the
+    trained model was rescued to (:func:`mpidl.outputs.rescue_model`)."""
+
+
+#: the options that shape the trajectory of a run whatever the world size: a resumed run
+#: must have the checkpoint's (``--epochs`` and ``--max-steps`` may grow, to train longer)
+RESUME_OPTIONS = ("seed", "batch_size", "drop_last", "optimizer", "lr", "momentum", "nesterov",
+                  "weight_decay", "schedule", "warmup_steps", "augment", "weighting", "dtype")
+
+
+def data_identity(train_set, test_set) -> dict:
+    """What a checkpoint records of its data, compared at every resume: the sample counts,
+    the classes and a content fingerprint. A layout file's fingerprint is the one stored at
+    conversion (:func:`mpidl.layout.fingerprint`); for a file without one, a hash of its
+    labels and stored statistics; for in-memory data, a hash of the samples and labels."""
+    import hashlib  # noqa: PLC0415
+
+    from mpidl.layout import stored_fingerprint  # noqa: PLC0415
+
+    identity = {"train": int(train_set.num_samples), "test": int(test_set.num_samples),
+                "classes": list(train_set.class_names)}
+    path = getattr(train_set, "path", None)
+    stored = stored_fingerprint(path) if path else None
+    if stored is None:
+        digest = hashlib.sha256()
+        for dataset in (train_set, test_set):
+            digest.update(np.ascontiguousarray(dataset.labels, dtype="<i8").tobytes())
+            if path:
+                digest.update(np.asarray(dataset.meta["mean"], "<f8").tobytes())
+                digest.update(np.asarray(dataset.meta["std"], "<f8").tobytes())
+            elif hasattr(dataset, "_x"):
+                digest.update(np.ascontiguousarray(dataset._x, dtype="<f4").tobytes())
+        stored = ("labels+stats:" if path else "arrays:") + digest.hexdigest()
+    identity["fingerprint"] = stored
+    return identity
 
 
 @dataclass
@@ -89,6 +129,8 @@ class Trainer:
             cfg.optimizer, self.params, lr=cfg.lr, momentum=cfg.momentum,
             weight_decay=cfg.weight_decay, nesterov=cfg.nesterov,
         )
+        if test_set.num_samples == 0:
+            raise ValueError("the test split is empty (0 samples): there is nothing to evaluate on")
         self.steps_per_epoch = steps_per_epoch(train_set.num_samples, cfg.batch_size, cfg.drop_last)
         if self.steps_per_epoch == 0:
             raise ValueError(f"--drop-last with --batch-size {cfg.batch_size} > "
@@ -168,7 +210,10 @@ class Trainer:
         loss = self.compute(local)
         if fault and fault[2] == "nan":  # a poisoned local gradient, to test the collective decision
             self.params.grad[0] = float("nan")
-        self.dp.step(len(local))
+        try:
+            self.dp.step(len(local))
+        except NonFiniteGradient as exc:
+            raise self._explain_nonfinite(exc, local) from None
         if self.dp.last_step_skipped:
             self.printer.warning(f"non-finite gradient at step {step}: step skipped (--on-nan skip)")
         if self.dp.last_rebalance is not None:
@@ -180,6 +225,24 @@ class Trainer:
         totals.loss_sum += loss * len(local)
         totals.samples += len(local)
         totals.steps += 1
+
+    def _explain_nonfinite(self, exc: NonFiniteGradient, local: np.ndarray) -> NonFiniteGradient:
+        """Collective (every rank raises at the same step): when the step's samples hold
+        NaN or Inf, say that the data are the cause, naming the first such sample."""
+        bad = []
+        if len(local):
+            x, _ = self.train_set.read(local)
+            finite = np.isfinite(x.reshape(len(local), -1)).all(axis=1)
+            bad = [int(i) for i in np.asarray(local)[~finite]]
+        found = sorted(i for part in self.dp.allgather(bad) for i in part)
+        if not found:
+            return exc
+        name = getattr(self.train_set, "name", "the training data")
+        return NonFiniteGradient(
+            f"non-finite (NaN/Inf) reduced gradient at step {self.dp.steps}, caused by the data: "
+            f"{len(found)} sample(s) of this step's batch hold NaN or Inf values, the first is "
+            f"sample {found[0]} of {name} (fix or convert the data again; python -m "
+            "mpidl.data_tools info FILE finds them all)")
 
     # ------------------------------------------------------------------ epochs
     def evaluate(self) -> dict:
@@ -241,14 +304,36 @@ class Trainer:
             "epoch": epoch_done, "step_in_epoch": step_in_epoch, "config": self.cfg.to_dict(),
             "model": self.model.name, "build_args": self.model.build_args,
             "num_train_samples": int(self.train_set.num_samples),
+            "data": self.data_identity,
         }
 
     def save_checkpoint(self, epoch_done: int, step_in_epoch: int) -> None:
         """Collective. ``step_in_epoch > 0`` is a stop inside epoch ``epoch_done``: it is
         saved before the epoch-end sync, which an uninterrupted run would not do at that step,
         so the resumed run continues exactly."""
-        save_checkpoint(self.cfg.checkpoint, self.dp, self.checkpoint_meta(epoch_done, step_in_epoch))
+        folder = self.cfg.checkpoint
+        self._agreed_write(lambda: save_checkpoint(folder, self.dp, self.checkpoint_meta(epoch_done, step_in_epoch)),
+                           os.path.join(folder, CHECKPOINT_NAME), "the checkpoint")
         self.printer.info(f"  checkpoint: {self.cfg.checkpoint} (epoch {epoch_done}, step {self.dp.steps})")
+
+    def _agreed_write(self, write, path: str, what: str) -> None:
+        """Run ``write()`` on every rank (rank 0 writes; the others may take part in a
+        gather), then agree: when it failed, rank 0 rescues the model and every rank raises
+        the same :class:`OutputWriteError`, so the trained state is never thrown away."""
+        problem = None
+        try:
+            write()
+        except OSError as exc:
+            problem = rescue_model(save_model, self.model, path, exc, what)
+        problem = next((p for p in self.dp.allgather(problem) if p is not None), None)
+        if problem is not None:
+            raise OutputWriteError(problem)
+
+    @property
+    def data_identity(self) -> dict:
+        if getattr(self, "_data_identity", None) is None:
+            self._data_identity = data_identity(self.train_set, self.test_set)
+        return self._data_identity
 
     def resume(self) -> None:
         """Continue from ``--checkpoint DIR`` (collective); a bad checkpoint raises the same
@@ -262,6 +347,21 @@ class Trainer:
             raise CheckpointError(
                 f"--resume: {path} holds model {meta.get('model')} {meta['build_args']}, "
                 f"but this run builds {self.model.name} {self.model.build_args}")
+        old_data, new_data = meta.get("data"), self.data_identity
+        if old_data is not None and old_data != new_data:
+            changed = ", ".join(f"{k} {old_data.get(k)} -> {new_data.get(k)}" for k in new_data
+                                if old_data.get(k) != new_data.get(k))
+            raise CheckpointError(f"--resume: {path} was written on other data ({changed}); "
+                                  "resume with the data it was trained on, or start a new run")
+        old_cfg = meta.get("config", {})
+        new_cfg = self.cfg.to_dict()
+        differ = [k for k in RESUME_OPTIONS if k in old_cfg and old_cfg[k] != new_cfg.get(k)]
+        if differ:
+            def options(cfg):
+                return " ".join(f"--{k.replace('_', '-')} {cfg.get(k)}" for k in differ)
+            raise CheckpointError(f"--resume: {path} was written with {options(old_cfg)}; this run "
+                                  f"has {options(new_cfg)}: the resumed run would not continue the "
+                                  "same training (start a new run in another --checkpoint folder)")
         if meta["step_in_epoch"] > 0:
             old = meta.get("config", {}).get("batch_size"), meta.get("num_train_samples")
             new = self.cfg.batch_size, self.train_set.num_samples
@@ -320,8 +420,9 @@ class Trainer:
                 break
         if last is None:
             last = {k: v for k, v in self.evaluate().items() if k in ("oa", "aa", "kappa")}
-        if cfg.save and self.rank == 0:
-            save_model(cfg.save, self.model)
+        if cfg.save:
+            self._agreed_write(lambda: save_model(cfg.save, self.model) if self.rank == 0 else None,
+                               cfg.save, "the final model")
         end = {
             "event": "end", "epochs": last.get("epoch", epoch), "step": dp.steps,
             "oa": last["oa"], "aa": last["aa"], "kappa": last["kappa"],

@@ -166,7 +166,8 @@ def nan_file(path, where=(17, 40)):
     with h5py.File(path, "r+") as f:
         for i in where:
             f["train/x"][i, 0, 0, 0] = np.nan
-        f["train/x"][where[-1], 1, 1, 1] = np.inf
+        if where:
+            f["train/x"][where[-1], 1, 1, 1] = np.inf
     return path
 
 

@@ -28,6 +28,12 @@ def world(comm=None) -> tuple[int, int]:
     return comm.Get_rank(), comm.Get_size()
 
 
+def allgather(value, comm=None) -> list:
+    """Collective: every rank's ``value`` (any picklable object), in rank order, on every rank."""
+    comm = MPI.COMM_WORLD if comm is None else comm
+    return comm.allgather(value)
+
+
 def agree_on_error(error: str | None, comm=None) -> str | None:
     """Collective: the first rank's error message (with ``(on rank[s] [...])`` when not every
     rank saw one), the same on every rank; None when no rank had an error."""
