@@ -343,6 +343,15 @@ class Trainer:
         self.printer.info(f"resumed from {self.cfg.checkpoint}: epoch {meta['epoch']}, step {self.dp.steps}")
 
     def _check_resumable(self, meta: dict, path: str) -> None:
+        old_cfg = meta.get("config", {})
+        new_cfg = self.cfg.to_dict()
+        differ = [k for k in RESUME_OPTIONS if k in old_cfg and old_cfg[k] != new_cfg.get(k)]
+        if differ:
+            def options(cfg):
+                return " ".join(f"--{k.replace('_', '-')} {cfg.get(k)}" for k in differ)
+            raise CheckpointError(f"--resume: {path} was written with {options(old_cfg)}; this run "
+                                  f"has {options(new_cfg)}: the resumed run would not continue the "
+                                  "same training (start a new run in another --checkpoint folder)")
         if meta["build_args"] != self.model.build_args or meta.get("model") != self.model.name:
             raise CheckpointError(
                 f"--resume: {path} holds model {meta.get('model')} {meta['build_args']}, "
@@ -353,15 +362,6 @@ class Trainer:
                                 if old_data.get(k) != new_data.get(k))
             raise CheckpointError(f"--resume: {path} was written on other data ({changed}); "
                                   "resume with the data it was trained on, or start a new run")
-        old_cfg = meta.get("config", {})
-        new_cfg = self.cfg.to_dict()
-        differ = [k for k in RESUME_OPTIONS if k in old_cfg and old_cfg[k] != new_cfg.get(k)]
-        if differ:
-            def options(cfg):
-                return " ".join(f"--{k.replace('_', '-')} {cfg.get(k)}" for k in differ)
-            raise CheckpointError(f"--resume: {path} was written with {options(old_cfg)}; this run "
-                                  f"has {options(new_cfg)}: the resumed run would not continue the "
-                                  "same training (start a new run in another --checkpoint folder)")
         if meta["step_in_epoch"] > 0:
             old = meta.get("config", {}).get("batch_size"), meta.get("num_train_samples")
             new = self.cfg.batch_size, self.train_set.num_samples

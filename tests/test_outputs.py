@@ -200,3 +200,38 @@ def test_fingerprint_is_stored_and_verified(tmp_path):
     assert stored_fingerprint(path) != file_fingerprint(path)
     proc = data_tools(["info", str(path), "--verify"])
     assert proc.returncode == 1 and "fingerprint" in proc.stderr
+
+
+# ---------------------------------------------------------------- the error reaches the user
+def test_the_failing_rank_writes_its_message_once_before_mpi_abort(monkeypatch):
+    """MPI_Abort may kill the process at once: the whole message must be written to the file
+    descriptor (not left in a Python buffer) before it is called, and only once."""
+    import mpidl.distributed.launch as launch
+
+    events = []
+
+    class World:
+        def Get_rank(self):
+            return 1
+
+        def Get_size(self):
+            return 4
+
+        def Abort(self, code):
+            events.append(("abort", code))
+
+    class FakeMPI:
+        COMM_WORLD = World()
+
+    monkeypatch.setattr(launch, "MPI", FakeMPI)
+    monkeypatch.setattr(launch, "_reported", False)
+    monkeypatch.setattr(launch.sys.stderr, "fileno", lambda: 2, raising=False)
+    monkeypatch.setattr(launch, "_write_all", lambda fd, data: events.append(("write", fd, data)))
+    for _ in range(2):  # a second exception (say, while aborting) does not print again
+        try:
+            raise OSError("disk gone")
+        except OSError as exc:
+            with pytest.raises(SystemExit):
+                launch.abort_on_uncaught_exception(OSError, exc, exc.__traceback__)
+    assert [e[0] for e in events] == ["write", "abort", "abort"]
+    assert events[0][1] == 2 and events[0][2].startswith(b"mpidl: rank 1 failed: OSError: disk gone\n")

@@ -16,6 +16,7 @@ whole job when one rank fails.
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 
@@ -49,11 +50,48 @@ def agree_on_error(error: str | None, comm=None) -> str | None:
 
 
 def abort_on_uncaught_exception(exc_type, exc, tb) -> None:
-    """``sys.excepthook`` for an MPI job: report this rank's failure, then end every rank."""
+    """``sys.excepthook`` for an MPI job: report this rank's failure, then end every rank.
+
+    The report is written once, by this (the failing) rank, and has left the process
+    (:func:`report`) before ``MPI_Abort`` is called, which may kill this process at once."""
+    global _reported
     rank, size = world()
-    text = "".join(traceback.format_exception(exc_type, exc, tb))
-    sys.stderr.write(f"mpidl: rank {rank} failed: {exc_type.__name__}: {exc}\n{text}")
-    sys.stderr.flush()
+    if not _reported:
+        _reported = True
+        text = "".join(traceback.format_exception(exc_type, exc, tb))
+        report(f"mpidl: rank {rank} failed: {exc_type.__name__}: {exc}\n{text}")
     if size > 1:
         MPI.COMM_WORLD.Abort(1)
     sys.exit(1)
+
+
+_reported = False
+
+
+def report(message: str) -> None:
+    """Write ``message`` to stderr so that it is out of this process when this returns:
+    pending stdout and stderr output is flushed first, then the bytes go straight to the
+    file descriptor (no Python buffer left to lose when the process is killed)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    try:
+        fd = sys.stderr.fileno()
+    except (OSError, ValueError, AttributeError):  # a replaced stderr (tests): its own write
+        sys.stderr.write(message)
+        sys.stderr.flush()
+        return
+    _write_all(fd, message.encode("utf-8", errors="replace"))
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        try:
+            written = os.write(fd, data)
+        except InterruptedError:
+            continue
+        except OSError:
+            return  # stderr is gone: nothing more can be said
+        data = data[written:]

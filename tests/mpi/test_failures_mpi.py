@@ -1,0 +1,115 @@
+"""Failures after set-up, decided alike on every rank: a checkpoint or final write that fails
+(disk full, emulated by a writer that raises ENOSPC) rescues the model; NaN in the data is
+named as the cause of a NaN gradient; a resume on other data or options is refused."""
+
+import errno
+import os
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpidl.checkpoint as ck
+from mpidl.checkpoint import CheckpointError, load_model
+from mpidl.data import ArrayDataset
+from mpidl.distributed import NonFiniteGradient
+from mpidl.trainer import OutputWriteError, epoch_permutation
+from trainer_harness import make_trainer, speeds_for, tiny_dataset
+
+WORLD = MPI.COMM_WORLD
+P = WORLD.Get_size()
+RANK = WORLD.Get_rank()
+BASE = ["--batch-size", "8", "--epochs", "2", "--lr", "0.05", "--seed", "3", "--speeds", speeds_for(P)]
+
+
+def same_error_everywhere(run, kind):
+    """``run()`` raises ``kind`` on every rank, with the same message; returns it."""
+    try:
+        run()
+        message = None
+    except kind as exc:
+        message = str(exc)
+    messages = WORLD.allgather(message)
+    assert all(m is not None for m in messages) and len(set(messages)) == 1, messages
+    return messages[0]
+
+
+def disk_full_for(monkeypatch, name):
+    """Writes of files called ``name`` fail with ENOSPC inside the atomic writer."""
+    real = ck.atomic_h5
+
+    @contextmanager
+    def writer(path, **kwargs):
+        with real(path, **kwargs) as f:
+            if os.path.basename(path) == name:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            yield f
+
+    monkeypatch.setattr(ck, "atomic_h5", writer)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("what", ["checkpoint", "save"])
+def test_a_failing_write_rescues_the_model_on_every_rank(mpi_tmp_path, monkeypatch, what):
+    out = mpi_tmp_path / "out"
+    work = mpi_tmp_path / "work"
+    if RANK == 0:
+        out.mkdir()
+        work.mkdir()
+    WORLD.Barrier()
+    monkeypatch.chdir(work)
+    target = out / ("checkpoint.h5" if what == "checkpoint" else "model.h5")
+    disk_full_for(monkeypatch, target.name)
+    option = ["--checkpoint", str(out)] if what == "checkpoint" else ["--save", str(target)]
+    trainer = make_trainer(WORLD, BASE + option)
+    message = same_error_everywhere(trainer.run, OutputWriteError)
+    rescued = WORLD.bcast(sorted(work.glob("mpidl-rescued-model.*.h5")) if RANK == 0 else None)
+    assert len(rescued) == 1, rescued
+    kind = "the checkpoint" if what == "checkpoint" else "the final model"
+    assert message == (f"cannot write {kind} to {target}: No space left on device (ENOSPC); the trained "
+                       f"model was saved to {rescued[0]} instead (mpidl.checkpoint.load_model reads it)")
+    np.testing.assert_allclose(load_model(str(rescued[0])).params.data, trainer.params.data, rtol=1e-6)  # float32 on load
+    WORLD.Barrier()
+    if RANK == 0:
+        assert not any(n.endswith(".tmp") for n in os.listdir(out))
+
+
+@pytest.mark.mpi
+def test_nan_at_step_0_from_the_data_says_so():
+    data = tiny_dataset()
+    x = np.array(data._x)
+    bad = int(epoch_permutation(3, 0, data.num_samples)[5])  # in the first global batch
+    x[bad, 1, 2, 2] = np.nan
+    poisoned = ArrayDataset(x, data.labels, data.class_names)
+    trainer = make_trainer(WORLD, BASE, train=poisoned)
+    message = same_error_everywhere(trainer.run, NonFiniteGradient)
+    assert "at step 0, caused by the data" in message and f"sample {bad} of ArrayDataset" in message
+    assert "1 sample(s) of this step's batch" in message
+
+
+@pytest.mark.mpi
+def test_a_nan_gradient_without_nan_data_keeps_its_message():
+    trainer = make_trainer(WORLD, BASE + ["--inject-fault", f"{P - 1}:2:nan"])
+    message = same_error_everywhere(trainer.run, NonFiniteGradient)
+    assert "caused by the data" not in message and "reduced gradient at step 2" in message
+
+
+@pytest.mark.mpi
+def test_resume_checks_data_and_options_at_an_epoch_boundary(mpi_tmp_path):
+    folder = str(mpi_tmp_path / "ck")
+    first = make_trainer(WORLD, BASE + ["--epochs", "1", "--checkpoint", folder])
+    first.run()
+    resume = BASE + ["--checkpoint", folder, "--resume"]
+    other = tiny_dataset(seed=7)  # the same counts, shapes and classes; other values
+    message = same_error_everywhere(make_trainer(WORLD, resume, train=other).resume, CheckpointError)
+    assert "was written on other data (fingerprint arrays:" in message
+    fewer = tiny_dataset(n=40)
+    message = same_error_everywhere(make_trainer(WORLD, resume, train=fewer).resume, CheckpointError)
+    assert "train 50 -> 40" in message
+    changed = [a if a != "0.05" else "0.1" for a in resume]
+    message = same_error_everywhere(make_trainer(WORLD, changed).resume, CheckpointError)
+    assert "written with --lr 0.05; this run has --lr 0.1" in message
+    trainer = make_trainer(WORLD, resume)  # the same data and options: accepted
+    trainer.resume()
+    assert trainer.start_epoch == 1
