@@ -123,6 +123,12 @@ def test_sigkill_mid_write_keeps_the_previous_checkpoint(tmp_path):
     np.testing.assert_array_equal(state["params"], np.full(5, 1.0))
     assert state["steps"] == 7
     assert len(leftovers(tmp_path)) == 1  # the killed writer's temporary file, never read
+    # the next start in this folder (the command line's set-up check) removes exactly it
+    from mpidl.outputs import check_output_folder
+
+    stray = leftovers(tmp_path)
+    removed = check_output_folder("--checkpoint", str(tmp_path), [ck.CHECKPOINT_NAME])
+    assert [os.path.basename(p) for p in removed] == stray and leftovers(tmp_path) == []
 
 
 # ---------------------------------------------------------------- per-node parts
