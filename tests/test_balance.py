@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 
+from mpidl.distributed import balance
 from mpidl.distributed.balance import (RankCost, choose_split, costs_from_speeds, equal_split,
                                        fit_cost, parse_speeds, scale_cost, solve_split, split_counts,
                                        step_time)
@@ -212,3 +213,30 @@ def test_a_minimum_per_rank_is_honoured_and_still_optimal():
     assert solve_split([RankCost(0, 1e-3), RankCost(0, 1.0)], 10, minimum=1) == [9, 1]
     with pytest.raises(ValueError, match="cannot give each of the 3 ranks 1"):
         solve_split(costs_from_speeds([1, 1, 1]), 2, minimum=1)
+
+
+def test_relative_spread_is_the_interquartile_range_over_the_median():
+    assert balance.relative_spread([1.0]) == 0.0
+    assert balance.relative_spread([2.0, 2.0, 2.0]) == 0.0
+    # quartiles (inclusive) of 1..5 are 2 and 4, median 3
+    assert balance.relative_spread([5.0, 1.0, 3.0, 2.0, 4.0]) == pytest.approx(2.0 / 3.0)
+    with pytest.raises(ValueError, match="seconds"):
+        balance.relative_spread([1.0, -1.0])
+    # the standard error of a difference of two medians shrinks with sqrt(n)
+    few = balance.timing_noise([5.0, 1.0, 3.0, 2.0, 4.0])
+    many = balance.timing_noise([5.0, 1.0, 3.0, 2.0, 4.0] * 4)
+    assert few == pytest.approx(math.sqrt(2) * 1.2533 / 1.349 * (2 / 3) / math.sqrt(5))
+    assert many == pytest.approx(few / 2, rel=0.05)
+
+
+def test_a_gain_within_the_measurement_spread_keeps_the_equal_split():
+    # rank 1 is predicted 20 % slower: the optimal split is ~9 % faster than equal
+    costs = [balance.RankCost(0.0, 1.0), balance.RankCost(0.0, 1.2)]
+    best, _ = balance.choose_split(costs, 20, threshold=0.05)
+    assert best != [10, 10]
+    kept, t = balance.choose_split(costs, 20, threshold=0.05, noise=0.25)
+    assert kept == [10, 10] and t == pytest.approx(12.0)
+    again, _ = balance.choose_split(costs, 20, threshold=0.05, noise=0.01)
+    assert again == best
+    with pytest.raises(ValueError, match="noise"):
+        balance.choose_split(costs, 20, noise=-0.1)

@@ -36,8 +36,13 @@ greedy never exceeds ``T*``.
 
 **Equal unless measurably unequal.** Measured models always differ a little, even for
 identical ranks. :func:`choose_split` keeps the equal split unless the optimal one is
-predicted to be faster by more than a threshold (a few per cent): ``1 - T(opt) / T(equal) >
-threshold``. The same rule, against the current split, gives re-balancing its hysteresis.
+predicted to be faster by more than a margin: ``1 - T(opt) / T(equal) > max(threshold,
+noise)``. ``threshold`` is a few per cent (an option); ``noise`` is the measurements' own
+uncertainty (:func:`timing_noise`): the relative standard error of the difference between two
+ranks' medians of ``n`` timed passes, ``sqrt(2) * 1.2533 * sigma / sqrt(n)`` with ``sigma``
+estimated robustly as the interquartile range over 1.349 (normal errors assumed), relative to
+the median. On a shared, oversubscribed machine single passes of identical ranks differ by
+tens of per cent, and a predicted gain within that uncertainty is not measurable. The same rule, against the current split, gives re-balancing its hysteresis.
 
 Everything here is a pure function of numbers every rank holds alike (after a gather), so all
 ranks compute the same split without further communication, and a bad value is refused on
@@ -53,7 +58,7 @@ from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import Sequence
 
-__all__ = ["RankCost", "fit_cost", "scale_cost", "costs_from_speeds", "solve_split", "step_time",
+__all__ = ["RankCost", "fit_cost", "relative_spread", "timing_noise", "scale_cost", "costs_from_speeds", "solve_split", "step_time",
            "choose_split", "equal_split", "split_counts", "parse_speeds", "check_speeds"]
 
 
@@ -133,6 +138,24 @@ def fit_cost(batch_sizes: Sequence[int], seconds: Sequence[float]) -> RankCost:
     return RankCost(intercept, slope)
 
 
+def relative_spread(seconds: Sequence[float]) -> float:
+    """The spread of repeated timings, ``(q3 - q1) / median`` (interquartile range over the
+    median; 0 for fewer than two timings)."""
+    times = _positive_finite(seconds, "seconds")
+    if len(times) < 2:
+        return 0.0
+    q1, median, q3 = statistics.quantiles(times, n=4, method="inclusive")
+    return (q3 - q1) / median
+
+
+def timing_noise(seconds: Sequence[float]) -> float:
+    """The relative standard error of the difference of two medians of ``n`` timings like
+    these: ``sqrt(2) * 1.2533 / 1.349 * relative_spread(seconds) / sqrt(n)`` (the standard
+    error of a median is ``1.2533 sigma / sqrt(n)`` for normal errors, ``sigma ~ IQR / 1.349``)."""
+    times = _positive_finite(seconds, "seconds")
+    return math.sqrt(2.0) * 1.2533 / 1.349 * relative_spread(times) / math.sqrt(max(len(times), 1))
+
+
 def scale_cost(cost: RankCost, batch: int, seconds: Sequence[float]) -> RankCost:
     """Re-fit a model from steps that all had one local batch size: ``t(batch)`` alone cannot
     separate ``a`` from ``c``, so both are scaled by ``median(seconds) / t(batch)``."""
@@ -204,21 +227,26 @@ def solve_split(costs: Sequence[RankCost], total: int, minimum: int = 0) -> list
 
 
 def choose_split(costs: Sequence[RankCost], total: int, threshold: float = 0.05,
-                 current: Sequence[int] | None = None, minimum: int = 0) -> tuple[list[int], float]:
+                 current: Sequence[int] | None = None, minimum: int = 0,
+                 noise: float = 0.0) -> tuple[list[int], float]:
     """The split to use and its predicted step time: the optimal split, unless it is not
-    predicted to beat the reference by more than ``threshold`` (a fraction), in which case the
-    reference is kept. The reference is ``current`` when given (re-balancing: hysteresis), else
-    the equal split (the start: equal unless measurably unequal). ``minimum`` as in
+    predicted to beat the reference by more than ``max(threshold, noise)`` (fractions), in
+    which case the reference is kept. The reference is ``current`` when given (re-balancing:
+    hysteresis), else the equal split (the start: equal unless measurably unequal). ``noise``
+    is the measurements' relative spread (:func:`relative_spread`); ``minimum`` as in
     :func:`solve_split`."""
     costs = list(costs)
     if isinstance(threshold, bool) or not isinstance(threshold, Real) or not 0 <= threshold < 1:
         raise ValueError(f"threshold must be a number in [0, 1), got {threshold!r}")
+    if isinstance(noise, bool) or not isinstance(noise, Real) or not math.isfinite(noise) or noise < 0:
+        raise ValueError(f"noise must be a finite number >= 0, got {noise!r}")
+    threshold = max(threshold, noise)
     reference = list(current) if current is not None else equal_split(total, len(costs))
     if len(reference) != len(costs) or sum(reference) != total:
         raise ValueError(f"current split {reference} does not split {total} over {len(costs)} ranks")
     best = solve_split(costs, total, minimum)
     best_time, reference_time = step_time(costs, best), step_time(costs, reference)
-    if best_time < (1.0 - threshold) * reference_time:
+    if best_time < (1.0 - min(threshold, 1.0)) * reference_time:
         return best, best_time
     return reference, reference_time
 

@@ -40,6 +40,7 @@ call their collectives in the same order because every rank runs the same loop.
 from __future__ import annotations
 
 import hashlib
+import statistics
 import time
 from collections import deque
 from numbers import Integral, Real
@@ -56,7 +57,7 @@ from mpidl.distributed.topology import Topology
 
 ON_NAN = ("stop", "skip")
 #: timed rounds of the speed probe (each times every probe batch size once)
-PROBE_ROUNDS = 5
+PROBE_ROUNDS = 7
 #: default minimum predicted gain (a fraction of the step) for an uneven split or a re-split
 BALANCE_THRESHOLD = 0.05
 #: samples every rank computes at least in a full global batch: a rank that computes keeps
@@ -195,18 +196,21 @@ class DataParallel:
             self._warm_up(probe)
         if speeds == "auto":
             #: every rank's cost model t_i(b) = a_i + c_i b (seconds), indexed by rank
-            self.costs = self._measure_costs(probe)
+            self.costs, self.noise = self._measure_costs(probe)
             self.speeds_source = "measured"
             self.batch_sizes, self.predicted_step_s = balance.choose_split(
-                self.costs, self.batch_size, self.balance_threshold, minimum=MIN_LOCAL_BATCH)
+                self.costs, self.batch_size, self.balance_threshold, minimum=MIN_LOCAL_BATCH,
+                noise=self.noise)
         else:
             self.costs = balance.costs_from_speeds(given if given is not None else [1.0] * topo.size)
+            self.noise = 0.0
             self.speeds_source = "given" if given is not None else "equal"
             self.batch_sizes = (balance.solve_split(self.costs, self.batch_size, MIN_LOCAL_BATCH)
                                 if given is not None
                                 else balance.equal_split(self.batch_size, topo.size))
             self.predicted_step_s = balance.step_time(self.costs, self.batch_sizes)
-        #: the last re-split: {"step", "old", "new", "predicted_old_s", "predicted_new_s"} or None
+        #: the last re-split: {"step", "old", "new", "predicted_old_s", "predicted_new_s", "costs",
+        #: "noise"} or None
         self.last_rebalance: dict | None = None
         #: optimizer steps done through this object
         self.steps = 0
@@ -388,8 +392,10 @@ class DataParallel:
         c = ", ".join(f"{cost.c * 1e3:.3g}" for cost in self.costs)
         t = ", ".join(f"{x * 1e3:.3g}" for x in times)
         return (f"split (measured cost t_i(b) = a_i + c_i b; a [{a}] ms, c [{c}] ms/sample): "
-                f"batch sizes {self.batch_sizes}, predicted step [{t}] ms "
-                f"(equal split {equal * 1e3:.3g} ms; threshold {100 * self.balance_threshold:g} %)")
+                f"batch sizes {self.batch_sizes}, predicted step [{t}] ms (equal split "
+                f"{equal * 1e3:.3g} ms; kept unless {100 * max(self.balance_threshold, self.noise):.3g} % "
+                f"faster: threshold {100 * self.balance_threshold:g} %, measurement noise "
+                f"{100 * self.noise:.3g} %)")
 
     def rebalance(self) -> tuple[list[int], list[int]] | None:
         """Re-fit every rank's cost model from its own steps since the last re-fit and re-split
@@ -402,15 +408,19 @@ class DataParallel:
         frequent ``b`` (:func:`~mpidl.distributed.balance.scale_cost`). A rank that computed
         nothing keeps its model."""
         samples = [b for b, _ in self._recent if b > 0]
-        cost = self.costs[self.rank]
+        cost, spread = self.costs[self.rank], 0.0
         if samples:
             usual = max(set(samples), key=samples.count)
-            cost = balance.scale_cost(cost, usual, [t for b, t in self._recent if b == usual])
+            seconds = [t for b, t in self._recent if b == usual]
+            cost = balance.scale_cost(cost, usual, seconds)
+            spread = balance.timing_noise(seconds)
         self._recent.clear()
-        self.costs = [balance.RankCost(a, c) for a, c in self.allgather((cost.a, cost.c))]
+        gathered = self.allgather((cost.a, cost.c, spread))
+        self.costs = [balance.RankCost(a, c) for a, c, _ in gathered]
+        self.noise = statistics.median(s for _, _, s in gathered)
         old = list(self.batch_sizes)
         new, predicted = balance.choose_split(self.costs, self.batch_size, self.balance_threshold,
-                                              current=old, minimum=MIN_LOCAL_BATCH)
+                                              current=old, minimum=MIN_LOCAL_BATCH, noise=self.noise)
         predicted_old = balance.step_time(self.costs, old)
         self.predicted_step_s = predicted
         if new == old:
@@ -418,7 +428,7 @@ class DataParallel:
         self.batch_sizes = new
         self.last_rebalance = {"step": self.steps, "old": old, "new": new,
                                "predicted_old_s": predicted_old, "predicted_new_s": predicted,
-                               "costs": [[c.a, c.c] for c in self.costs]}
+                               "costs": [[c.a, c.c] for c in self.costs], "noise": self.noise}
         return old, new
 
     # ------------------------------------------------------------------ counters and timers
@@ -607,12 +617,14 @@ class DataParallel:
         if saved:
             self.model.load_buffers_host(saved)
 
-    def _measure_costs(self, probe) -> list[balance.RankCost]:
-        """Every rank's ``t_i(b) = a_i + c_i b``: timed ``probe`` passes at the batch sizes of
-        :func:`probe_sizes`, in :data:`PROBE_ROUNDS` rounds after one untimed round, every
-        pass started by all ranks together (a sleeping barrier) so that each is measured
-        under the contention of a real step; EMULATED slowdown included. Fitted per rank by
-        :func:`~mpidl.distributed.balance.fit_cost`, gathered on every rank."""
+    def _measure_costs(self, probe) -> tuple[list[balance.RankCost], float]:
+        """Every rank's ``t_i(b) = a_i + c_i b`` and the measurements' spread: timed ``probe``
+        passes at the batch sizes of :func:`probe_sizes`, in :data:`PROBE_ROUNDS` rounds after
+        one untimed round, every pass started by all ranks together (a sleeping barrier) so
+        that each is measured under the contention of a real step; EMULATED slowdown included.
+        Fitted per rank by :func:`~mpidl.distributed.balance.fit_cost`, gathered on every rank.
+        The noise is the median over ranks of each rank's median over batch sizes of
+        :func:`~mpidl.distributed.balance.timing_noise`."""
         saved = self._buffers_host()
         sizes = probe_sizes(self.batch_size, self.size)
         measured_sizes, measured_times = [], []
@@ -631,7 +643,12 @@ class DataParallel:
         if saved:
             self.model.load_buffers_host(saved)
         own = balance.fit_cost(measured_sizes, measured_times)
-        return [balance.RankCost(a, c) for a, c in self.allgather((own.a, own.c))]
+        spread = statistics.median(
+            balance.timing_noise([t for b2, t in zip(measured_sizes, measured_times) if b2 == b])
+            for b in sizes)
+        gathered = self.allgather((own.a, own.c, spread))
+        return ([balance.RankCost(a, c) for a, c, _ in gathered],
+                statistics.median(s for _, _, s in gathered))
 
     def _sleeping_barrier(self) -> None:
         """A world barrier that sleeps while it waits: a busy-waiting MPI_Barrier would take
