@@ -55,8 +55,8 @@ def worker(path: str, ranks: int, epochs: int, batch: int = 64) -> dict:
     return out
 
 
-def convert(work: Path, quick: bool) -> tuple[dict, str]:
-    cube, ends = SAMSON_DIR / "Samson.mat", SAMSON_DIR / "_EndSamson.mat"
+def convert(work: Path, quick: bool, samson_dir: Path = SAMSON_DIR) -> tuple[dict, str]:
+    cube, ends = samson_dir / "Samson.mat", samson_dir / "_EndSamson.mat"
     files = {}
     if cube.is_file() and ends.is_file() and not quick:
         base = [PYTHON, "-m", "mpidl.data_tools", "hsi", "--cube", str(cube), "--abundances", str(ends),
@@ -85,6 +85,9 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", default="1,2,4", help="rank counts P whose rank-0 share is read (default 1,2,4)")
     p.add_argument("--quick", action="store_true", help="synthetic scene, 1 round: a smoke test")
     p.add_argument("--out", default=str(RESULTS / "read.md"), help="Markdown output (default benchmarks/results/read.md)")
+    p.add_argument("--samson-dir", default=str(SAMSON_DIR),
+                   help="folder with Samson.mat and _EndSamson.mat (default ../shared/data/samson); "
+                        "without them the synthetic scene is used")
     p.add_argument("--worker", nargs=3, metavar=("FILE", "RANKS", "EPOCHS"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -97,7 +100,7 @@ def main(argv=None) -> int:
     base = shm if shm.is_dir() and shutil.disk_usage(shm).free > 2**30 else None
     work = Path(tempfile.mkdtemp(prefix="mpidl-read-", dir=base))
     try:
-        files, what = convert(work, args.quick)
+        files, what = convert(work, args.quick, Path(args.samson_dir))
         sizes = {k: v.stat().st_size for k, v in files.items()}
         results = {(k, r): [] for k in files for r in ranks}
         for _ in range(rounds):
@@ -146,7 +149,8 @@ def main(argv=None) -> int:
         "6.1 MiB padded cube, against 54 MiB for a patch cache of the whole training split.",
     ]
     write_markdown(Path(args.out), "Read speed: patch file vs scene-backed file",
-                   "python benchmarks/read.py" + (" --quick" if args.quick else f" --rounds {rounds}"),
+                   "python benchmarks/read.py" + (" --quick" if args.quick else f" --rounds {rounds}")
+                   + ("" if Path(args.samson_dir) == SAMSON_DIR else " --samson-dir DIR"),
                    info, body)
     print(Path(args.out).read_text())
     return 0

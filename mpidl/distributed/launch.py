@@ -51,3 +51,14 @@ def abort_on_uncaught_exception(exc_type, exc, tb) -> None:
     if size > 1:
         MPI.COMM_WORLD.Abort(1)
     sys.exit(1)
+
+
+def gather_to_root(obj, root: int = 0, comm=None):
+    """Collective: the list of every rank's ``obj`` (in rank order) on ``root``, None elsewhere."""
+    comm = MPI.COMM_WORLD if comm is None else comm
+    return comm.gather(obj, root=root)
+
+
+def barrier(comm=None) -> None:
+    """Collective: return once every rank of ``comm`` (default the world) has called it."""
+    (MPI.COMM_WORLD if comm is None else comm).Barrier()
