@@ -281,6 +281,9 @@ def draw_map(path: str, pred, truth, class_names, title: str) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".png", dir=folder)
     os.close(fd)
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes 0600; give the figure the usual permissions
     try:
         fig.savefig(tmp, dpi=110)
         os.replace(tmp, path)
