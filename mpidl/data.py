@@ -387,6 +387,9 @@ class SceneDataset(_PatchDataset):
     rows ``r .. r + H - 1``), keeps them in a row cache of at most ``row_cache_bytes`` (the
     oldest chunks are dropped first), and cuts the patches from them. So a rank reads only the
     rows its samples touch, and, as long as its rows fit the cache, each of them once per run.
+    When the whole cube fits the cache (Samson: 6.1 MiB), the rows go into one cube-shaped
+    buffer whose memory pages exist only where rows were read, and the patches of a read are
+    cut from it in one vectorized gather; otherwise per band of chunks, oldest chunks dropped.
 
     Counters: ``samples_read`` (samples cut, as for :class:`HDF5Dataset`), ``chunks_read`` and
     ``rows_read`` (padded rows read from the file). Parameters are those of
@@ -417,6 +420,8 @@ class SceneDataset(_PatchDataset):
         self.row_cache_bytes = int(row_cache_bytes)
         self._rows: dict[int, np.ndarray] = {}  # chunk index -> its padded rows, oldest first
         self._rows_bytes = 0
+        self._dense = None  # the whole-cube buffer, when the cube fits row_cache_bytes
+        self._loaded = None  # which chunks of it hold rows read from the file
         self.chunks_read = 0
         self.rows_read = 0
         self.normalize = bool(normalize)
@@ -461,8 +466,38 @@ class SceneDataset(_PatchDataset):
             if k not in keep:
                 self._rows_bytes -= self._rows.pop(k).nbytes
 
+    def _load_dense(self, pos: np.ndarray) -> np.ndarray:
+        """The whole-cube path: the row chunks the samples overlap are read into one
+        cube-shaped buffer (its pages are only allocated where rows are written) and the
+        patches cut from it in one vectorized gather."""
+        rc, p = self.row_chunk, self.patch
+        if self._dense is None:
+            self._dense = np.empty(self._cube.shape, np.float32)
+            self._loaded = np.zeros(-(-self._cube.shape[0] // rc), bool)
+        first, last = pos[:, 0] // rc, (pos[:, 0] + p - 1) // rc
+        need = np.zeros_like(self._loaded)
+        for j in range(int((last - first).max()) + 1):
+            need[(first + j)[first + j <= last]] = True
+        missing = np.flatnonzero(need & ~self._loaded)
+        if missing.size:
+            breaks = np.flatnonzero(np.diff(missing) != 1) + 1
+            total = self._cube.shape[0]
+            for run in np.split(missing, breaks):  # one slice read per run of chunks
+                lo, hi = int(run[0]) * rc, min((int(run[-1]) + 1) * rc, total)
+                self._cube.read_direct(self._dense, np.s_[lo:hi], np.s_[lo:hi])
+                self.chunks_read += run.size
+                self.rows_read += hi - lo
+            self._loaded[missing] = True
+        return cut_patches(self._dense, pos, p)
+
     def _load_sorted(self, unique: np.ndarray) -> np.ndarray:
         pos = self._pos[unique]
+        if self._cube.dtype == np.float32 and self._cube.size * 4 <= self.row_cache_bytes:
+            x = self._load_dense(pos)
+            if self.normalize:
+                x -= self._mean
+                x /= self._std
+            return x
         rc, p = self.row_chunk, self.patch
         first = pos[:, 0] // rc  # the chunk of each patch's top row
         x = np.empty((unique.size, *self.sample_shape), dtype=np.float32)
