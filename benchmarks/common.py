@@ -470,13 +470,14 @@ def subset_layout(src: Path, dst: Path, sizes: dict, seed: int = 0) -> Path:
     import h5py  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
 
-    from mpidl.layout import write_layout  # noqa: PLC0415
+    from mpidl.layout import SCENE_KIND, write_layout, write_scene_layout  # noqa: PLC0415
 
     if dst.is_file():
         return dst
     rng = np.random.default_rng(seed)
     splits = {}
     with h5py.File(src, "r") as f:
+        scene = f.attrs.get("layout_kind", b"") in (SCENE_KIND, SCENE_KIND.encode())
         names = [n.decode() if isinstance(n, bytes) else str(n) for n in f.attrs["class_names"]]
         for split, size in sizes.items():
             y = f[f"{split}/y"][()]
@@ -493,8 +494,14 @@ def subset_layout(src: Path, dst: Path, sizes: dict, seed: int = 0) -> Path:
                 members = np.flatnonzero(y == k)
                 keep.append(rng.choice(members, size=min(int(shares[k]), len(members)), replace=False))
             keep = np.sort(np.concatenate(keep))
-            splits[split] = (f[f"{split}/x"][keep], y[keep])
+            # A scene-backed source keeps its cube and loses pixels; a patch file its patches.
+            splits[split] = (f[f"{split}/pos"][()][keep] if scene else f[f"{split}/x"][keep], y[keep])
         source = str(f.attrs.get("source", src.name))
+        if scene:
+            write_scene_layout(dst, f["scene/cube"][()], splits, names,
+                               patch_size=int(f.attrs["patch_size"]), row_chunk=int(f.attrs["row_chunk"]),
+                               source=f"{source} (stratified subset, seed {seed})", split_seed=seed)
+            return dst
     write_layout(dst, splits, names, source=f"{source} (stratified subset, seed {seed})",
                  patch_size=splits["train"][0].shape[-1], split_seed=seed)
     return dst

@@ -25,6 +25,14 @@ Samples
 One sample per labelled pixel: the ``patch x patch`` window centred on it, all bands,
 ``(bands, patch, patch)``, with the scene padded by ``patch // 2`` pixels (``--pad-mode``
 reflect | constant (zeros) | edge) so border pixels get full patches.
+
+Storage (``--storage``)
+-----------------------
+``patches`` stores every sample (each pixel copied into up to ``patch^2`` patches);
+``scene`` stores the padded cube once plus the labelled pixels' positions and labels, and the
+reader cuts the patches (:func:`mpidl.layout.write_scene_layout`, the same samples bit for
+bit); ``auto`` (the default) writes whichever is smaller, i.e. ``scene`` unless few pixels
+are labelled.
 """
 
 from __future__ import annotations
@@ -36,11 +44,13 @@ from typing import Sequence
 
 import numpy as np
 
-from mpidl.layout import write_layout
+from mpidl.layout import write_layout, write_scene_layout
 from mpidl.data_tools.sources import ArrayFile, InputError, clean_name, parse_source
 from mpidl.data_tools.splits import block_split, check_split_options, class_table, random_split
 
 PAD_MODES = ("reflect", "constant", "edge")
+#: --storage: 'auto' writes the smaller of the two layout variants (see choose_storage)
+STORAGES = ("auto", "scene", "patches")
 
 
 # --------------------------------------------------------------------------------------------
@@ -261,7 +271,8 @@ def convert_hsi(cube: str, out: str | os.PathLike, *, labels: str | None = None,
                 cols: int | None = None, pixel_order: str = "F", patch: int = 7,
                 pad_mode: str = "reflect", train_fraction: float | None = None,
                 train_per_class: int | None = None, split: str = "random",
-                block_size: int | None = None, seed: int = 0) -> ConversionResult:
+                block_size: int | None = None, seed: int = 0,
+                storage: str = "auto") -> ConversionResult:
     """Convert a cube and its ground truth to a layout file at ``out`` (see the module doc).
 
     Every option is checked before any file is read, and the output is written atomically,
@@ -282,6 +293,8 @@ def convert_hsi(cube: str, out: str | os.PathLike, *, labels: str | None = None,
     check_split_options(train_fraction, train_per_class)
     if split not in ("random", "blocks"):
         raise ValueError(f"--split must be random or blocks, got {split!r}")
+    if storage not in STORAGES:
+        raise ValueError(f"--storage must be one of {', '.join(STORAGES)}, got {storage!r}")
     if pixel_order not in ("F", "C"):
         raise ValueError(f"--pixel-order must be F or C, got {pixel_order!r}")
     for name, value in (("--rows", rows), ("--cols", cols)):
@@ -311,10 +324,6 @@ def convert_hsi(cube: str, out: str | os.PathLike, *, labels: str | None = None,
         train_idx, test_idx = block_split(y_all, positions, names, block_size=block_size, seed=seed,
                                           train_fraction=train_fraction,
                                           train_per_class=train_per_class)
-    splits = {}
-    for name, idx in (("train", train_idx), ("test", test_idx)):
-        pos = positions[idx]
-        splits[name] = (extract_patches(data, pos, patch, pad_mode), y_all[idx], pos)
     attrs = {
         "cube": cube_desc, "ground_truth": truth.description,
         "ground_truth_kind": "labels" if labels is not None else "abundances",
@@ -323,11 +332,52 @@ def convert_hsi(cube: str, out: str | os.PathLike, *, labels: str | None = None,
         "train_fraction": train_fraction, "train_per_class": train_per_class,
         "block_size": int(block_size) if split == "blocks" else None,
     }
-    meta = write_layout(out, splits, names, source=f"hsi: {cube_desc} + {truth.description}",
-                        patch_size=patch, split_seed=seed, attrs=attrs)
-    meta["sample_shape"] = splits["train"][0].shape[1:]
-    table = class_table(names, splits["train"][1], splits["test"][1])
+    source_text = f"hsi: {cube_desc} + {truth.description}"
+    kind = choose_storage(storage, n_rows, n_cols, data.shape[2], patch, positions.shape[0])
+    if kind == "scene":
+        half = patch // 2
+        padded = np.pad(data, ((half, half), (half, half), (0, 0)), mode=pad_mode)
+        meta = write_scene_layout(out, padded, {name: (positions[idx], y_all[idx]) for name, idx
+                                                in (("train", train_idx), ("test", test_idx))},
+                                  names, patch_size=patch, source=source_text, split_seed=seed,
+                                  attrs=attrs)
+        notes.append(f"storage: scene-backed ({storage_note(n_rows, n_cols, data.shape[2], patch, positions.shape[0])})")
+    else:
+        splits = {}
+        for name, idx in (("train", train_idx), ("test", test_idx)):
+            pos = positions[idx]
+            splits[name] = (extract_patches(data, pos, patch, pad_mode), y_all[idx], pos)
+        meta = write_layout(out, splits, names, source=source_text,
+                            patch_size=patch, split_seed=seed, attrs=attrs)
+        meta["sample_shape"] = splits["train"][0].shape[1:]
+        if storage == "auto":
+            notes.append(f"storage: patches ({storage_note(n_rows, n_cols, data.shape[2], patch, positions.shape[0])})")
+    table = class_table(names, y_all[train_idx], y_all[test_idx])
     return ConversionResult(os.fspath(out), meta, table, notes)
+
+
+def storage_bytes(rows: int, cols: int, bands: int, patch: int, samples: int) -> dict:
+    """Bytes of the samples of each storage variant: ``patches`` = N * bands * patch^2 * 4,
+    ``scene`` = (rows + 2h)(cols + 2h) * bands * 4 with h = patch // 2 (float32; labels and
+    positions, the same few bytes per sample in both, left out)."""
+    half = patch // 2
+    return {"patches": int(samples) * bands * patch * patch * 4,
+            "scene": (rows + 2 * half) * (cols + 2 * half) * bands * 4}
+
+
+def storage_note(rows: int, cols: int, bands: int, patch: int, samples: int) -> str:
+    size = storage_bytes(rows, cols, bands, patch, samples)
+    return (f"samples take {size['scene'] / 2**20:.1f} MiB as a padded cube, "
+            f"{size['patches'] / 2**20:.1f} MiB as patches")
+
+
+def choose_storage(storage: str, rows: int, cols: int, bands: int, patch: int, samples: int) -> str:
+    """``'scene'`` or ``'patches'``: ``storage`` itself, or for ``'auto'`` the smaller one
+    (:func:`storage_bytes`; a tie goes to patches, which need no cutting on read)."""
+    if storage != "auto":
+        return storage
+    size = storage_bytes(rows, cols, bands, patch, samples)
+    return "scene" if size["scene"] < size["patches"] else "patches"
 
 
 # --------------------------------------------------------------------------------------------
@@ -364,6 +414,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="random pixels, or spatially disjoint blocks")
     p.add_argument("--block-size", type=int, default=None,
                    help="block side in pixels for --split blocks (default max(8, 2*patch))")
+    p.add_argument("--storage", choices=STORAGES, default="auto",
+                   help="scene: store the padded cube once and cut patches on read; patches: "
+                        "store every patch; auto: the smaller of the two (default auto)")
     p.add_argument("--out", required=True, help="output HDF5 file")
 
 
@@ -374,6 +427,6 @@ def run(args: argparse.Namespace) -> int:
                          cols=args.cols, pixel_order=args.pixel_order, patch=args.patch,
                          pad_mode=args.pad_mode, train_fraction=args.train_fraction,
                          train_per_class=args.train_per_class, split=args.split,
-                         block_size=args.block_size, seed=args.seed)
+                         block_size=args.block_size, seed=args.seed, storage=args.storage)
     print(result.report())
     return 0

@@ -19,7 +19,8 @@ import os
 import numpy as np
 
 from mpidl.layout import REQUIRED_ATTRS, LayoutError, validate_layout
-from mpidl.layout import channel_stats, file_fingerprint, nonfinite_problem, scan_nonfinite
+from mpidl.layout import SCENE_KIND, channel_stats, file_fingerprint, nonfinite_problem, scan_nonfinite
+from mpidl.layout import scene_channel_stats
 
 
 def _fmt_range(values: np.ndarray) -> str:
@@ -43,10 +44,19 @@ def describe(path: str, verify: bool = False) -> str:
     lines = [f"file         {path} ({os.path.getsize(path) / 2**20:.1f} MiB), layout version "
              f"{meta['layout_version']}",
              f"source       {meta['source']}"]
+    scene = meta.get("kind") == SCENE_KIND
     with h5py.File(path, "r") as f:
-        x = f["train/x"]
-        lines.append(f"samples      {' x '.join(map(str, meta['sample_shape']))} (C x H x W), "
-                     f"{x.dtype}, chunks {x.chunks}, patch_size {meta['patch_size']}")
+        if scene:
+            cube = f["scene/cube"]
+            lines.append(f"storage      scene-backed: padded cube {' x '.join(map(str, cube.shape))} "
+                         f"(rows x cols x bands), {cube.dtype}, chunks of {meta['row_chunk']} rows; "
+                         f"patches cut on read")
+            lines.append(f"samples      {' x '.join(map(str, meta['sample_shape']))} (C x H x W), "
+                         f"patch_size {meta['patch_size']}")
+        else:
+            x = f["train/x"]
+            lines.append(f"samples      {' x '.join(map(str, meta['sample_shape']))} (C x H x W), "
+                         f"{x.dtype}, chunks {x.chunks}, patch_size {meta['patch_size']}")
         lines.append(f"split seed   {meta['split_seed']}")
         counts = {s: np.bincount(f[f"{s}/y"][...], minlength=k) for s in meta["splits"]}
         width = max(5, *(len(n) for n in names))
@@ -64,7 +74,11 @@ def describe(path: str, verify: bool = False) -> str:
             value = value.decode() if isinstance(value, bytes) else value
             lines.append(f"{key:<{key_width}} {value}")
         if verify:
-            mean, std = channel_stats(f["train/x"][...])
+            if scene:
+                mean, std = scene_channel_stats(f["scene/cube"], f["train/pos"][...],
+                                                meta["patch_size"])
+            else:
+                mean, std = channel_stats(f["train/x"][...])
             dev = max(np.max(np.abs(mean - meta["mean"]) / meta["std"]),
                       np.max(np.abs(std / meta["std"] - 1)))
             if dev > 1e-4:

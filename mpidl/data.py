@@ -30,12 +30,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from mpidl.layout import LAYOUT_VERSION, LayoutError, channel_stats, validate_layout
+from mpidl.layout import LAYOUT_VERSION, SCENE_KIND, LayoutError, channel_stats, cut_patches, validate_layout
 
 READ_MODES = ("runs", "fancy")
 
 __all__ = [
-    "ArrayDataset", "HDF5Dataset", "open_dataset", "load_splits", "synthetic_splits",
+    "ArrayDataset", "HDF5Dataset", "SceneDataset", "open_dataset", "load_splits", "synthetic_splits",
     "dihedral_codes", "apply_dihedral",
 ]
 
@@ -324,6 +324,9 @@ class HDF5Dataset(_PatchDataset):
                                          f"{', '.join(meta['splits'])})")
         if read_mode not in READ_MODES:
             raise ValueError(f"read_mode must be one of {READ_MODES}, got {read_mode!r}")
+        if meta.get("kind") == SCENE_KIND:
+            raise LayoutError(self.path, "a scene-backed layout file: open it with "
+                                         "open_dataset or SceneDataset")
         self.read_mode = read_mode
         self.split = split
         self.meta = meta
@@ -374,15 +377,184 @@ class HDF5Dataset(_PatchDataset):
             pass
 
 
+class SceneDataset(_PatchDataset):
+    """One split of a SCENE-BACKED layout file (:data:`mpidl.layout.SCENE_KIND`): the patches
+    are cut from the stored padded cube on read, so they are bit for bit those of the patch
+    file of the same conversion (and so, after normalization and augmentation, the samples).
+
+    The cube is chunked in bands of ``row_chunk`` whole rows. ``read(indices)`` reads only the
+    row chunks that the asked samples' patches overlap (sample ``i`` at ``(r, c)`` covers padded
+    rows ``r .. r + H - 1``), keeps them in a row cache of at most ``row_cache_bytes`` (the
+    oldest chunks are dropped first), and cuts the patches from them. So a rank reads only the
+    rows its samples touch, and, as long as its rows fit the cache, each of them once per run.
+    When the whole cube fits the cache (Samson: 6.1 MiB), the rows go into one cube-shaped
+    buffer whose memory pages exist only where rows were read, and the patches of a read are
+    cut from it in one vectorized gather; otherwise per band of chunks, oldest chunks dropped.
+
+    Counters: ``samples_read`` (samples cut, as for :class:`HDF5Dataset`), ``chunks_read`` and
+    ``rows_read`` (padded rows read from the file). Parameters are those of
+    :class:`HDF5Dataset`, plus ``row_cache_bytes`` (default 512 MiB; 0 keeps no rows between
+    reads).
+    """
+
+    def __init__(self, path: str | os.PathLike, split: str = "train", *, normalize: bool = True,
+                 cache: bool = False, augment: bool = False, augment_seed: int = 0,
+                 row_cache_bytes: int = 512 * 2**20, meta: dict | None = None):
+        import h5py  # noqa: PLC0415
+
+        self.path = str(path)
+        meta = validate_layout(self.path) if meta is None else meta
+        if meta.get("kind") != SCENE_KIND:
+            raise LayoutError(self.path, "not a scene-backed layout file (use HDF5Dataset)")
+        if split not in meta["splits"]:
+            raise LayoutError(self.path, f"no split {split!r} (the file has: "
+                                         f"{', '.join(meta['splits'])})")
+        self.split = split
+        self.meta = meta
+        self._file = h5py.File(self.path, "r")
+        self._cube = self._file["scene/cube"]
+        self._pos = self._file[f"{split}/pos"][...].astype(np.int64)
+        labels = self._file[f"{split}/y"][...]
+        self.patch = int(meta["patch_size"])
+        self.row_chunk = int(meta["row_chunk"])
+        self.row_cache_bytes = int(row_cache_bytes)
+        self._rows: dict[int, np.ndarray] = {}  # chunk index -> its padded rows, oldest first
+        self._rows_bytes = 0
+        self._dense = None  # the whole-cube buffer, when the cube fits row_cache_bytes
+        self._loaded = None  # which chunks of it hold rows read from the file
+        self.chunks_read = 0
+        self.rows_read = 0
+        self.normalize = bool(normalize)
+        self._mean = np.asarray(meta["mean"], np.float32).reshape(1, -1, 1, 1)
+        self._std = np.asarray(meta["std"], np.float32).reshape(1, -1, 1, 1)
+        super().__init__(labels, meta["sample_shape"], meta["class_names"], cache=cache,
+                         augment=augment, augment_seed=augment_seed,
+                         name=f"{self.path}[{split}]")
+
+    @property
+    def positions(self) -> np.ndarray:
+        """``(num_samples, 2)`` (row, col) of every sample's centre pixel in the scene."""
+        return self._pos
+
+    def _chunks(self, first: int, last: int) -> np.ndarray:
+        """Padded rows of chunks ``first .. last`` (inclusive), read where not cached."""
+        want = range(first, last + 1)
+        missing = [k for k in want if k not in self._rows]
+        rc, total = self.row_chunk, self._cube.shape[0]
+        # Consecutive missing chunks are one slice read each.
+        i = 0
+        while i < len(missing):
+            j = i
+            while j + 1 < len(missing) and missing[j + 1] == missing[j] + 1:
+                j += 1
+            lo, hi = missing[i] * rc, min((missing[j] + 1) * rc, total)
+            block = np.asarray(self._cube[lo:hi], dtype=np.float32)
+            self.chunks_read += j - i + 1
+            self.rows_read += hi - lo
+            for k in range(missing[i], missing[j] + 1):
+                part = block[(k - missing[i]) * rc:(k - missing[i] + 1) * rc]
+                self._rows[k] = part
+                self._rows_bytes += part.nbytes
+            i = j + 1
+        parts = [self._rows[k] for k in want]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+
+    def _evict(self, keep: set) -> None:
+        for k in list(self._rows):
+            if self._rows_bytes <= self.row_cache_bytes:
+                break
+            if k not in keep:
+                self._rows_bytes -= self._rows.pop(k).nbytes
+
+    def _load_dense(self, pos: np.ndarray) -> np.ndarray:
+        """The whole-cube path: the row chunks the samples overlap are read into one
+        cube-shaped buffer (its pages are only allocated where rows are written) and the
+        patches cut from it in one vectorized gather."""
+        rc, p = self.row_chunk, self.patch
+        if self._dense is None:
+            self._dense = np.empty(self._cube.shape, np.float32)
+            self._loaded = np.zeros(-(-self._cube.shape[0] // rc), bool)
+        first, last = pos[:, 0] // rc, (pos[:, 0] + p - 1) // rc
+        need = np.zeros_like(self._loaded)
+        for j in range(int((last - first).max()) + 1):
+            need[(first + j)[first + j <= last]] = True
+        missing = np.flatnonzero(need & ~self._loaded)
+        if missing.size:
+            breaks = np.flatnonzero(np.diff(missing) != 1) + 1
+            total = self._cube.shape[0]
+            for run in np.split(missing, breaks):  # one slice read per run of chunks
+                lo, hi = int(run[0]) * rc, min((int(run[-1]) + 1) * rc, total)
+                self._cube.read_direct(self._dense, np.s_[lo:hi], np.s_[lo:hi])
+                self.chunks_read += run.size
+                self.rows_read += hi - lo
+            self._loaded[missing] = True
+        return cut_patches(self._dense, pos, p)
+
+    def _load_sorted(self, unique: np.ndarray) -> np.ndarray:
+        pos = self._pos[unique]
+        if self._cube.dtype == np.float32 and self._cube.size * 4 <= self.row_cache_bytes:
+            x = self._load_dense(pos)
+            if self.normalize:
+                x -= self._mean
+                x /= self._std
+            return x
+        rc, p = self.row_chunk, self.patch
+        first = pos[:, 0] // rc  # the chunk of each patch's top row
+        x = np.empty((unique.size, *self.sample_shape), dtype=np.float32)
+        # Samples grouped by their first chunk: each group is cut from one band of rows (its
+        # chunks, usually one or two), so only the rows the samples touch are read.
+        order = np.argsort(first, kind="stable")
+        groups = np.split(order, np.flatnonzero(np.diff(first[order])) + 1)
+        used = set()
+        for sel in groups:
+            k0 = int(first[sel[0]])
+            k1 = int((pos[sel, 0].max() + p - 1) // rc)
+            rows = self._chunks(k0, k1)
+            used.update(range(k0, k1 + 1))
+            x[sel] = cut_patches(rows, pos[sel], p, row0=k0 * rc)
+            self._evict(used)
+        if self.row_cache_bytes <= 0:
+            self._rows.clear()
+            self._rows_bytes = 0
+        if self.normalize:
+            x -= self._mean
+            x /= self._std
+        return x
+
+    def close(self) -> None:
+        if getattr(self, "_file", None) is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
 def open_dataset(path: str | os.PathLike, split: str = "train", normalize: bool = True,
-                 cache: bool = False, augment: bool = False, augment_seed: int = 0) -> HDF5Dataset:
-    """Open one split of a layout file (validated first; :class:`LayoutError` on a bad file)."""
+                 cache: bool = False, augment: bool = False,
+                 augment_seed: int = 0) -> HDF5Dataset | SceneDataset:
+    """Open one split of a layout file (validated first; :class:`LayoutError` on a bad file):
+    a :class:`SceneDataset` for a scene-backed file, else an :class:`HDF5Dataset`. Both give
+    the same samples for the same conversion."""
+    meta = validate_layout(path)
+    if meta.get("kind") == SCENE_KIND:
+        return SceneDataset(path, split, normalize=normalize, cache=cache, augment=augment,
+                            augment_seed=augment_seed, meta=meta)
     return HDF5Dataset(path, split, normalize=normalize, cache=cache, augment=augment,
                        augment_seed=augment_seed)
 
 
 def load_splits(path: str | os.PathLike, *, cache: bool = False, augment: bool = False,
-                seed: int = 0) -> tuple[HDF5Dataset, HDF5Dataset, dict]:
+                seed: int = 0) -> tuple[HDF5Dataset | SceneDataset, HDF5Dataset | SceneDataset, dict]:
     """``(train, test, meta)`` of a layout file.
 
     Augmentation (with ``seed``) applies to the training split only; ``meta`` is

@@ -54,6 +54,8 @@ __all__ = [
     "LAYOUT_VERSION", "REQUIRED_SPLITS", "OPTIONAL_SPLITS", "REQUIRED_ATTRS", "LayoutError",
     "LayoutFileNotFoundError", "validate_layout", "write_layout", "channel_stats",
     "scan_nonfinite", "nonfinite_problem", "fingerprint", "file_fingerprint", "stored_fingerprint",
+    "SCENE_KIND", "write_scene_layout", "cut_patches", "scene_channel_stats", "read_split_arrays",
+    "scene_row_chunk",
 ]
 
 
@@ -110,6 +112,8 @@ def validate_layout(path: str | os.PathLike) -> dict:
     except OSError as exc:
         raise LayoutError(path, f"cannot be opened as HDF5 ({exc})") from exc
     with f:
+        if _attr_text(f.attrs.get("layout_kind", b"")) == SCENE_KIND:  # the scene-backed variant
+            return _validate_scene(path, f)
         missing = [f"{s}/{d}" for s in REQUIRED_SPLITS for d in ("x", "y") if f"{s}/{d}" not in f]
         if missing:
             raise LayoutError(path, f"missing dataset(s) {', '.join(missing)}; not an mpidl layout "
@@ -350,7 +354,7 @@ def scan_nonfinite(path: str | os.PathLike, split: str, start: int = 0, stop: in
     samples = values = 0
     first = None
     with h5py.File(os.fspath(path), "r") as f:
-        x = f[f"{split}/x"]
+        x = _split_samples(f, split)
         stop = x.shape[0] if stop is None else min(stop, x.shape[0])
         for lo in range(start, stop, block):
             chunk = x[lo:min(lo + block, stop)]
@@ -392,7 +396,7 @@ def file_fingerprint(path: str | os.PathLike) -> str:
     digest = hashlib.sha256()
     with h5py.File(os.fspath(path), "r") as f:
         for name in sorted(s for s in REQUIRED_SPLITS + OPTIONAL_SPLITS if s in f):
-            _digest_split(digest, name, f[f"{name}/x"], f[f"{name}/y"][...])
+            _digest_split(digest, name, _split_samples(f, name), f[f"{name}/y"][...])
     return "sha256:" + digest.hexdigest()
 
 
@@ -407,9 +411,338 @@ def stored_fingerprint(path: str | os.PathLike) -> str | None:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def _split_samples(f, split: str):
+    """``split``'s samples of an open layout file, either variant, sliceable in blocks:
+    ``split/x`` of a patch file, the patches cut from the cube of a scene-backed one."""
+    if "scene/cube" in f:
+        patch = int(np.asarray(f.attrs["patch_size"]).reshape(-1)[0])
+        return ScenePatches(f["scene/cube"], f[f"{split}/pos"][...], patch)
+    return f[f"{split}/x"]
+
+
 def _digest_split(digest, name: str, x, y) -> None:
     digest.update(name.encode())
     digest.update(np.asarray(x.shape, dtype="<i8").tobytes())
     digest.update(np.ascontiguousarray(np.asarray(y), dtype="<i8").tobytes())
     for lo in range(0, x.shape[0], _BLOCK):
         digest.update(np.ascontiguousarray(x[lo:lo + _BLOCK], dtype="<f4").tobytes())
+
+
+# --------------------------------------------------------------------------------------------
+# The scene-backed variant
+# --------------------------------------------------------------------------------------------
+# A patch file stores every labelled pixel's patch: each pixel of the scene is copied into up
+# to H*W patches (49 for 7 x 7). The scene-backed variant stores the padded cube once, plus
+# the labelled pixels' positions, and the reader (mpidl.data.SceneDataset) cuts the patches:
+#
+#     /scene/cube  (R + 2h, C + 2h, bands) float32  the scene padded by h = patch // 2 on each
+#                                                   side (the converter's --pad-mode), raw
+#                                                   values, chunked in bands of whole rows
+#                                                   (row_chunk rows per chunk)
+#     /train/y     (N,)   int64                     class index in [0, K)
+#     /train/pos   (N, 2) int32                     (row, col) of the centre pixel in the
+#                                                   UNPADDED scene (= the patch's top-left
+#                                                   corner in the padded cube)
+#     /test/y, /test/pos, optional /val/...        the same
+#
+#     root attributes: those of the patch layout (mean/std of the training PATCHES, exactly
+#     as a patch file computes them), plus layout_kind = "scene", scene_shape (R, C),
+#     pad (h), row_chunk
+#
+# Sample i of a split is ``cube[r_i : r_i + H, c_i : c_i + W, :]`` transposed to (bands, H, W):
+# bit for bit the patch a patch file stores for the same pixel.
+SCENE_KIND = "scene"
+#: target bytes of one chunk of the padded cube (a band of whole rows)
+SCENE_CHUNK_BYTES = 256 * 1024
+
+
+def _attr_text(value: Any) -> str:
+    if isinstance(value, bytes):
+        return value.decode()
+    if isinstance(value, np.ndarray) and value.size == 1:
+        return _attr_text(value.reshape(-1)[0])
+    return str(value)
+
+
+def scene_row_chunk(padded_cols: int, bands: int, target_bytes: int = SCENE_CHUNK_BYTES) -> int:
+    """Rows per chunk of a padded cube ``(rows, padded_cols, bands)`` float32: about
+    ``target_bytes`` per chunk, at least one row."""
+    return max(1, int(target_bytes) // max(1, 4 * int(padded_cols) * int(bands)))
+
+
+def cut_patches(rows: np.ndarray, positions: np.ndarray, patch: int, row0: int = 0) -> np.ndarray:
+    """Patches cut from (a band of rows of) a padded cube.
+
+    ``rows : (r, C_pad, bands)`` holds padded rows ``row0 .. row0 + r - 1``; ``positions :
+    (n, 2)`` are (row, col) of the centre pixels in the unpadded scene, i.e. the patches'
+    top-left corners in the padded cube. Returns ``(n, bands, patch, patch)`` float32, C-ordered:
+    ``out[i, b, u, v] = padded[pos_i,0 + u, pos_i,1 + v, b]`` (the same array as
+    ``mpidl.data_tools.hsi.extract_patches`` of the unpadded scene).
+    """
+    positions = np.asarray(positions, dtype=np.int64).reshape(-1, 2)
+    windows = np.lib.stride_tricks.sliding_window_view(rows, (patch, patch), axis=(0, 1))
+    return np.ascontiguousarray(windows[positions[:, 0] - row0, positions[:, 1]], dtype=np.float32)
+
+
+def scene_channel_stats(padded: Any, positions: np.ndarray, patch: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`channel_stats` of the patches at ``positions`` without holding them all.
+
+    ``padded`` is the padded cube ``(R + 2h, C + 2h, bands)`` (an array or an h5py dataset).
+    The patches are cut ``_BLOCK`` at a time, the blocks :func:`channel_stats` sums over, in the
+    same order and with the same float64 operations, so the result is bit for bit that of
+    ``channel_stats(extract_patches(...))``: a scene-backed file normalizes exactly as the
+    patch file of the same conversion.
+    """
+    positions = np.asarray(positions, dtype=np.int64).reshape(-1, 2)
+    n = positions.shape[0]
+    if n == 0:
+        raise ValueError("cannot compute statistics of an empty array")
+
+    def block(start):
+        pos = positions[start:start + _BLOCK]
+        lo, hi = int(pos[:, 0].min()), int(pos[:, 0].max()) + patch
+        return cut_patches(np.asarray(padded[lo:hi], dtype=np.float32), pos, patch, lo)
+
+    c = int(padded.shape[2])
+    count = n * patch * patch
+    total = np.zeros(c, np.float64)
+    for start in range(0, n, _BLOCK):
+        total += block(start).sum(axis=(0, 2, 3), dtype=np.float64)
+    mean = total / count
+    sq = np.zeros(c, np.float64)
+    for start in range(0, n, _BLOCK):
+        d = block(start).astype(np.float64) - mean.reshape(1, -1, 1, 1)
+        sq += np.einsum("nchw,nchw->c", d, d)
+    std = np.sqrt(sq / count)
+    std[std < 1e-12] = 1.0
+    return mean, std
+
+
+class ScenePatches:
+    """The patches at ``positions`` of a padded cube, as a read-only array-like of shape
+    ``(n, bands, patch, patch)`` whose slices ``[lo:hi]`` are cut on demand (reading only the
+    rows they touch): lets the block-wise readers of a patch file (fingerprint, non-finite
+    scan) read a scene-backed file unchanged, with the same result for the same samples."""
+
+    def __init__(self, padded: Any, positions: np.ndarray, patch: int):
+        self.padded = padded
+        self.positions = np.asarray(positions, dtype=np.int64).reshape(-1, 2)
+        self.patch = int(patch)
+        self.shape = (self.positions.shape[0], int(padded.shape[2]), self.patch, self.patch)
+
+    def __getitem__(self, index: slice) -> np.ndarray:
+        pos = self.positions[index]
+        if pos.shape[0] == 0:
+            return np.empty((0, *self.shape[1:]), np.float32)
+        lo, hi = int(pos[:, 0].min()), int(pos[:, 0].max()) + self.patch
+        return cut_patches(np.asarray(self.padded[lo:hi], dtype=np.float32), pos, self.patch, lo)
+
+
+def write_scene_layout(path: str | os.PathLike, padded: np.ndarray,
+                       splits: Mapping[str, Sequence[np.ndarray]], class_names: Sequence[str], *,
+                       patch_size: int, source: str = "", split_seed: int = 0,
+                       attrs: Mapping[str, Any] | None = None, row_chunk: int | None = None) -> dict:
+    """Write the scene-backed variant (see the comment above :data:`SCENE_KIND`), atomically.
+
+    Parameters
+    ----------
+    padded : ``(R + 2h, C + 2h, bands)`` the scene padded by ``h = patch_size // 2``
+    splits : ``{'train': (pos, y), 'test': (pos, y), optional 'val': ...}`` with ``pos : (N, 2)``
+        the centre pixels' (row, col) in the unpadded scene and ``y : (N,)`` labels in [0, K)
+    patch_size : odd patch side ``H = W``
+    row_chunk : rows of the padded cube per HDF5 chunk (default :func:`scene_row_chunk`)
+
+    Returns the stored metadata, as :func:`write_layout` does. ``mean``/``std`` are those of
+    the training patches (:func:`scene_channel_stats`, equal to a patch file's).
+    """
+    path = os.fspath(path)
+
+    def fail(problem: str):
+        raise ValueError(f"cannot write {path}: {problem}")
+
+    padded = np.asarray(padded)
+    if padded.ndim != 3:
+        fail(f"the padded cube must be (rows, cols, bands), got shape {padded.shape}")
+    patch = int(patch_size)
+    if patch < 1 or patch % 2 == 0:
+        fail(f"patch_size must be odd and positive, got {patch_size}")
+    half = patch // 2
+    rows, cols = padded.shape[0] - 2 * half, padded.shape[1] - 2 * half
+    if rows < 1 or cols < 1:
+        fail(f"a cube of {padded.shape[:2]} padded rows x cols is too small for patch {patch}")
+    unknown = sorted(set(splits) - set(REQUIRED_SPLITS) - set(OPTIONAL_SPLITS))
+    if unknown:
+        fail(f"unknown split(s) {unknown}; use {REQUIRED_SPLITS + OPTIONAL_SPLITS}")
+    for name in REQUIRED_SPLITS:
+        if name not in splits:
+            fail(f"the {name!r} split is missing")
+    if len(class_names) < 2:
+        fail(f"need at least 2 class names, got {list(class_names)}")
+    if not np.all(np.isfinite(padded)):
+        fail("the cube contains NaN or infinite values")
+    checked = {}
+    for name, arrays in splits.items():
+        if len(arrays) != 2:
+            fail(f"split {name!r} must be (pos, y)")
+        pos = np.asarray(arrays[0], dtype=np.int64).reshape(-1, 2) if np.size(arrays[0]) \
+            else np.empty((0, 2), np.int64)
+        y = np.asarray(arrays[1])
+        if y.shape != (pos.shape[0],):
+            fail(f"{name}/y must be ({pos.shape[0]},) to match {name}/pos, got shape {y.shape}")
+        if y.size and y.dtype.kind not in "iu":
+            fail(f"{name}/y must hold integers, got {y.dtype}")
+        if y.size and (y.min() < 0 or y.max() >= len(class_names)):
+            fail(f"{name}/y has labels in [{y.min()}, {y.max()}], outside [0, {len(class_names)})")
+        if pos.size and (pos.min(axis=0) < 0).any() or pos.size and (pos.max(axis=0) >= (rows, cols)).any():
+            fail(f"{name}/pos has positions outside the {rows} x {cols} scene")
+        checked[name] = (pos.astype(np.int32), y.astype(np.int64))
+    if checked["train"][0].shape[0] == 0:
+        fail("the train split is empty")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"cannot write {path}: folder {folder} does not exist")
+    cube = np.ascontiguousarray(padded, dtype=np.float32)
+    mean, std = scene_channel_stats(cube, checked["train"][0], patch)
+    chunk = int(row_chunk) if row_chunk else scene_row_chunk(cube.shape[1], cube.shape[2])
+    chunk = max(1, min(chunk, cube.shape[0]))
+    meta = {
+        "class_names": [str(n) for n in class_names],
+        "bands": int(cube.shape[2]),
+        "patch_size": patch,
+        "source": str(source),
+        "split_seed": int(split_seed),
+        "mean": mean,
+        "std": std,
+        "layout_version": LAYOUT_VERSION,
+        "fingerprint": fingerprint({name: (ScenePatches(cube, pos, patch), y)
+                                    for name, (pos, y) in checked.items()}),
+    }
+
+    def fill(f):
+        for key, value in (attrs or {}).items():
+            if value is not None:
+                f.attrs[key] = value
+        for key, value in meta.items():
+            f.attrs[key] = value
+        f.attrs["layout_kind"] = SCENE_KIND
+        f.attrs["scene_shape"] = np.array([rows, cols], np.int64)
+        f.attrs["pad"] = half
+        f.attrs["row_chunk"] = chunk
+        f.create_dataset("scene/cube", data=cube, chunks=(chunk, cube.shape[1], cube.shape[2]))
+        for name, (pos, y) in checked.items():
+            f.create_dataset(f"{name}/pos", data=pos, dtype=np.int32)
+            f.create_dataset(f"{name}/y", data=y, dtype=np.int64)
+
+    with atomic_h5(path, permissions=True) as f:
+        fill(f)
+    meta["splits"] = {name: int(arrs[0].shape[0]) for name, arrs in checked.items()}
+    meta["kind"] = SCENE_KIND
+    meta["sample_shape"] = (int(cube.shape[2]), patch, patch)
+    return meta
+
+
+def _validate_scene(path: str, f) -> dict:
+    """:func:`validate_layout` for a scene-backed file (``f`` open); the same dict, plus
+    ``kind`` = 'scene', ``scene_shape`` (R, C), ``padded_shape`` and ``row_chunk``."""
+    missing_attrs = [a for a in REQUIRED_ATTRS + ("scene_shape", "pad") if a not in f.attrs]
+    if missing_attrs:
+        raise LayoutError(path, f"missing root attribute(s) {', '.join(missing_attrs)}")
+    version = int(np.asarray(f.attrs["layout_version"]).reshape(-1)[0])
+    if version != LAYOUT_VERSION:
+        raise LayoutError(path, f"layout_version {version} is not supported (this mpidl reads "
+                                f"version {LAYOUT_VERSION})")
+    missing = [d for d in ["scene/cube"] + [f"{s}/{k}" for s in REQUIRED_SPLITS for k in ("pos", "y")]
+               if d not in f]
+    if missing:
+        raise LayoutError(path, f"missing dataset(s) {', '.join(missing)} of a scene-backed "
+                                f"layout (layout_kind = 'scene')")
+    class_names = _decode_names(f.attrs["class_names"])
+    num_classes = len(class_names)
+    if num_classes < 2:
+        raise LayoutError(path, f"class_names must list at least 2 classes, got {class_names}")
+    cube = f["scene/cube"]
+    if cube.ndim != 3 or cube.dtype.kind != "f":
+        raise LayoutError(path, f"scene/cube must be a 3-D floating-point array (rows, cols, "
+                                f"bands), got shape {cube.shape} dtype {cube.dtype}")
+    patch = int(np.asarray(f.attrs["patch_size"]).reshape(-1)[0])
+    half = int(np.asarray(f.attrs["pad"]).reshape(-1)[0])
+    if patch < 1 or patch % 2 == 0 or half != patch // 2:
+        raise LayoutError(path, f"patch_size {patch} and pad {half} do not match (pad must be "
+                                f"patch_size // 2, patch_size odd)")
+    rows, cols = (int(v) for v in np.asarray(f.attrs["scene_shape"]).reshape(-1)[:2])
+    if cube.shape[:2] != (rows + 2 * half, cols + 2 * half):
+        raise LayoutError(path, f"scene/cube is {cube.shape[:2]} but a {rows} x {cols} scene "
+                                f"padded by {half} is {(rows + 2 * half, cols + 2 * half)}")
+    bands = int(np.asarray(f.attrs["bands"]).reshape(-1)[0])
+    if bands != cube.shape[2]:
+        raise LayoutError(path, f"attribute bands = {bands} but scene/cube has {cube.shape[2]} bands")
+    splits: dict[str, int] = {}
+    for split in REQUIRED_SPLITS + OPTIONAL_SPLITS:
+        if split not in f:
+            continue
+        if "pos" not in f[split] or "y" not in f[split]:
+            raise LayoutError(path, f"split {split!r} needs both {split}/pos and {split}/y")
+        pos, y = f[f"{split}/pos"], f[f"{split}/y"]
+        if y.ndim != 1 or y.dtype.kind not in "iu":
+            raise LayoutError(path, f"{split}/y must be a 1-D integer array, "
+                                    f"got shape {y.shape} dtype {y.dtype}")
+        if pos.shape != (y.shape[0], 2) or pos.dtype.kind not in "iu":
+            raise LayoutError(path, f"{split}/pos must be ({y.shape[0]}, 2) integers, "
+                                    f"got shape {pos.shape} dtype {pos.dtype}")
+        labels, p = y[...], pos[...]
+        if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
+            raise LayoutError(path, f"{split}/y has labels in [{labels.min()}, {labels.max()}] "
+                                    f"but there are {num_classes} classes (expected [0, "
+                                    f"{num_classes - 1}])")
+        if p.size and ((p.min(axis=0) < 0).any() or (p.max(axis=0) >= (rows, cols)).any()):
+            raise LayoutError(path, f"{split}/pos has positions outside the {rows} x {cols} scene")
+        splits[split] = int(y.shape[0])
+    if splits["train"] == 0:
+        raise LayoutError(path, "the train split is empty")
+    mean = np.asarray(f.attrs["mean"], dtype=np.float64)
+    std = np.asarray(f.attrs["std"], dtype=np.float64)
+    if mean.shape != (bands,) or std.shape != (bands,):
+        raise LayoutError(path, f"mean and std must be ({bands},), got {mean.shape} and {std.shape}")
+    if not (np.all(np.isfinite(mean)) and np.all(np.isfinite(std)) and np.all(std > 0)):
+        raise LayoutError(path, "mean/std must be finite and std > 0")
+    row_chunk = int(np.asarray(f.attrs["row_chunk"]).reshape(-1)[0]) if "row_chunk" in f.attrs \
+        else (cube.chunks[0] if cube.chunks else cube.shape[0])
+    return {
+        "path": path,
+        "class_names": class_names,
+        "num_classes": num_classes,
+        "bands": bands,
+        "patch_size": patch,
+        "sample_shape": (bands, patch, patch),
+        "source": _attr_text(f.attrs["source"]),
+        "split_seed": int(np.asarray(f.attrs["split_seed"]).reshape(-1)[0]),
+        "mean": mean,
+        "std": std,
+        "layout_version": version,
+        "splits": splits,
+        "kind": SCENE_KIND,
+        "scene_shape": (rows, cols),
+        "padded_shape": tuple(int(s) for s in cube.shape),
+        "row_chunk": row_chunk,
+    }
+
+
+def read_split_arrays(path: str | os.PathLike, split: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """``(x, y, pos)`` of one split with RAW values, whichever variant the file is: ``x :
+    (N, C, H, W)`` float32 (cut from the cube for a scene-backed file), ``y : (N,)``,
+    ``pos : (N, 2)`` or None. Reads the whole split into memory (for tools and tests)."""
+    import h5py  # noqa: PLC0415
+
+    meta = validate_layout(path)
+    if split not in meta["splits"]:
+        raise LayoutError(str(path), f"no split {split!r}")
+    with h5py.File(path, "r") as f:
+        y = f[f"{split}/y"][...]
+        pos = f[f"{split}/pos"][...] if "pos" in f[split] else None
+        if meta.get("kind") == SCENE_KIND:
+            x = cut_patches(f["scene/cube"][...].astype(np.float32, copy=False), pos,
+                            meta["patch_size"]) if y.size else \
+                np.empty((0, *meta["sample_shape"]), np.float32)
+        else:
+            x = f[f"{split}/x"][...]
+    return x, y, pos

@@ -176,7 +176,7 @@ def _scan_share(path: str, rank: int, size: int) -> dict:
 
     found = {}
     with h5py.File(path, "r") as f:
-        counts = {s: f[f"{s}/x"].shape[0] for s in REQUIRED_SPLITS + OPTIONAL_SPLITS if s in f}
+        counts = {s: f[f"{s}/y"].shape[0] for s in REQUIRED_SPLITS + OPTIONAL_SPLITS if s in f}
     for split, n in counts.items():
         lo, hi = n * rank // size, n * (rank + 1) // size
         found[split] = scan_nonfinite(path, split, lo, hi)

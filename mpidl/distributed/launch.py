@@ -95,3 +95,14 @@ def _write_all(fd: int, data: bytes) -> None:
         except OSError:
             return  # stderr is gone: nothing more can be said
         data = data[written:]
+
+
+def gather_to_root(obj, root: int = 0, comm=None):
+    """Collective: the list of every rank's ``obj`` (in rank order) on ``root``, None elsewhere."""
+    comm = MPI.COMM_WORLD if comm is None else comm
+    return comm.gather(obj, root=root)
+
+
+def barrier(comm=None) -> None:
+    """Collective: return once every rank of ``comm`` (default the world) has called it."""
+    (MPI.COMM_WORLD if comm is None else comm).Barrier()
