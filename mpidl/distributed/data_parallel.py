@@ -52,9 +52,12 @@ from mpidl.distributed import balance
 from mpidl.distributed.emulation import LinkModel, Slowdown, parse_link
 from mpidl.distributed.reducer_base import COUNT, NONFINITE, SLOTS, STOP, WEIGHTINGS
 from mpidl.distributed.reducers import STRATEGIES, make_reducer
+from mpidl.distributed.shm import SharedNode, check_shared_supported
 from mpidl.distributed.topology import Topology
 
 ON_NAN = ("stop", "skip")
+#: how the ranks of one node combine (see the ``intra`` parameter)
+INTRA = ("mpi", "shm")
 #: timed rounds of the speed probe (each times every probe batch size once)
 PROBE_ROUNDS = 5
 #: default minimum predicted gain (a fraction of the step) for an uneven split or a re-split
@@ -65,7 +68,7 @@ MIN_LOCAL_BATCH = 1
 #: steps whose compute times a re-fit may use (a bound on memory, not a tuning knob)
 RECENT_STEPS = 1024
 
-__all__ = ["DataParallel", "NonFiniteGradient", "ON_NAN"]
+__all__ = ["DataParallel", "NonFiniteGradient", "ON_NAN", "INTRA"]
 
 
 class NonFiniteGradient(RuntimeError):
@@ -121,6 +124,12 @@ class DataParallel:
         EMULATION: this rank's compute takes that factor longer (it sleeps).
     emulate_link : LinkModel, 'LATENCY_US,GBIT_S' or None
         EMULATION: every inter-node collective also sleeps its alpha-beta time.
+    intra : 'mpi' | 'shm'
+        How the ranks of a node combine: MPI collectives on private replicas ('mpi'), or one
+        node-shared MPI-3 window holding the parameters and optimizer state once and every
+        rank's gradient slot, each rank reducing and updating its ``1/R`` slice
+        (:mod:`~mpidl.distributed.shm`; elementwise optimizers, CPU). Call :meth:`close`
+        (or use ``with``) at the end to free the window.
 
     Construction is collective: it broadcasts rank 0's parameters (and buffers) to every
     replica, warms up and measures with ``probe``, and splits ``B``. Bad arguments raise
@@ -133,7 +142,7 @@ class DataParallel:
                  balance_threshold: float = BALANCE_THRESHOLD, rebalance_every: int | None = None,
                  sync_optimizer_state: bool = False, on_nan: str = "stop",
                  check_replicas: bool = False, emulate_slowdown: float | Sequence[float] = 1.0,
-                 emulate_link: LinkModel | str | None = None):
+                 emulate_link: LinkModel | str | None = None, intra: str = "mpi"):
         params = getattr(model, "params", model)
         message = getattr(params, "message", None)
         if message is None or getattr(params, "data", None) is None:
@@ -163,6 +172,10 @@ class DataParallel:
         if rebalance_every is not None and (isinstance(rebalance_every, bool) or not isinstance(
                 rebalance_every, Integral) or rebalance_every < 1):
             raise ValueError(f"rebalance_every must be an integer >= 1 or None, got {rebalance_every!r}")
+        if intra not in INTRA:
+            raise ValueError(f"intra must be one of {', '.join(INTRA)}, got {intra!r}")
+        if intra == "shm":
+            check_shared_supported(params, optimizer)
         if isinstance(emulate_link, str):
             emulate_link = parse_link(emulate_link)
         self.model = model if params is not model else None
@@ -189,8 +202,15 @@ class DataParallel:
         self.weighting = weighting
         self._backend = getattr(params, "backend", None)
         given = None if isinstance(speeds, str) else balance.check_speeds(speeds, topo.size)
+        self.intra = intra
         # ---- collective set-up
         self._broadcast_initial_state()
+        #: the node's shared window under intra='shm', else None
+        self.shared: SharedNode | None = None
+        if intra == "shm":
+            self.shared = SharedNode(params, optimizer, topo)
+            if hasattr(self.reducer, "shared"):
+                self.reducer.shared = self.shared
         if probe is not None:
             self._warm_up(probe)
         if speeds == "auto":
@@ -293,25 +313,21 @@ class DataParallel:
         self._recent.append((int(count), seconds))
 
         t0 = time.perf_counter()
-        message = self.params.message
-        message[STOP] = 1.0 if self._pending_stop else 0.0
-        message[NONFINITE] = 0.0
-        self.reducer.reduce_gradients(message, count)
-        xp = get_array_module(message)
-        # One float64 sum instead of an elementwise test: NaN or Inf anywhere makes it
-        # non-finite, with no parameter-sized temporary; one device read for the slots too.
-        checks = to_host(xp.stack([self.params.grad.sum(dtype=np.float64),
-                                   message[STOP].astype(np.float64)]))
-        finite = bool(np.isfinite(checks[0]))
-        if checks[1] > 0:
+        if self.shared is not None:
+            finite, stop = self._reduce_shared(count)
+        else:
+            finite, stop = self._reduce_replicated(count)
+        if stop > 0:
             if self.reducer.step_is_global:
                 self.should_stop = True
             else:
                 self._pending_stop = True  # the node agrees now; the world at the next sync
         self.last_step_skipped = not finite
-        if finite:
+        if self.shared is not None:
+            self.shared.update(apply=finite)
+        elif finite:
             self.optimizer.step()
-        elif self.on_nan == "stop":
+        if not finite and self.on_nan == "stop":
             if self.reducer.step_is_global:
                 self._wait_seconds += time.perf_counter() - t0
                 raise NonFiniteGradient(
@@ -330,6 +346,50 @@ class DataParallel:
         self._wait_seconds += time.perf_counter() - t0
         self._mark = time.perf_counter()
         return result is not None
+
+    def _reduce_replicated(self, count) -> tuple[bool, float]:
+        """intra='mpi': the reducer on this rank's message; returns (finite, stop sum)."""
+        message = self.params.message
+        message[STOP] = 1.0 if self._pending_stop else 0.0
+        message[NONFINITE] = 0.0
+        self.reducer.reduce_gradients(message, count)
+        xp = get_array_module(message)
+        # One float64 sum instead of an elementwise test: NaN or Inf anywhere makes it
+        # non-finite, with no parameter-sized temporary; one device read for the slots too.
+        checks = to_host(xp.stack([self.params.grad.sum(dtype=np.float64),
+                                   message[STOP].astype(np.float64)]))
+        return bool(np.isfinite(checks[0])), float(checks[1])
+
+    def _reduce_shared(self, count) -> tuple[bool, float]:
+        """intra='shm': the weighted sum in the node's window (over the world for the exact
+        strategies on several nodes); returns (finite, stop sum)."""
+        reducer = self.reducer
+        weight = reducer._weight_count(count)
+        inter = reducer.step_is_global and self.topology.num_nodes > 1
+        total, stop, nonfinite = self.shared.reduce(weight, 1.0 if self._pending_stop else 0.0,
+                                                    reducer, inter=inter)
+        if reducer.step_is_global and total == 0:
+            raise ValueError("no rank computed a sample this step (every count was 0)")
+        if hasattr(reducer, "samples_since_sync") and reducer.weighting == "balanced":
+            reducer.samples_since_sync += int(round(total))
+        return nonfinite == 0, stop
+
+    def close(self) -> None:
+        """Free what this object holds beyond the model (collective over the node under
+        intra='shm': the parameters and optimizer state are copied back to private memory
+        and the window is freed). The model and optimizer stay usable; a second call does
+        nothing."""
+        if self.shared is not None:
+            self.shared.close()
+            self.shared = None
+            if hasattr(self.reducer, "shared"):
+                self.reducer.shared = None
+
+    def __enter__(self) -> "DataParallel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def sync(self) -> None:
         """Make every replica identical now (collective): the node strategy's parameter
@@ -519,6 +579,10 @@ class DataParallel:
             where = "" if len(failing) == self.size else f" (on ranks {failing})"
             raise ValueError(first + where)
         params, opt_state, samples, buffers = parts
+        if self.shared is not None:
+            # The ranks of a node write the same values into its one copy; none may still
+            # be reading it, and none reads it before all have written.
+            self.shared.barrier()
         self.optimizer.load_state_dict_host({"state": opt_state, "step_count": state["optimizer"]["step_count"]})
         self.params.data[...] = self._backend.asarray(params) if self._backend else params
         if buffers and self.model is not None:
@@ -527,6 +591,8 @@ class DataParallel:
         if hasattr(self.reducer, "steps_since_sync"):
             self.reducer.steps_since_sync = int(state["steps_since_sync"])
         self.reducer.set_pending_samples(samples)
+        if self.shared is not None:
+            self.shared.barrier()
         if state["world_size"] == self.size:
             self.costs = [balance.RankCost(a, c) for a, c in state["costs"]]
             self.batch_sizes = list(state["batch_sizes"])

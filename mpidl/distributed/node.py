@@ -59,6 +59,9 @@ class NodeReducer(Reducer):
         #: optimizer steps since the last parameter sync (the same on every rank)
         self.steps_since_sync = 0
         self._scratch = None
+        #: the node's SharedNode under intra='shm' (set by DataParallel): the parameter sync
+        #: then reads and writes the one copy in the window
+        self.shared = None
 
     @property
     def step_is_global(self) -> bool:
@@ -109,6 +112,7 @@ class NodeReducer(Reducer):
         """The leaders' weighted SUM of ``[v_n theta_n | v_n s_n ... | v_n | stop | nonfinite]``,
         broadcast in every node, divided by ``sum v_n`` on every rank."""
         topo = self.topology
+        shared = self.shared is not None and into is params_data
         buffers = [params_data, *state_buffers]
         size = params_data.size
         length = size * len(buffers) + 3
@@ -128,6 +132,8 @@ class NodeReducer(Reducer):
             self._allreduce("inter", topo.leaders, message)
             if self.emulate_link is not None:
                 self._emulate_inter_node(self.emulate_link.allreduce_seconds(message.nbytes, topo.num_nodes))
+        if shared:
+            return self._finish_shared(message, buffers, reset)
         self._bcast_from_root("intra", topo.node, message)
         total = float(message[COUNT])
         if total <= 0:
@@ -142,6 +148,31 @@ class NodeReducer(Reducer):
             self.samples_since_sync = 0
             self.steps_since_sync = 0
         return float(message[STOP]), float(message[NONFINITE])
+
+
+    def _finish_shared(self, message, buffers, reset) -> tuple:
+        """intra='shm': the leader divides the leaders' sum into the node's one copy of the
+        parameters and state and writes ``[count | stop | nonfinite]`` into slot 0's tail;
+        after a node barrier every rank reads them."""
+        shared = self.shared
+        size = buffers[0].size
+        total = float(message[COUNT]) if self.topology.is_leader else 0.0
+        if self.topology.is_leader:
+            if total > 0:
+                for k, buf in enumerate(buffers):
+                    buf[...] = message[k * size:(k + 1) * size]
+                    buf /= total
+            shared.slots[0, COUNT:] = message[COUNT:]
+        shared.barrier()
+        total, stop, nonfinite = (float(v) for v in shared.slots[0, COUNT:])
+        shared.barrier()  # read by all before rank 0's next step writes its slot again
+        if total <= 0:
+            raise RuntimeError("node parameter sync: no node processed a sample since the last sync "
+                               "(every rank passed a count of 0); the parameter average is undefined")
+        if reset:
+            self.samples_since_sync = 0
+            self.steps_since_sync = 0
+        return stop, nonfinite
 
 
 def check_sync_every(sync_every) -> int:

@@ -1,0 +1,114 @@
+"""Hiding the communication: node-shared buffers (intra='shm'), bucketed overlap,
+compression and the overlapped node sync, each against the blocking replicated reference.
+
+The same tiny float64 loops as ``test_data_parallel.py``; every rank asserts only after a
+collective agreement.
+"""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpidl.distributed import DataParallel, NonFiniteGradient, Topology
+from mpidl.optim import SGD, Adam
+from test_data_parallel import B, P, RANK, UNEVEN, WORLD, make, rel_diff, tiny_model, train
+from trainer_harness import all_agree
+
+pytestmark = pytest.mark.mpi
+
+
+class LayerWise(SGD):
+    """A stand-in for a layer-wise rule (LARS-like): not elementwise."""
+    elementwise = False
+
+
+# ------------------------------------------------------------------ intra='shm'
+@pytest.mark.parametrize("strategy, ranks_per_node, optimizer", [
+    ("flat", None, SGD), ("hierarchical", None, SGD), ("hierarchical", None, Adam),
+    ("flat", 1, SGD), ("hierarchical", 2, Adam),
+])
+def test_shm_equals_mpi_and_one_process(strategy, ranks_per_node, optimizer):
+    model, dp = make(strategy=strategy, speeds=UNEVEN, ranks_per_node=ranks_per_node,
+                     optimizer=optimizer, intra="shm")
+    shm = train(model, dp, steps=5)
+    ref_model, ref_dp = make(strategy=strategy, speeds=UNEVEN, ranks_per_node=ranks_per_node,
+                             optimizer=optimizer)
+    mpi = train(ref_model, ref_dp, steps=5)
+    one_model, one_dp = make(comm=MPI.COMM_SELF, strategy=strategy, optimizer=optimizer)
+    one = train(one_model, one_dp, steps=5)
+    assert all_agree(WORLD, rel_diff(shm, mpi) <= 1e-12), f"{strategy}: {rel_diff(shm, mpi):.3e}"
+    assert all_agree(WORLD, rel_diff(shm, one) <= 1e-10)
+    state_shm = dp.optimizer.state_buffers()[0].copy()
+    assert all_agree(WORLD, rel_diff(state_shm, ref_dp.optimizer.state_buffers()[0]) <= 1e-12)
+    dp.close()
+    # after close the model is private again and keeps its values
+    assert all_agree(WORLD, np.array_equal(model.params.data, shm) and dp.shared is None)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_shm_node_strategy_equals_mpi_between_and_at_syncs():
+    kwargs = dict(strategy="node", sync_every=3, ranks_per_node=max(1, P // 2), speeds=UNEVEN,
+                  sync_optimizer_state=True)
+    model, dp = make(intra="shm", **kwargs)
+    ref_model, ref_dp = make(**kwargs)
+    for steps in (2, 2):  # step 2 between syncs, step 4 after the sync at step 3
+        shm = train(model, dp, steps=steps, seed=steps)
+        mpi = train(ref_model, ref_dp, steps=steps, seed=steps)
+        assert all_agree(WORLD, rel_diff(shm, mpi) <= 1e-12), f"{rel_diff(shm, mpi):.3e}"
+        assert all_agree(WORLD, rel_diff(dp.consensus(), ref_dp.consensus()) <= 1e-12)
+    dp.sync()
+    ref_dp.sync()
+    assert all_agree(WORLD, rel_diff(model.params.data, ref_model.params.data) <= 1e-12)
+    dp.close()
+
+
+def test_shm_holds_one_copy_per_node():
+    model, dp = make(intra="shm")
+    node = dp.topology.node
+    # every rank of the node sees the same memory for the parameters
+    addresses = node.allgather(model.params.data.__array_interface__["data"][0] -
+                               dp.shared.window.__array_interface__["data"][0])
+    assert all_agree(WORLD, len(set(addresses)) == 1)
+    parts = dp.shared.resident_bytes()
+    R = node.Get_size()
+    assert all_agree(WORLD, parts["params"] == model.params.nbytes and
+                     parts["slots"] == R * model.params.message.nbytes)
+    dp.close()
+
+
+def test_shm_refuses_a_layer_wise_optimizer_before_any_collective():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="elementwise"):
+        DataParallel(model, LayerWise(model.params, lr=0.1), batch_size=B, intra="shm")
+    with pytest.raises(ValueError, match="intra must be"):
+        DataParallel(model, SGD(model.params, lr=0.1), batch_size=B, intra="tcp")
+
+
+@pytest.mark.parametrize("strategy", ["flat", "hierarchical"])
+def test_shm_non_finite_gradient_raises_on_every_rank(strategy):
+    model, dp = make(strategy=strategy, intra="shm")
+    raised = None
+    for t in range(3):
+        model.params.grad.fill(0.1)
+        if t == 1 and RANK == P - 1:
+            model.params.grad[model.params.size - 1] = np.nan
+        try:
+            dp.step(2)
+        except NonFiniteGradient:
+            raised = t
+            break
+    assert WORLD.allgather(raised) == [1] * P
+    dp.close()
+
+
+def test_shm_state_dict_then_load_continues_exactly():
+    model, dp = make(intra="shm")
+    train(model, dp, steps=2)
+    state = WORLD.bcast(dp.state_dict(), root=0)
+    expected = train(model, dp, steps=2, seed=9)
+    model2, dp2 = make(intra="shm", seed=11)
+    dp2.load_state_dict(state)
+    got = train(model2, dp2, steps=2, seed=9)
+    assert all_agree(WORLD, rel_diff(got, expected) <= 1e-12)
+    dp.close()
+    dp2.close()
