@@ -52,10 +52,13 @@ from mpidl.distributed import balance
 from mpidl.distributed.emulation import LinkModel, Slowdown, parse_link
 from mpidl.distributed.reducer_base import COUNT, NONFINITE, SLOTS, STOP, WEIGHTINGS
 from mpidl.distributed.reducers import STRATEGIES, make_reducer
+from mpidl.distributed.overlap import OVERLAP_STRATEGIES, OverlappedExchange, plan_buckets
 from mpidl.distributed.shm import SharedNode, check_shared_supported
 from mpidl.distributed.topology import Topology
 
 ON_NAN = ("stop", "skip")
+#: default bucket size of ``overlap`` (MiB)
+BUCKET_MB = 1.0
 #: how the ranks of one node combine (see the ``intra`` parameter)
 INTRA = ("mpi", "shm")
 #: timed rounds of the speed probe (each times every probe batch size once)
@@ -130,6 +133,15 @@ class DataParallel:
         rank's gradient slot, each rank reducing and updating its ``1/R`` slice
         (:mod:`~mpidl.distributed.shm`; elementwise optimizers, CPU). Call :meth:`close`
         (or use ``with``) at the end to free the window.
+    overlap : bool
+        ``flat`` / ``hierarchical``: exchange the gradient in buckets of about ``bucket_mb``
+        MiB with non-blocking collectives started from the model's backward hook as soon as
+        a bucket's layers are done, waited for in :meth:`step`
+        (:mod:`~mpidl.distributed.overlap`). Needs a Model whose ``net`` is a Sequential, the
+        CPU backend and intra='mpi'; the hook takes this rank's sample count from
+        :meth:`local_indices`, so call it, then ONE backward, then :meth:`step`.
+    bucket_mb : float > 0
+        The bucket size of ``overlap`` in MiB.
 
     Construction is collective: it broadcasts rank 0's parameters (and buffers) to every
     replica, warms up and measures with ``probe``, and splits ``B``. Bad arguments raise
@@ -142,7 +154,8 @@ class DataParallel:
                  balance_threshold: float = BALANCE_THRESHOLD, rebalance_every: int | None = None,
                  sync_optimizer_state: bool = False, on_nan: str = "stop",
                  check_replicas: bool = False, emulate_slowdown: float | Sequence[float] = 1.0,
-                 emulate_link: LinkModel | str | None = None, intra: str = "mpi"):
+                 emulate_link: LinkModel | str | None = None, intra: str = "mpi",
+                 overlap: bool = False, bucket_mb: float = BUCKET_MB):
         params = getattr(model, "params", model)
         message = getattr(params, "message", None)
         if message is None or getattr(params, "data", None) is None:
@@ -176,6 +189,19 @@ class DataParallel:
             raise ValueError(f"intra must be one of {', '.join(INTRA)}, got {intra!r}")
         if intra == "shm":
             check_shared_supported(params, optimizer)
+        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, Real) or not 0 < bucket_mb < float("inf"):
+            raise ValueError(f"bucket_mb must be a number > 0, got {bucket_mb!r}")
+        if overlap:
+            net = getattr(model, "net", None)
+            if strategy not in OVERLAP_STRATEGIES:
+                raise ValueError(f"overlap works with strategy {' or '.join(OVERLAP_STRATEGIES)}, not {strategy!r}")
+            if intra != "mpi":
+                raise ValueError("overlap works with intra='mpi' (the shared window is reduced in place)")
+            if net is None or not hasattr(net, "backward_hook"):
+                raise ValueError("overlap needs a Model whose net is a Sequential (its backward hook "
+                                 "starts the buckets)")
+            if not isinstance(params.data, np.ndarray):
+                raise ValueError("overlap needs the CPU backend (host buffers for non-blocking MPI)")
         if isinstance(emulate_link, str):
             emulate_link = parse_link(emulate_link)
         self.model = model if params is not model else None
@@ -237,6 +263,15 @@ class DataParallel:
         self._local_count: int | None = None
         #: (samples, compute seconds) of this rank's steps since the last re-fit (the latest only)
         self._recent: deque = deque(maxlen=RECENT_STEPS)
+        #: the bucketed non-blocking exchange under overlap=True (None on one rank: nothing
+        #: to exchange), and its bucket plan
+        self.exchange: OverlappedExchange | None = None
+        self.buckets: list = []
+        if overlap and topo.size > 1:
+            layers = [sum(p.size for _, p in layer.named_parameters()) for layer in model.net.layers]
+            self.buckets = plan_buckets(layers, float(bucket_mb) * 2 ** 20, params.data.itemsize)
+            self.exchange = OverlappedExchange(self.reducer, params.message, self.buckets)
+            model.net.backward_hook = self._backward_hook
         self.reset_counters()
         self._mark = time.perf_counter()
 
@@ -315,6 +350,8 @@ class DataParallel:
         t0 = time.perf_counter()
         if self.shared is not None:
             finite, stop = self._reduce_shared(count)
+        elif self.exchange is not None:
+            finite, stop = self._reduce_overlapped(count)
         else:
             finite, stop = self._reduce_replicated(count)
         if stop > 0:
@@ -360,6 +397,30 @@ class DataParallel:
                                    message[STOP].astype(np.float64)]))
         return bool(np.isfinite(checks[0])), float(checks[1])
 
+    def _backward_hook(self, layer: int) -> None:
+        """Installed as ``model.net.backward_hook``: start the buckets whose layers are done."""
+        exchange = self.exchange
+        if not exchange.active:
+            if self._local_count is None:
+                return  # a backward outside a step (local_indices not called): nothing starts
+            exchange.begin(self._local_count, 1.0 if self._pending_stop else 0.0)
+        exchange.ready(layer)
+
+    def _reduce_overlapped(self, count) -> tuple[bool, float]:
+        """overlap=True: wait for the buckets the hooks started (start the others first)."""
+        exchange = self.exchange
+        if not exchange.active:
+            exchange.begin(count, 1.0 if self._pending_stop else 0.0)
+        elif exchange.count != count:
+            exchange.finish()  # complete the collectives every rank has started
+            raise ValueError(f"step({count}): the backward hook already sent this rank's gradient "
+                             f"weighted by {exchange.count} samples (the size of local_indices())")
+        total = exchange.finish()
+        if total == 0:
+            raise ValueError("no rank computed a sample this step (every count was 0)")
+        message = self.params.message
+        return bool(np.isfinite(self.params.grad.sum(dtype=np.float64))), float(message[STOP])
+
     def _reduce_shared(self, count) -> tuple[bool, float]:
         """intra='shm': the weighted sum in the node's window (over the world for the exact
         strategies on several nodes); returns (finite, stop sum)."""
@@ -384,6 +445,11 @@ class DataParallel:
             self.shared = None
             if hasattr(self.reducer, "shared"):
                 self.reducer.shared = None
+        if self.exchange is not None:
+            if getattr(self.model, "net", None) is not None:
+                self.model.net.backward_hook = None
+            self.exchange.close()
+            self.exchange = None
 
     def __enter__(self) -> "DataParallel":
         return self

@@ -112,3 +112,58 @@ def test_shm_state_dict_then_load_continues_exactly():
     assert all_agree(WORLD, rel_diff(got, expected) <= 1e-12)
     dp.close()
     dp2.close()
+
+
+# ------------------------------------------------------------------ overlap
+@pytest.mark.parametrize("strategy, ranks_per_node, optimizer", [
+    ("flat", None, SGD), ("hierarchical", None, Adam), ("hierarchical", 1, SGD),
+    ("hierarchical", 2, SGD),
+])
+def test_overlap_equals_blocking_and_one_process(strategy, ranks_per_node, optimizer):
+    kwargs = dict(strategy=strategy, speeds=UNEVEN, ranks_per_node=ranks_per_node, optimizer=optimizer)
+    model, dp = make(overlap=True, bucket_mb=1e-4, **kwargs)
+    overlapped = train(model, dp, steps=4)
+    ref_model, ref_dp = make(**kwargs)
+    blocking = train(ref_model, ref_dp, steps=4)
+    one_model, one_dp = make(comm=MPI.COMM_SELF, strategy=strategy, optimizer=optimizer)
+    one = train(one_model, one_dp, steps=4)
+    assert all_agree(WORLD, rel_diff(overlapped, blocking) <= 1e-12), f"{rel_diff(overlapped, blocking):.3e}"
+    assert all_agree(WORLD, rel_diff(overlapped, one) <= 1e-10)
+    if P > 1:
+        # several buckets, each one counted collective per stage
+        n = len(dp.buckets)
+        level = "world" if strategy == "flat" else "inter" if dp.topology.is_leader and dp.topology.num_nodes > 1 else None
+        assert all_agree(WORLD, n >= 3 and (level is None or dp.counters[level]["calls"] == 4 * n))
+        assert all_agree(WORLD, sum(c["bytes"] for lv, c in dp.counters.items() if lv == (level or "x"))
+                         in (0, 4 * model.params.message.nbytes))
+    dp.close()
+    assert all_agree(WORLD, model.net.backward_hook is None)
+
+
+def test_overlap_hook_starts_buckets_during_backward():
+    """The first buckets are started by the hook, before step() is called."""
+    model, dp = make(overlap=True, bucket_mb=1e-4)
+    from test_data_parallel import DATA, batches
+    from mpidl.nn import SoftmaxCrossEntropy
+    loss_fn = SoftmaxCrossEntropy()
+    batch = batches(1)[0]
+    local = dp.local_indices(batch)
+    x, y = DATA.read(local)
+    loss_fn.forward(model.forward(x), y)
+    model.backward(loss_fn.backward())
+    started = 0 if dp.exchange is None else sum(1 for p in dp.exchange._pending if p.stage >= 0)
+    dp.step()
+    assert all_agree(WORLD, P == 1 or started == len(dp.buckets))
+    dp.close()
+
+
+def test_overlap_refuses_what_it_cannot_do():
+    model = tiny_model()
+    opt = SGD(model.params, lr=0.1)
+    for kwargs, match in (({"strategy": "node"}, "overlap works with strategy"),
+                          ({"intra": "shm"}, "intra='mpi'"),
+                          ({"bucket_mb": 0}, "bucket_mb")):
+        with pytest.raises(ValueError, match=match):
+            DataParallel(model, opt, batch_size=B, overlap=True, **kwargs)
+    with pytest.raises(ValueError, match="Sequential"):
+        DataParallel(model.params, opt, batch_size=B, overlap=True)
