@@ -49,6 +49,7 @@ import numpy as np
 
 from mpidl.backend import get_array_module, to_host
 from mpidl.distributed import balance
+from mpidl.distributed.compress import COMPRESSIONS, Compressor
 from mpidl.distributed.emulation import LinkModel, Slowdown, parse_link
 from mpidl.distributed.reducer_base import COUNT, NONFINITE, SLOTS, STOP, WEIGHTINGS
 from mpidl.distributed.reducers import STRATEGIES, make_reducer
@@ -142,6 +143,14 @@ class DataParallel:
         :meth:`local_indices`, so call it, then ONE backward, then :meth:`step`.
     bucket_mb : float > 0
         The bucket size of ``overlap`` in MiB.
+    compress : 'none' | 'bf16' | 'fp16'
+        ``hierarchical`` / ``node``: the leaders' (inter-node) exchange in 16 bits with error
+        feedback and float32 accumulation (:mod:`~mpidl.distributed.compress`); the node
+        strategy then sends the parameters' changes since the last sync.
+    sync_overlap : int >= 0
+        ``node``: start each inter-node parameter average without waiting and apply it this
+        many steps later as ``theta <- avg(theta_t) + (theta_now - theta_t)``
+        (:meth:`~mpidl.distributed.node.NodeReducer._start_async`); 0 blocks.
 
     Construction is collective: it broadcasts rank 0's parameters (and buffers) to every
     replica, warms up and measures with ``probe``, and splits ``B``. Bad arguments raise
@@ -155,7 +164,8 @@ class DataParallel:
                  sync_optimizer_state: bool = False, on_nan: str = "stop",
                  check_replicas: bool = False, emulate_slowdown: float | Sequence[float] = 1.0,
                  emulate_link: LinkModel | str | None = None, intra: str = "mpi",
-                 overlap: bool = False, bucket_mb: float = BUCKET_MB):
+                 overlap: bool = False, bucket_mb: float = BUCKET_MB, compress: str = "none",
+                 sync_overlap: int = 0):
         params = getattr(model, "params", model)
         message = getattr(params, "message", None)
         if message is None or getattr(params, "data", None) is None:
@@ -191,6 +201,13 @@ class DataParallel:
             check_shared_supported(params, optimizer)
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, Real) or not 0 < bucket_mb < float("inf"):
             raise ValueError(f"bucket_mb must be a number > 0, got {bucket_mb!r}")
+        if compress not in COMPRESSIONS:
+            raise ValueError(f"compress must be one of {', '.join(COMPRESSIONS)}, got {compress!r}")
+        if compress != "none" and (strategy == "flat" or overlap):
+            raise ValueError("compress acts on the blocking inter-node exchange of the hierarchical "
+                             "or node strategy (not flat, not with overlap)")
+        if sync_overlap and (strategy != "node" or intra != "mpi" or compress != "none"):
+            raise ValueError("sync_overlap applies to strategy='node' with intra='mpi' and no compress")
         if overlap:
             net = getattr(model, "net", None)
             if strategy not in OVERLAP_STRATEGIES:
@@ -223,7 +240,9 @@ class DataParallel:
             raise ValueError(f"emulate_slowdown has {len(factors)} factors for {topo.size} ranks")
         self.slowdown = Slowdown(factors[topo.rank])
         self.reducer = make_reducer(strategy, topo, weighting=weighting, sync_every=sync_every,
-                                    emulate_link=emulate_link)
+                                    emulate_link=emulate_link, sync_overlap=sync_overlap)
+        if compress != "none":
+            self.reducer.compressor = Compressor(compress)
         self.strategy = strategy
         self.weighting = weighting
         self._backend = getattr(params, "backend", None)
@@ -231,6 +250,8 @@ class DataParallel:
         self.intra = intra
         # ---- collective set-up
         self._broadcast_initial_state()
+        if compress != "none" and hasattr(self.reducer, "set_reference"):
+            self.reducer.set_reference(params.data, self._synced_state())
         #: the node's shared window under intra='shm', else None
         self.shared: SharedNode | None = None
         if intra == "shm":
@@ -597,6 +618,11 @@ class DataParallel:
         ``buffers`` (the world average) and ``rank_buffers`` (each rank's own).
         """
         topo = self.topology
+        if hasattr(self.reducer, "finish_pending"):
+            # An overlapped sync in flight is applied first: a checkpoint cannot hold it.
+            sums = self.reducer.finish_pending(self.params.data, self._synced_state())
+            if sums is not None:
+                self._agree(sums)
         since_sync = getattr(self.reducer, "steps_since_sync", 0)
         params_differ = not self.exact and since_sync > 0
         state_differs = not self.exact and (params_differ or not self.sync_optimizer_state)
@@ -657,6 +683,9 @@ class DataParallel:
         if hasattr(self.reducer, "steps_since_sync"):
             self.reducer.steps_since_sync = int(state["steps_since_sync"])
         self.reducer.set_pending_samples(samples)
+        if self.reducer.compressor is not None and hasattr(self.reducer, "set_reference"):
+            common = self._backend.asarray(np.asarray(state["params"])) if self._backend else np.asarray(state["params"])
+            self.reducer.set_reference(common)  # the consensus: the same on every node
         if self.shared is not None:
             self.shared.barrier()
         if state["world_size"] == self.size:

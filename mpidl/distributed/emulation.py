@@ -100,6 +100,7 @@ class LinkModel:
 
           T = 2 (L - 1) (alpha + n / (L beta))
 
+    * ring allgather of ``n`` bytes from every participant: ``T = (L - 1) (alpha + n / beta)``
     """
 
     latency_us: float
@@ -128,6 +129,12 @@ class LinkModel:
         if participants <= 1:
             return 0.0
         return 2 * (participants - 1) * (self.alpha + nbytes / (participants * self.beta))
+
+    def allgather_seconds(self, nbytes: int, participants: int) -> float:
+        """``(L-1) (alpha + n / beta)`` for a ring allgather of ``n`` bytes from each of ``L``."""
+        if participants <= 1:
+            return 0.0
+        return (participants - 1) * (self.alpha + nbytes / self.beta)
 
     def describe(self) -> str:
         return f"EMULATED inter-node link: {self.latency_us:g} us latency, {self.gbit_s:g} Gbit/s"

@@ -171,10 +171,7 @@ class SharedNode:
         if inter:
             if self.topology.is_leader:
                 head[NONFINITE] += self.flags.sum()
-                reducer._allreduce("inter", self.topology.leaders, head)
-                if reducer.emulate_link is not None:
-                    reducer._emulate_inter_node(reducer.emulate_link.allreduce_seconds(
-                        head.nbytes, self.topology.num_nodes))
+                reducer._inter_sum(head)
             self.barrier()  # 3: the world sum is in every node's window
             nonfinite = float(head[NONFINITE])
         else:

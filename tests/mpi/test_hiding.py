@@ -167,3 +167,69 @@ def test_overlap_refuses_what_it_cannot_do():
             DataParallel(model, opt, batch_size=B, overlap=True, **kwargs)
     with pytest.raises(ValueError, match="Sequential"):
         DataParallel(model.params, opt, batch_size=B, overlap=True)
+
+
+# ------------------------------------------------------------------ compression
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("kind", ["bf16", "fp16"])
+def test_compressed_hierarchical_is_close_and_halves_the_inter_bytes(kind):
+    from mpidl.backend import get_backend
+    from mpidl.models import build_model
+    from test_data_parallel import DATA
+    rpn = max(1, P // 2)
+    results = {}
+    for compress in ("none", kind):
+        model = build_model("hsicnn", DATA.sample_shape, DATA.num_classes, seed=3,
+                            backend=get_backend("cpu", "float32"), channels=(4, 4), hidden=8)
+        dp = DataParallel(model, SGD(model.params, lr=0.05), batch_size=B, strategy="hierarchical",
+                          topology=Topology.from_comm(WORLD, ranks_per_node=rpn), compress=compress)
+        results[compress] = (train(model, dp, steps=3), dict(dp.counters["inter"]), model.params.message.nbytes)
+    (exact, inter0, nbytes), (packed, inter1, _) = results["none"], results[kind]
+    assert all_agree(WORLD, 0 < rel_diff(packed, exact) < 1e-2 or dp.topology.num_nodes == 1)
+    if dp.topology.is_leader and dp.topology.num_nodes > 1:
+        ok = inter0["bytes"] == 3 * nbytes and inter1["bytes"] <= 3 * (nbytes // 2 + 24)
+    else:
+        ok = True
+    assert all_agree(WORLD, ok), (inter0, inter1, nbytes)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_compressed_node_sync_averages_the_changes():
+    kwargs = dict(strategy="node", sync_every=2, ranks_per_node=max(1, P // 2), speeds=UNEVEN)
+    model, dp = make(compress="bf16", **kwargs)
+    ref_model, ref_dp = make(**kwargs)
+    got, want = train(model, dp, steps=4), train(ref_model, ref_dp, steps=4)
+    # the changes since the last sync are small: bf16 rounding of them is far below bf16 of theta
+    assert all_agree(WORLD, rel_diff(got, want) < 1e-3), rel_diff(got, want)
+
+
+# ------------------------------------------------------------------ overlapped node sync
+@pytest.mark.mpi(min_size=2)
+def test_sync_overlap_equals_blocking_when_nothing_moved_meanwhile():
+    rpn = max(1, P // 2)
+    out = []
+    for delay in (0, 1):
+        model = tiny_model()
+        dp = DataParallel(model, SGD(model.params, lr=0.05), batch_size=B, strategy="node",
+                          sync_every=3, speeds=UNEVEN, sync_overlap=delay,
+                          topology=Topology.from_comm(WORLD, ranks_per_node=rpn))
+        train(model, dp, steps=3)          # the sync starts (or happens) at step 3
+        model.params.grad.fill(0.0)
+        dp.step(2)                          # step 4 moves nothing; the overlapped sync lands
+        out.append(model.params.data.copy())
+        assert all_agree(WORLD, dp.reducer._async is None)
+    assert all_agree(WORLD, rel_diff(out[1], out[0]) <= 1e-12), rel_diff(out[1], out[0])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_sync_overlap_applies_the_average_plus_local_progress():
+    rpn = max(1, P // 2)
+    kwargs = dict(strategy="node", sync_every=3, ranks_per_node=rpn, speeds=UNEVEN)
+    model, dp = make(sync_overlap=2, **kwargs)
+    train(model, dp, steps=4)  # started at 3, not applied yet
+    assert all_agree(WORLD, dp.reducer._async is not None)
+    train(model, dp, steps=1, seed=5)  # applied at 5
+    assert all_agree(WORLD, dp.reducer._async is None)
+    dp.sync()
+    digest = model.params.data.sum()
+    assert all_agree(WORLD, len(set(WORLD.allgather(float(digest)))) == 1)
