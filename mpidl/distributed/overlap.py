@@ -37,6 +37,9 @@ EMULATION: the inter-node time of every bucket is booked on a
 (flat: the world ring ``2 (P-1) (alpha + n / (P beta))``; hierarchical: the leaders' ring
 over ``L`` nodes), so it runs concurrently with the rest of the backward; a bucket counts as
 complete when both MPI and its deadline are done.
+
+On a node with more ranks than cores the final wait is a sleeping ``Test`` poll instead of
+``MPI_Wait`` (whose busy-wait would take the core from a rank still computing).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from mpi4py import MPI
 
 from mpidl.distributed.emulation import LinkTimeline
 from mpidl.distributed.reducer_base import COUNT, NONFINITE, SLOTS, STOP
+from mpidl.distributed.shm import POLL_S, self_oversubscribed
 
 __all__ = ["Bucket", "plan_buckets", "OverlappedExchange", "OVERLAP_STRATEGIES"]
 
@@ -127,6 +131,8 @@ class OverlappedExchange:
             self._comms = [world]
             self.stages = [("world", world)]
         self._pending: list[_Pending] | None = None
+        #: final wait: None = MPI_Wait; seconds = a sleeping Test poll (oversubscribed node)
+        self.poll_s = POLL_S if self_oversubscribed(topo.node) else None
         self.weight = 1
         self.count = None
 
@@ -228,7 +234,11 @@ class OverlappedExchange:
         """Block until the oldest unfinished stage has completed (MPI, then the link)."""
         for p in self._pending:
             if p.request is not None:
-                p.request.Wait()
+                if self.poll_s is None:
+                    p.request.Wait()
+                else:  # oversubscribed node: give the core to the ranks still computing
+                    while not p.request.Test():
+                        time.sleep(self.poll_s)
                 p.request = None
                 return
             if p.deadline > 0 and not self.timeline.done(p.deadline):

@@ -63,6 +63,9 @@ Adams): a rank updates its slice of the parameters and of the state alone. CPU b
 
 from __future__ import annotations
 
+import os
+import time
+
 import numpy as np
 from mpi4py import MPI
 
@@ -82,6 +85,15 @@ def check_shared_supported(params, optimizer) -> None:
                          f"(the parameters are a {type(params.data).__module__} array); use intra='mpi'")
 
 
+#: sleep between the tests of a sleeping barrier (see SharedNode.barrier)
+POLL_S = 50e-6
+
+
+def self_oversubscribed(node) -> bool:
+    """True when the node's ranks outnumber the cores this process may run on."""
+    return node.Get_size() > len(os.sched_getaffinity(0))
+
+
 class SharedNode:
     """The node's shared window and the step on it (see the module docstring).
 
@@ -91,8 +103,13 @@ class SharedNode:
     that point); :meth:`close` copies them back to private memory and frees the window.
     """
 
-    def __init__(self, params, optimizer, topology):
+    def __init__(self, params, optimizer, topology, poll_s: float | None = None):
         check_shared_supported(params, optimizer)
+        #: barrier wait: None = MPI_Barrier; seconds = a sleeping Ibarrier/Test poll
+        #: (default: the poll when the node has more ranks than cores)
+        if poll_s is None and self_oversubscribed(topology.node):
+            poll_s = POLL_S
+        self.poll_s = poll_s
         self.topology = topology
         self.node = topology.node
         self.ranks = self.node.Get_size()
@@ -139,7 +156,15 @@ class SharedNode:
         """``Win.Sync(); Barrier(node); Win.Sync()``: every store before it on any rank of the
         node is visible to every load after it (see the module docstring)."""
         self.win.Sync()
-        self.node.Barrier()
+        if self.poll_s is None:
+            self.node.Barrier()
+        else:
+            # A sleeping poll: a rank that arrives early gives its core to the ranks still
+            # working instead of spinning in MPI_Barrier (what matters when the node's cores
+            # are oversubscribed); costs up to poll_s of latency per barrier.
+            request = self.node.Ibarrier()
+            while not request.Test():
+                time.sleep(self.poll_s)
         self.win.Sync()
 
     # ------------------------------------------------------------------ the step
