@@ -158,7 +158,7 @@ class Optimizer:
         grad = self.params.grad if grad is None else grad
         if chunk is None:
             # Counted before the update so that the first step is t = 1, as in the formulas.
-            if self._scratch.size != self.params.size:  # shrunk by rebind_state
+            if self._scratch.size != self.params.data.size:  # shrunk by rebind_state
                 self._scratch = get_array_module(self.params.data).zeros_like(self.params.data)
             self.step_count += 1
             self._update(self.params.data, grad, self._scratch)
@@ -167,8 +167,8 @@ class Optimizer:
             raise ValueError(f"optimizer {self.name!r} is not elementwise: it cannot update a slice "
                              "of the parameters alone (use the replicated path, --intra mpi)")
         lo, hi = int(chunk[0]), int(chunk[1])
-        if not 0 <= lo <= hi <= self.params.size:
-            raise ValueError(f"chunk {chunk} is not inside [0, {self.params.size}]")
+        if not 0 <= lo <= hi <= self.params.data.size:
+            raise ValueError(f"chunk {chunk} is not inside [0, {self.params.data.size}]")
         if self._scratch.size < hi - lo:
             self._scratch = get_array_module(self.params.data).zeros(hi - lo, dtype=self.params.data.dtype)
         self.step_count += 1
