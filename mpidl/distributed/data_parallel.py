@@ -293,6 +293,9 @@ class DataParallel:
             self.buckets = plan_buckets(layers, float(bucket_mb) * 2 ** 20, params.data.itemsize)
             self.exchange = OverlappedExchange(self.reducer, params.message, self.buckets)
             model.net.backward_hook = self._backward_hook
+            for module in model.net.modules():
+                if module is not model.net and hasattr(module, "backward_hook"):
+                    module.backward_hook = self.exchange.poll  # progress inside the blocks
         self.reset_counters()
         self._mark = time.perf_counter()
 
@@ -468,7 +471,9 @@ class DataParallel:
                 self.reducer.shared = None
         if self.exchange is not None:
             if getattr(self.model, "net", None) is not None:
-                self.model.net.backward_hook = None
+                for module in self.model.net.modules():
+                    if hasattr(module, "backward_hook"):
+                        module.backward_hook = None
             self.exchange.close()
             self.exchange = None
 

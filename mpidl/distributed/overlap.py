@@ -29,8 +29,10 @@ the process (``MPI_Test``/``MPI_Wait``/any other call) unless an asynchronous pr
 thread is enabled (MPICH ``MPIR_CVAR_ASYNC_PROGRESS=1``, which needs ``MPI_THREAD_MULTIPLE``;
 Open MPI has none for its default ``tuned``/``libnbc`` collectives over TCP/shared memory,
 some network transports progress in hardware). mpidl therefore calls ``MPI.Request.Test``
-on every pending request from each backward hook (once per top-level layer), which moves
-the collectives' rounds forward between layers at a cost of microseconds.
+on every pending request from the backward hooks: the top-level Sequential's (once per
+top-level layer: it also starts the buckets that became ready) and every nested
+Sequential's (:meth:`OverlappedExchange.poll`, between the layers inside a block), which
+moves the collectives' rounds forward between layers at a cost of microseconds.
 
 EMULATION: the inter-node time of every bucket is booked on a
 :class:`~mpidl.distributed.emulation.LinkTimeline` when its inter-node collective starts
@@ -150,12 +152,23 @@ class OverlappedExchange:
         self.message[STOP] = stop
         self.message[NONFINITE] = 0.0
         self._pending = [_Pending(b) for b in self.buckets]
+        self._ready_layer = len(self.buckets) and self.buckets[0].first + 1  # none ready yet
 
     def ready(self, layer: int) -> None:
         """Layers ``layer .. L-1`` have their final gradients (the backward hook)."""
         start = time.perf_counter()
+        self._ready_layer = layer
         self._progress(ready_layer=layer)
         self.reducer.comm_seconds += time.perf_counter() - start
+
+    def poll(self, _layer: int = 0) -> None:
+        """Test the pending requests and start the stages that may start (no bucket becomes
+        ready): installed as the backward hook of the nested Sequentials, so that progress
+        is made between the layers inside a block too."""
+        if self._pending is not None:
+            start = time.perf_counter()
+            self._progress(ready_layer=self._ready_layer)
+            self.reducer.comm_seconds += time.perf_counter() - start
 
     def finish(self) -> float:
         """Start what is left, wait for every bucket, divide by the summed count; returns it."""
