@@ -317,8 +317,15 @@ class DataParallel:
         """One line for the log: world, nodes, strategy and weighting."""
         topo = self.topology
         extra = f", K'={self.reducer.sync_every}" if self.strategy == "node" else ""
+        if getattr(self.reducer, "sync_overlap", 0):
+            extra += f", sync applied {self.reducer.sync_overlap} step(s) after it starts"
+        hiding = [f"intra {self.intra}"]
+        if self.exchange is not None:
+            hiding.append(f"overlap in {len(self.buckets)} buckets")
+        if self.reducer.compressor is not None:
+            hiding.append(f"inter-node {self.reducer.compressor.kind}")
         return (f"{topo.size} rank(s) on {topo.num_nodes} node(s) {topo.node_sizes}; "
-                f"strategy {self.strategy} ({self.weighting} weighting{extra})")
+                f"strategy {self.strategy} ({self.weighting} weighting{extra}); {', '.join(hiding)}")
 
     # ------------------------------------------------------------------ the split (HDP)
     def split(self, n: int) -> list[int]:
@@ -462,13 +469,17 @@ class DataParallel:
     def close(self) -> None:
         """Free what this object holds beyond the model (collective over the node under
         intra='shm': the parameters and optimizer state are copied back to private memory
-        and the window is freed). The model and optimizer stay usable; a second call does
-        nothing."""
+        and the window is freed; an overlapped node sync in flight is applied; duplicated
+        communicators are freed). The model and optimizer stay usable, this object does not;
+        a second call does nothing."""
         if self.shared is not None:
             self.shared.close()
             self.shared = None
             if hasattr(self.reducer, "shared"):
                 self.reducer.shared = None
+        if hasattr(self.reducer, "finish_pending"):
+            self.reducer.finish_pending(self.params.data, self._synced_state())
+        self.reducer.close()
         if self.exchange is not None:
             if getattr(self.model, "net", None) is not None:
                 for module in self.model.net.modules():

@@ -188,6 +188,13 @@ class NodeReducer(Reducer):
             buf += message[k * size:(k + 1) * size]
         return float(message[STOP]), float(message[NONFINITE])
 
+    def close(self) -> None:
+        """Free the communicator of the overlapped syncs (apply a pending one first with
+        :meth:`finish_pending`)."""
+        if self._async_comm != MPI.COMM_NULL:
+            self._async_comm.Free()
+            self._async_comm = MPI.COMM_NULL
+
     def finish_pending(self, params_data, state_buffers) -> tuple | None:
         """Apply an overlapped sync in flight now (collective); its flag sums, or None."""
         if self._async is None:

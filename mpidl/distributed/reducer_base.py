@@ -218,6 +218,9 @@ class Reducer:
     def set_pending_samples(self, samples: int) -> None:
         """Restore :meth:`pending_samples` from a checkpoint (a no-op for exact strategies)."""
 
+    def close(self) -> None:
+        """Free what the reducer holds beyond its counters (duplicated communicators)."""
+
     # -- helpers for the strategies --------------------------------------------------------
     def _weight_count(self, count) -> int:
         """``c_i``: the samples of this rank (balanced) or 1 (uniform)."""

@@ -56,6 +56,9 @@ step; every ``K'`` steps the leader averages ``theta`` and the state among the l
 straight from the window and writes the result there, and one barrier later every rank reads
 it (no broadcast: there is one copy).
 
+Counters: the window moves no message, so the node level counts nothing; the leaders'
+exchange counts as ``inter`` as in the reducers.
+
 The optimizer must be elementwise (:attr:`mpidl.optim.Optimizer.elementwise`, SGD and the
 Adams): a rank updates its slice of the parameters and of the state alone. CPU backends only
 (the window is host memory).
