@@ -113,6 +113,14 @@ class SharedNode:
         if poll_s is None and self_oversubscribed(topology.node):
             poll_s = POLL_S
         self.poll_s = poll_s
+        # The node communicator may be an emulated grouping (ranks_per_node): it must still
+        # share memory. Every rank of the world agrees before any window is allocated.
+        physical = topology.node.Split_type(MPI.COMM_TYPE_SHARED)
+        shares = physical.Get_size() == topology.node.Get_size()
+        physical.Free()
+        if not topology.world.allreduce(shares, op=MPI.LAND):
+            raise ValueError("intra='shm': some node's ranks do not share memory (an emulated "
+                             "--ranks-per-node grouping spans hosts); use intra='mpi'")
         self.topology = topology
         self.node = topology.node
         self.ranks = self.node.Get_size()
