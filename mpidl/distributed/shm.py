@@ -24,7 +24,8 @@ One step, on every rank ``r`` of the node (``[lo_r, hi_r)`` = rank r's ``1/R`` s
     rank 0: slot_0[P:] <- sum_k slot_k[P:]                  (count, stop, nonfinite of the node)
     ---- barrier 2
     several nodes, exact strategies: the leader adds sum(flags) to slot_0's nonfinite slot
-      and runs Allreduce(SUM) of slot_0 among the leaders, in place in the window
+      and runs Allreduce(SUM) of slot_0 among the leaders, in place in the window (the
+      compressed exchange with compress='bf16'|'fp16')
     ---- barrier 3 (several nodes only)
     g[lo_r:hi_r] = slot_0[lo_r:hi_r] / slot_0[count]        (its slice only)
     if the sum is finite everywhere: optimizer.step(chunk=(lo_r, hi_r)) on theta, s_k
@@ -44,7 +45,9 @@ for passive-target access by every rank (``Win.Lock_all(MODE_NOCHECK)``: no lock
 taken, the epoch only permits the load/store accesses), and every barrier above is
 ``Win.Sync(); Barrier(node); Win.Sync()``: the first ``Win.Sync`` is the writer's memory
 barrier (its stores reach the window), the ``Barrier`` orders the processes, the second
-``Win.Sync`` is the reader's (no load is served from before the barrier). This is the
+``Win.Sync`` is the reader's (no load is served from before the barrier). On a node with
+more ranks than cores the ``Barrier`` is an ``Ibarrier`` completed by a sleeping ``Test``
+poll, the same ordering without the busy-wait. This is the
 pattern the MPI standard gives for load/store communication in a shared window (MPI-4.0
 section 12.7, example 12.21).
 
