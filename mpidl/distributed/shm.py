@@ -17,19 +17,25 @@ of its slice.
 One step, on every rank ``r`` of the node (``[lo_r, hi_r)`` = rank r's ``1/R`` slice of the
 ``P`` parameters, ``lo_r = r P // R``)::
 
-    slot_r <- [c_r g_r | c_r | stop_r | 0]                  (the rank's own slot)
+    slot_r <- [c_r g_r | c_r | stop_r | nonfinite_r]        (the rank's own slot; one node:
+                                                             nonfinite_r = its g_r is not finite)
     ---- barrier 1
     slot_0[lo_r:hi_r] <- sum_k slot_k[lo_r:hi_r]            (k in rank order; its slice only)
-    flags[r] <- 1 if that slice is not finite else 0
-    rank 0: slot_0[P:] <- sum_k slot_k[P:]                  (count, stop, nonfinite of the node)
-    ---- barrier 2
-    several nodes, exact strategies: the leader adds sum(flags) to slot_0's nonfinite slot
-      and runs Allreduce(SUM) of slot_0 among the leaders, in place in the window (the
-      compressed exchange with compress='bf16'|'fp16')
-    ---- barrier 3 (several nodes only)
-    g[lo_r:hi_r] = slot_0[lo_r:hi_r] / slot_0[count]        (its slice only)
+    one node (and the node strategy's every step): [count, stop, nonfinite] = sum_k slot_k[P:],
+      read by every rank; on to the division.
+    several nodes, exact strategies:
+      flags[r] <- 1 if its slice of the sum is not finite else 0
+      rank 0: slot_0[P:] <- sum_k slot_k[P:]
+      ---- barrier 2
+      the leader adds sum(flags) to slot_0's nonfinite slot and runs Allreduce(SUM) of slot_0
+      among the leaders, in place in the window (the compressed exchange with
+      compress='bf16'|'fp16')
+      ---- barrier 3
+    g[lo_r:hi_r] = slot_0[lo_r:hi_r] / count                (its slice only)
     if the sum is finite everywhere: optimizer.step(chunk=(lo_r, hi_r)) on theta, s_k
     ---- barrier 4; every rank reads the updated theta in its next forward
+
+so one node needs two barriers per step, several nodes four.
 
 so ``g = sum_i c_i g_i / sum_i c_i``, exactly the weighted sum of the reducers
 (:mod:`~mpidl.distributed.reducer_base`), with the additions in another order (rank order,
@@ -196,25 +202,29 @@ class SharedNode:
             own[:COUNT] *= weight
         own[COUNT] = weight
         own[STOP] = stop
-        own[NONFINITE] = 0.0
+        # One node: each rank checks its own gradient, so that every decision is known after
+        # the first barrier (a sum of finite gradients that overflows is not caught).
+        own[NONFINITE] = 0.0 if inter or np.isfinite(own[:COUNT].sum(dtype=np.float64)) else 1.0
         self.barrier()  # 1: every slot written
         lo, hi = self.lo, self.hi
         acc = self.slots[0, lo:hi]
         for k in range(1, self.ranks):
             acc += self.slots[k, lo:hi]
+        if not inter:
+            total, stop_sum, nonfinite = (float(v) for v in self.slots[:, COUNT:].sum(axis=0))
+            if total > 0 and not alone:
+                acc /= total
+            return total, stop_sum, nonfinite
         self.flags[self.local_rank] = 0.0 if np.isfinite(acc.sum(dtype=np.float64)) else 1.0
         if self.local_rank == 0:
             self.slots[0, COUNT:] = self.slots[:, COUNT:].sum(axis=0)
         self.barrier()  # 2: the node sum is complete
         head = self.slots[0]
-        if inter:
-            if self.topology.is_leader:
-                head[NONFINITE] += self.flags.sum()
-                reducer._inter_sum(head)
-            self.barrier()  # 3: the world sum is in every node's window
-            nonfinite = float(head[NONFINITE])
-        else:
-            nonfinite = float(head[NONFINITE] + self.flags.sum())
+        if self.topology.is_leader:
+            head[NONFINITE] += self.flags.sum()
+            reducer._inter_sum(head)
+        self.barrier()  # 3: the world sum is in every node's window
+        nonfinite = float(head[NONFINITE])
         total = float(head[COUNT])
         if total > 0 and not alone:
             head[lo:hi] /= total
