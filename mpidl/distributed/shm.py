@@ -35,9 +35,8 @@ One step, on every rank ``r`` of the node (``[lo_r, hi_r)`` = rank r's ``1/R`` s
     if the sum is finite everywhere: optimizer.step(chunk=(lo_r, hi_r)) on theta, s_k
     ---- barrier 4; every rank reads the updated theta in its next forward
 
-so one node needs two barriers per step, several nodes four.
-
-so ``g = sum_i c_i g_i / sum_i c_i``, exactly the weighted sum of the reducers
+One node thus needs two barriers per step, several nodes four, and
+``g = sum_i c_i g_i / sum_i c_i``, exactly the weighted sum of the reducers
 (:mod:`~mpidl.distributed.reducer_base`), with the additions in another order (rank order,
 per node then over nodes), which changes the result only by rounding. A rank never writes
 what another rank reads between two barriers: in each phase rank r writes only its own slot,
