@@ -1,5 +1,6 @@
 # mpiexec -n 4 -launcher fork python benchmarks/comm.py [--quick] [--out benchmarks/results]
 # mpiexec -n 4 -ppn 2 -hosts localhost,127.0.0.1 -launcher fork python benchmarks/comm.py   (2 EMULATED nodes)
+# mpiexec -n R -launcher fork python benchmarks/comm.py --shm   (R = 2, 4: node-shared buffers)
 """Reduction strategies on one flat float32 buffer of 4 KiB ... 64 MiB.
 
 For every buffer size, on the topology the launch gives (1 node, or 2 nodes emulated with
@@ -24,6 +25,18 @@ rounds with its [min - max]. Algorithm bandwidth = buffer bytes / median time.
 Rank 0 writes ``comm_<nodes>x<ranks per node>.json`` into ``--out`` and rebuilds ``comm.md``
 (and ``comm.png``) from every such file there, so the 1-node and the 2-node launch end up
 side by side.
+
+``--shm`` (one node, R ranks) times instead the whole distributed step after backward on a
+4, 16 and 64 MiB float32 model with SGD + momentum: ``mpi`` = ``FlatReducer`` (MPI
+``Allreduce`` of the message, weighting, division) followed by the replicated optimizer
+step on every rank, against ``shm`` = :class:`mpidl.distributed.shm.SharedNode` (each rank
+sums its 1/R slice of the gradient slots in the node's window and updates that slice of the
+one shared copy of parameters and momentum, four barriers). Rounds alternate the two;
+each cell is the median over the rounds of the slowest rank's time, [min - max]. It also
+measures the node's resident memory for each (the sum over the node's ranks of the
+proportional set size, ``Pss`` in ``/proc/self/smaps_rollup``, after allocation and one
+step, minus before), one at a time. Rank 0 writes ``comm_shm_1x<R>.json`` and rebuilds
+``comm_shm.md``.
 """
 
 from __future__ import annotations
@@ -49,6 +62,8 @@ def parse_args(argv=None):
     p.add_argument("--sync-every", type=int, default=50, help="K' for the node strategy's amortised cost")
     p.add_argument("--no-torch", action="store_true", help="skip the torch.distributed column")
     p.add_argument("--rounds", type=int, default=None, help="rounds per size (default: by size)")
+    p.add_argument("--shm", action="store_true",
+                   help="node-shared buffers vs Allreduce + replicated update (4-64 MiB, one node)")
     args = p.parse_args(argv)
     if args.sync_every < 1 or (args.rounds is not None and args.rounds < 1):
         p.error("--sync-every and --rounds must be >= 1")
@@ -77,6 +92,8 @@ def rounds_for(size: int, quick: bool, forced: int | None) -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     _threads_per_rank()
+    if args.shm:
+        return main_shm(args)
     import numpy as np
     from mpi4py import MPI
 
@@ -154,6 +171,160 @@ def main(argv=None) -> int:
         dist.destroy_process_group()
     topo.free()
     return 0
+
+
+SHM_SIZES = [4 << 20, 16 << 20, 64 << 20]
+
+
+def _pss_bytes() -> int:
+    """This process's proportional set size (shared pages divided among their users)."""
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def main_shm(args) -> int:
+    import gc
+
+    import numpy as np
+    from mpi4py import MPI
+
+    import common
+    from mpidl.distributed.reducers import make_reducer
+    from mpidl.distributed.shm import SharedNode
+    from mpidl.distributed.topology import Topology
+    from mpidl.optim import SGD
+    from mpidl.params import FlatParameters, Parameter, zeros
+
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    topo = Topology.from_comm(world)
+    if topo.num_nodes != 1:
+        raise SystemExit("--shm measures one node: launch without -hosts")
+    info = common.machine_info() if rank == 0 else None
+    sizes = QUICK_SIZES if args.quick else SHM_SIZES
+    count = 16
+    reducer = make_reducer("flat", topo, weighting="balanced")
+
+    def build(n):
+        params = FlatParameters([("w", Parameter((n,), zeros()))])
+        params.data[...] = 1.0
+        return params, SGD(params, lr=1e-3, momentum=0.9)
+
+    def node_pss(make):
+        gc.collect()
+        world.Barrier()
+        before = _pss_bytes()
+        held = make()
+        world.Barrier()
+        grown = world.allreduce(_pss_bytes() - before, op=MPI.SUM)
+        return held, grown
+
+    results, memory = {}, {}
+    for nbytes in sizes:
+        n = nbytes // 4
+
+        def make_mpi():
+            params, opt = build(n)
+            params.grad[...] = 1.0
+            reducer.reduce_gradients(params.message, count)
+            opt.step()
+            return params, opt
+
+        def make_shm():
+            params, opt = build(n)
+            shared = SharedNode(params, opt, topo)
+            params.grad[...] = 1.0
+            shared.reduce(count, 0.0)
+            shared.update()
+            return params, opt, shared
+
+        held, mpi_bytes = node_pss(make_mpi)
+        del held
+        held, shm_bytes = node_pss(make_shm)
+        held[2].close()
+        del held
+        gc.collect()
+        memory[nbytes] = {"mpi": mpi_bytes, "shm": shm_bytes}
+
+        p_mpi, o_mpi = build(n)
+        p_shm, o_shm = build(n)
+        shared = SharedNode(p_shm, o_shm, topo)
+        calls = {
+            "mpi": (lambda: p_mpi.grad.fill(1.0), lambda: (reducer.reduce_gradients(p_mpi.message, count), o_mpi.step())),
+            "shm": (lambda: p_shm.grad.fill(1.0), lambda: (shared.reduce(count, 0.0), shared.update())),
+        }
+        times = {name: [] for name in calls}
+        for rnd in range(rounds_for(nbytes, args.quick, args.rounds) + 1):  # round 0: warm-up
+            for name in (("mpi", "shm") if rnd % 2 == 0 else ("shm", "mpi")):
+                refill, call = calls[name]
+                refill()
+                world.Barrier()
+                t0 = time.perf_counter()
+                call()
+                slowest = world.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+                if rnd > 0:
+                    times[name].append(slowest)
+        shared.close()
+        del p_mpi, o_mpi, p_shm, o_shm, shared, calls
+        gc.collect()
+        results[nbytes] = times
+        if rank == 0:
+            print(f"{common.fmt_size(nbytes):>8}: mpi {statistics.median(times['mpi']) * 1e3:.2f} ms, "
+                  f"shm {statistics.median(times['shm']) * 1e3:.2f} ms, memory mpi "
+                  f"{memory[nbytes]['mpi'] / 2**20:.0f} MiB shm {memory[nbytes]['shm'] / 2**20:.0f} MiB", flush=True)
+    if rank == 0:
+        record = {"label": f"1x{size}", "ranks": size, "quick": args.quick, "machine": info,
+                  "command": common.shown(common.mpiexec(size, [common.PYTHON, "benchmarks/comm.py", "--shm"]
+                                                         + (["--quick"] if args.quick else []))),
+                  "env": {v: os.environ[v] for v in (*common.THROTTLE_ENV, "MALLOC_MMAP_THRESHOLD_")
+                          if v in os.environ},
+                  "times": {str(n): t for n, t in results.items()},
+                  "memory": {str(n): m for n, m in memory.items()}}
+        args.out.mkdir(parents=True, exist_ok=True)
+        suffix = "_quick" if args.quick else ""
+        (args.out / f"comm_shm{suffix}_1x{size}.json").write_text(json.dumps(record, indent=1))
+        write_shm_report(args.out, suffix)
+    topo.free()
+    return 0
+
+
+def write_shm_report(out: Path, suffix: str) -> None:
+    import common
+
+    records = sorted((json.loads(p.read_text()) for p in out.glob(f"comm_shm{suffix}_1x*.json")),
+                     key=lambda r: r["ranks"])
+    lines = ["# Node-shared buffers: reduction + SGD-momentum update, one node", "",
+             "Generated by `benchmarks/comm.py --shm` (one launch per rank count, fresh processes; "
+             "rounds alternate the two contenders). `mpi`: MPI `Allreduce` of the message "
+             "(FlatReducer, weighting, division) then the replicated optimizer step on every rank. "
+             "`shm`: the node's MPI-3 shared window, each rank reducing and updating its 1/R "
+             "slice (`--intra shm`). Median of the slowest rank over the rounds, [min - max]. "
+             "Memory: growth of the node's summed proportional set size (Pss) for one model "
+             "with its gradients, momentum and scratch, measured one contender at a time "
+             "(below glibc's dynamic mmap threshold, up to 32 MiB, freed blocks stay in the heap "
+             "and blur the 4 and 16 MiB rows; `MALLOC_MMAP_THRESHOLD_=1048576` makes them exact).", ""]
+    for r in records:
+        env = " ".join(f"{k}={v}" for k, v in r.get("env", {}).items())
+        lines += [f"## 1 node x {r['ranks']} ranks", "", f"`{env + ' ' if env else ''}{r['command']}`", ""]
+        if r.get("machine"):
+            lines += [common.machine_md(r["machine"]), ""]
+        lines += ["| model | mpi (ms) | shm (ms) | speed-up | node memory mpi | node memory shm |",
+                  "|---|---|---|---|---|---|"]
+        for n, t in r["times"].items():
+            a, b = statistics.median(t["mpi"]), statistics.median(t["shm"])
+            m = r["memory"][n]
+            lines.append(f"| {common.fmt_size(int(n))} | {a * 1e3:.2f} [{min(t['mpi']) * 1e3:.2f} - "
+                         f"{max(t['mpi']) * 1e3:.2f}] | {b * 1e3:.2f} [{min(t['shm']) * 1e3:.2f} - "
+                         f"{max(t['shm']) * 1e3:.2f}] | {a / b:.2f}x | {m['mpi'] / 2**20:.0f} MiB | "
+                         f"{m['shm'] / 2**20:.0f} MiB |")
+        lines.append("")
+    path = out / f"comm_shm{suffix}.md"
+    tmp = path.with_suffix(".md.tmp")
+    tmp.write_text("\n".join(lines))
+    os.replace(tmp, path)
 
 
 def write_report(out: Path, suffix: str) -> None:

@@ -1,4 +1,4 @@
-# python benchmarks/experiments.py [--quick] [--out benchmarks/results] [--only hdp balanced node comm scaling peers]
+# python benchmarks/experiments.py [--quick] [--out benchmarks/results] [--only hdp balanced node comm scaling peers overlap]
 """The papers' experiments, and the one command that regenerates every benchmark table and figure.
 
 Three experiments, each on the built-in synthetic scene (the default data) and on the real
@@ -46,7 +46,7 @@ from common import (PYTHON, TrainBatch, epoch_samples, fmt_bytes, md_table, mean
                     med_spread, median, shown, timed_epochs)
 
 EXPERIMENTS = ("hdp", "balanced", "node")
-EXTERNAL = ("comm", "scaling", "peers")
+EXTERNAL = ("comm", "scaling", "peers", "overlap")
 SLOWDOWNS = ("1,1,1,2", "1,1,2,4")
 HDP_CONFIGS = {  # name -> (options, what it means)
     "none": (["--balance", "none"], "equal split (`--balance none`)"),
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
         print(f"== {name}", flush=True)
         try:
             result = {"hdp": hdp, "balanced": balanced, "node": node, "comm": comm,
-                      "scaling": scaling, "peers": peers}[name](ctx)
+                      "scaling": scaling, "peers": peers, "overlap": overlap}[name](ctx)
         except Exception as exc:  # one broken experiment must not hide the others' tables
             import traceback
 
@@ -943,6 +943,20 @@ def comm(ctx: Context) -> dict:
     result = {"one_node": one, "two_nodes": two}
     if one["exit"] or two["exit"]:
         result["error"] = "comm.py failed; see the logs"
+    return result
+
+
+def overlap(ctx: Context) -> dict:
+    """``benchmarks/overlap.py`` (exposed communication of --overlap, resnet8, 2 EMULATED nodes
+    x 2 ranks, 50 us / 10 Gbit/s) and ``benchmarks/comm.py --shm`` on 1 node x 2 and x 4."""
+    quick = ["--quick"] if ctx.args.quick else []
+    program = [PYTHON, str(common.BENCH_DIR / "overlap.py"), "--out", str(ctx.out), *quick]
+    result = {"overlap": _script(ctx, common.mpiexec(4, program, two_nodes=True), "overlap.log", 1800)}
+    shm = [PYTHON, str(common.BENCH_DIR / "comm.py"), "--shm", "--out", str(ctx.out), *quick]
+    for ranks in (2, 4):
+        result[f"shm_{ranks}"] = _script(ctx, common.mpiexec(ranks, shm), f"comm_shm_{ranks}.log", 1800)
+    if any(r["exit"] for r in result.values()):
+        result["error"] = "overlap.py or comm.py --shm failed; see the logs"
     return result
 
 

@@ -15,6 +15,9 @@ from dataclasses import asdict, dataclass, field, fields
 
 from mpidl.backend import DEVICES, DTYPES
 from mpidl.distributed import ON_NAN, STRATEGIES, WEIGHTINGS
+from mpidl.distributed.compress import COMPRESSIONS
+from mpidl.distributed.data_parallel import BUCKET_MB, INTRA
+from mpidl.distributed.overlap import OVERLAP_STRATEGIES
 from mpidl.distributed.balance import parse_speeds
 from mpidl.distributed.emulation import parse_link, parse_slowdowns
 from mpidl.log import LEVELS
@@ -69,6 +72,12 @@ class Config:
     balance_threshold: float = 0.05
     ranks_per_node: int | None = None
     check_replicas: bool = False
+    # hiding the communication
+    intra: str = "mpi"
+    overlap: bool = False
+    bucket_mb: float = BUCKET_MB
+    compress: str = "none"
+    sync_overlap: int = 0
     # emulation (experiments on one machine)
     emulate_slowdown: str | None = None
     emulate_link: str | None = None
@@ -102,6 +111,31 @@ class Config:
         _choice("--schedule", self.schedule, SCHEDULES)
         _choice("--strategy", self.strategy, STRATEGIES)
         _choice("--weighting", self.weighting, WEIGHTINGS)
+        _choice("--intra", self.intra, INTRA)
+        _choice("--compress", self.compress, COMPRESSIONS)
+        if not (isinstance(self.bucket_mb, (int, float)) and math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
+            raise ConfigError(f"--bucket-mb must be a positive number of MiB, got {self.bucket_mb}")
+        if self.overlap and self.strategy not in OVERLAP_STRATEGIES:
+            raise ConfigError(f"--overlap works with --strategy {' or '.join(OVERLAP_STRATEGIES)}, "
+                              f"not {self.strategy}")
+        if self.overlap and self.intra != "mpi":
+            raise ConfigError("--overlap works with --intra mpi")
+        if self.overlap and self.device != "cpu":
+            raise ConfigError("--overlap needs --device cpu")
+        if self.intra == "shm" and self.device != "cpu":
+            raise ConfigError("--intra shm needs --device cpu (the window is host memory)")
+        if self.compress != "none" and self.strategy == "flat":
+            raise ConfigError("--compress acts on the inter-node level: use --strategy hierarchical or node")
+        if self.compress != "none" and self.overlap:
+            raise ConfigError("--compress works with the blocking exchange (no --overlap)")
+        if isinstance(self.sync_overlap, bool) or not isinstance(self.sync_overlap, int) or self.sync_overlap < 0:
+            raise ConfigError(f"--sync-overlap must be an integer >= 0 (steps), got {self.sync_overlap!r}")
+        if self.sync_overlap and self.strategy != "node":
+            raise ConfigError("--sync-overlap applies to --strategy node")
+        if self.sync_overlap and self.sync_overlap >= self.sync_every:
+            raise ConfigError(f"--sync-overlap {self.sync_overlap} must be smaller than --sync-every {self.sync_every}")
+        if self.sync_overlap and self.intra != "mpi":
+            raise ConfigError("--sync-overlap works with --intra mpi")
         _choice("--balance", self.balance, BALANCES)
         _choice("--on-nan", self.on_nan, ON_NAN)
         _choice("--log-level", self.log_level, LOG_LEVELS)
@@ -298,6 +332,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ranks-per-node", type=int, default=None, metavar="K",
                    help="group consecutive ranks into emulated nodes of K ranks (default: the real "
                         "nodes, or env MPIDL_RANKS_PER_NODE)")
+    g = p.add_argument_group("hiding the communication")
+    g.add_argument("--intra", default=d.intra,
+                   help=f"how the ranks of a node combine: mpi (MPI collectives on private "
+                        f"replicas) or shm (one node-shared MPI-3 window holding the parameters "
+                        f"and optimizer state once; elementwise optimizers, cpu) (default {d.intra})")
+    g.add_argument("--overlap", action="store_true",
+                   help="flat/hierarchical: exchange gradient buckets with non-blocking "
+                        "collectives started during the backward pass (default off)")
+    g.add_argument("--bucket-mb", type=float, default=d.bucket_mb, metavar="MIB",
+                   help=f"bucket size of --overlap in MiB (default {d.bucket_mb:g})")
+    g.add_argument("--compress", default=d.compress,
+                   help=f"inter-node traffic in {', '.join(c for c in COMPRESSIONS if c != 'none')} "
+                        f"with error feedback and float32 accumulation, or none (default {d.compress})")
+    g.add_argument("--sync-overlap", type=int, nargs="?", const=1, default=d.sync_overlap, metavar="STEPS",
+                   help="node strategy: start the inter-node parameter average without waiting and "
+                        "apply it STEPS steps later, corrected by the local progress meanwhile "
+                        "(--sync-overlap alone: 1 step; default 0: blocking)")
+    g = p.add_argument_group("distribution (debug)")
     g.add_argument("--check-replicas", action="store_true", help="debug: compare parameter checksums after each global sync")
 
     g = p.add_argument_group("emulation (experiments on one machine; always reported as emulation)")

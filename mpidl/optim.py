@@ -118,6 +118,11 @@ class Optimizer:
     """
 
     name: str = "optimizer"
+    #: True when the update of element ``j`` reads and writes only element ``j`` of the
+    #: parameters, the gradient and every state buffer (SGD, Adam): then :meth:`step` can
+    #: update a slice ``[lo, hi)`` alone, as the node-shared buffers need
+    #: (:mod:`mpidl.distributed.shm`). Layer-wise rules (norms over a tensor) leave it False.
+    elementwise: bool = False
 
     def __init__(self, params: Any, lr: float):
         _check_flat_params(params)
@@ -127,6 +132,7 @@ class Optimizer:
         # The one temporary every update may use; allocated here so that step() never
         # allocates a parameter-sized array.
         self._scratch = get_array_module(params.data).zeros_like(params.data)
+        self._chunk: slice | None = None  # the slice step(chunk=) updates, read by _view
 
     # -- learning rate ------------------------------------------------------------------
 
@@ -141,11 +147,61 @@ class Optimizer:
 
     # -- the step -----------------------------------------------------------------------
 
-    def step(self) -> None:
-        """Apply one update to ``params.data`` from ``params.grad`` (in place)."""
-        # Counted before the update so that the first step is t = 1, as in the formulas.
+    def step(self, chunk: tuple[int, int] | None = None, grad=None) -> None:
+        """Apply one update to ``params.data`` from ``params.grad`` (in place).
+
+        ``chunk = (lo, hi)``: update only ``params.data[lo:hi]`` and the same slice of the
+        state, from ``grad[lo:hi]`` (elementwise optimizers only, see :attr:`elementwise`);
+        the result equals the slice of a whole-buffer step. ``grad``: the gradient to apply,
+        a (P,) array (default ``params.grad``).
+        """
+        grad = self.params.grad if grad is None else grad
+        if chunk is None:
+            # Counted before the update so that the first step is t = 1, as in the formulas.
+            if self._scratch.size != self.params.data.size:  # shrunk by rebind_state
+                self._scratch = get_array_module(self.params.data).zeros_like(self.params.data)
+            self.step_count += 1
+            self._update(self.params.data, grad, self._scratch)
+            return
+        if not self.elementwise:
+            raise ValueError(f"optimizer {self.name!r} is not elementwise: it cannot update a slice "
+                             "of the parameters alone (use the replicated path, --intra mpi)")
+        lo, hi = int(chunk[0]), int(chunk[1])
+        if not 0 <= lo <= hi <= self.params.data.size:
+            raise ValueError(f"chunk {chunk} is not inside [0, {self.params.data.size}]")
+        if self._scratch.size < hi - lo:
+            self._scratch = get_array_module(self.params.data).zeros(hi - lo, dtype=self.params.data.dtype)
         self.step_count += 1
-        self._update(self.params.data, self.params.grad, self._scratch)
+        self._chunk = slice(lo, hi)
+        try:
+            self._update(self.params.data[lo:hi], grad[lo:hi], self._scratch[: hi - lo])
+        finally:
+            self._chunk = None
+
+    def _view(self, buffer):
+        """The part of a (P,) state buffer the current update works on: all of it, or the
+        slice of ``step(chunk=)``."""
+        return buffer if self._chunk is None else buffer[self._chunk]
+
+    def rebind_state(self, buffers: list, copy: bool = True, scratch_size: int | None = None) -> None:
+        """Move the state buffers onto other memory (e.g. a node-shared window), in
+        :meth:`state_buffers` order, copying the values first with ``copy``; a subclass's
+        state names are its attribute names. ``scratch_size``: shrink the private scratch
+        buffer to what ``step(chunk=)`` of that many elements needs."""
+        named = self._named_state()
+        if len(buffers) != len(named):
+            raise ValueError(f"{self.name} has {len(named)} state buffers, got {len(buffers)}")
+        for (key, old), new in zip(named, buffers):
+            if getattr(self, key, None) is not old:
+                raise ValueError(f"{type(self).__name__}: state {key!r} is not the attribute of that name")
+            if new.shape != old.shape or new.dtype != old.dtype:
+                raise ValueError(f"state {key!r}: got {new.shape} {new.dtype}, expected {old.shape} {old.dtype}")
+        for (key, old), new in zip(named, buffers):
+            if copy:
+                new[...] = old
+            setattr(self, key, new)
+        if scratch_size is not None:
+            self._scratch = get_array_module(self.params.data).zeros(int(scratch_size), dtype=self.params.data.dtype)
 
     def _update(self, p, grad, scratch) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -245,6 +301,7 @@ class SGD(Optimizer):
     """
 
     name = "sgd"
+    elementwise = True
 
     def __init__(self, params: Any, lr: float, momentum: float = 0.0, dampening: float = 0.0,
                  nesterov: bool = False, weight_decay: float = 0.0):
@@ -269,7 +326,7 @@ class SGD(Optimizer):
             p -= scratch
             return
 
-        buf = self.momentum_buffer
+        buf = self._view(self.momentum_buffer)
         if self.step_count == 1:
             xp.copyto(buf, g)
         else:
@@ -324,6 +381,7 @@ class Adam(Optimizer):
     """
 
     name = "adam"
+    elementwise = True
     #: False: weight decay is an L2 term in g (Adam); True: it shrinks p directly (AdamW).
     decoupled_weight_decay = False
 
@@ -356,7 +414,7 @@ class Adam(Optimizer):
         else:
             g = self._l2_gradient(p, grad, scratch, self.weight_decay)  # grad, or scratch
 
-        m, v = self.exp_avg, self.exp_avg_sq
+        m, v = self._view(self.exp_avg), self._view(self.exp_avg_sq)
         # m = beta1*m + (1-beta1)*g, written as m = g + beta1*(m - g): the same value, but it
         # needs no temporary while g may itself occupy the scratch buffer.
         m -= g

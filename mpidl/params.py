@@ -291,6 +291,30 @@ class FlatParameters:
     def named_parameters(self) -> list[tuple[str, Parameter]]:
         return list(zip(self.names, self._params))
 
+    def rebind(self, data, message, copy: bool = True) -> None:
+        """Move the storage onto other memory (e.g. a node-shared MPI window,
+        :mod:`mpidl.distributed.shm`): ``data`` becomes the parameter buffer, ``message`` the
+        message buffer (``grad`` its head), and every parameter's views are re-made on them.
+
+        ``data`` : 1-D array of ``size`` elements; ``message`` : 1-D array of
+        ``size + MESSAGE_SLOTS`` elements; both of this buffer's dtype. With ``copy`` the
+        current values of ``data`` and ``message`` are copied in first. Views taken before the
+        call (``p.data`` held elsewhere) keep pointing at the old memory.
+        """
+        for what, array, size in (("data", data, self.size), ("message", message, self.size + MESSAGE_SLOTS)):
+            if getattr(array, "ndim", None) != 1 or array.shape[0] != size or array.dtype != self.dtype:
+                raise ValueError(f"rebind: {what} must be 1-D of {size} {self.dtype} elements, got "
+                                 f"{getattr(array, 'shape', None)} {getattr(array, 'dtype', None)}")
+        if copy:
+            data[...] = self.data
+            message[...] = self.message
+        self.data = data
+        self.message = message
+        self.grad = message[: self.size]
+        for name, param, start in zip(self.names, self._params, self.offsets):
+            stop = start + param.size
+            param.bind(name, self.data[start:stop].reshape(param.shape), self.grad[start:stop].reshape(param.shape))
+
     def zero_grad(self) -> None:
         """Set every gradient to zero (layers overwrite their grads, so training does not need this)."""
         self.grad.fill(0)

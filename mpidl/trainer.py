@@ -148,6 +148,8 @@ class Trainer:
             sync_optimizer_state=cfg.sync_optimizer_state,
             on_nan=cfg.on_nan, check_replicas=cfg.check_replicas,
             emulate_slowdown=cfg.slowdown_list or 1.0, emulate_link=cfg.emulate_link,
+            intra=cfg.intra, overlap=cfg.overlap, bucket_mb=cfg.bucket_mb,
+            compress=cfg.compress, sync_overlap=cfg.sync_overlap,
         )
         if self._signalled:
             self.dp.request_stop()
@@ -431,4 +433,5 @@ class Trainer:
         self.metrics.write(end)
         self.metrics.close()
         self.timing.close()
+        dp.close()  # frees the node-shared window (intra='shm'); the model stays usable
         return end

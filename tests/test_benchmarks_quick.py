@@ -101,3 +101,18 @@ def test_conv_benchmark_prints_every_contender():
         cells = [cell.strip() for cell in row.split("|")]
         assert float(cells[3]) > 0  # step ms
         assert cells[-1] == "" and cells[-2] == ""  # no torch column with --no-torch
+
+
+def test_comm_shm_quick_writes_its_table(tmp_path):
+    _run([MPIEXEC, "-n", "2", "-launcher", "fork", sys.executable, str(BENCH / "comm.py"), "--shm", "--quick",
+          "--out", str(tmp_path)])
+    rows = _table_rows((tmp_path / "comm_shm_quick.md").read_text(), "| model |")
+    assert [r.split("|")[1].strip() for r in rows] == ["4 KiB", "64 KiB", "256 KiB"]
+
+
+def test_overlap_quick_writes_its_table(tmp_path):
+    _run([MPIEXEC, "-n", "4", "-ppn", "2", "-hosts", "localhost,127.0.0.1", "-launcher", "fork", sys.executable,
+          str(BENCH / "overlap.py"), "--quick", "--out", str(tmp_path)], timeout=600)
+    rows = _table_rows((tmp_path / "overlap_quick.md").read_text(), "| contender |")
+    assert [r.split("|")[1].strip() for r in rows] == [
+        "compute (no exchange)", "flat blocking", "flat overlap", "hierarchical blocking", "hierarchical overlap"]

@@ -141,3 +141,18 @@ def test_progress_lines_within_an_epoch():
     quiet = train(["--epochs", "1", "--max-steps", "6", "--speeds", "1", "--progress-every", "1e-9",
                    "--log-level", "warning"])
     assert "step 2/32" not in quiet.stdout and "done:" in quiet.stdout
+
+
+@pytest.mark.parametrize("options", [
+    ["--intra", "shm"],
+    ["--overlap", "--bucket-mb", "0.01", "--strategy", "hierarchical", "--ranks-per-node", "1"],
+    ["--strategy", "hierarchical", "--ranks-per-node", "1", "--compress", "bf16"],
+    ["--strategy", "node", "--ranks-per-node", "1", "--sync-every", "2", "--sync-overlap"],
+])
+def test_hiding_options_train_and_log(tmp_path, options):
+    metrics = tmp_path / "m.jsonl"
+    proc = train(["--epochs", "1", "--max-steps", "4", "--speeds", "1,1", "--metrics", str(metrics),
+                  *options], np_=2)
+    assert proc.returncode == 0, proc.stderr
+    end = read_jsonl(metrics)[-1]
+    assert end["event"] == "end" and end["step"] == 4

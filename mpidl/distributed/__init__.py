@@ -6,6 +6,9 @@
 * :mod:`~mpidl.distributed.balance`   rank speeds -> local batch sizes and data shares
 * :mod:`~mpidl.distributed.reducers`  gradient reduction strategies (``make_reducer``)
 * :mod:`~mpidl.distributed.emulation` EMULATED slow ranks and slow inter-node links
+* :mod:`~mpidl.distributed.shm`       node-shared buffers in an MPI-3 window (``intra='shm'``)
+* :mod:`~mpidl.distributed.overlap`   bucketed non-blocking gradient exchange (``overlap``)
+* :mod:`~mpidl.distributed.compress`  16-bit inter-node exchange with error feedback
 """
 
 from mpidl.distributed.balance import (RankCost, choose_split, fit_cost, parse_speeds, solve_split,

@@ -50,12 +50,19 @@ import numpy as np
 
 from mpidl.backend import get_array_module, to_host
 from mpidl.distributed import balance
+from mpidl.distributed.compress import COMPRESSIONS, Compressor
 from mpidl.distributed.emulation import LinkModel, Slowdown, parse_link
 from mpidl.distributed.reducer_base import COUNT, NONFINITE, SLOTS, STOP, WEIGHTINGS
 from mpidl.distributed.reducers import STRATEGIES, make_reducer
+from mpidl.distributed.overlap import OVERLAP_STRATEGIES, OverlappedExchange, plan_buckets
+from mpidl.distributed.shm import SharedNode, check_shared_supported
 from mpidl.distributed.topology import Topology
 
 ON_NAN = ("stop", "skip")
+#: default bucket size of ``overlap`` (MiB)
+BUCKET_MB = 1.0
+#: how the ranks of one node combine (see the ``intra`` parameter)
+INTRA = ("mpi", "shm")
 #: timed rounds of the speed probe (each times every probe batch size once)
 PROBE_ROUNDS = 7
 #: default minimum predicted gain (a fraction of the step) for an uneven split or a re-split
@@ -66,7 +73,7 @@ MIN_LOCAL_BATCH = 1
 #: steps whose compute times a re-fit may use (a bound on memory, not a tuning knob)
 RECENT_STEPS = 1024
 
-__all__ = ["DataParallel", "NonFiniteGradient", "ON_NAN"]
+__all__ = ["DataParallel", "NonFiniteGradient", "ON_NAN", "INTRA"]
 
 
 class NonFiniteGradient(RuntimeError):
@@ -122,6 +129,29 @@ class DataParallel:
         EMULATION: this rank's compute takes that factor longer (it sleeps).
     emulate_link : LinkModel, 'LATENCY_US,GBIT_S' or None
         EMULATION: every inter-node collective also sleeps its alpha-beta time.
+    intra : 'mpi' | 'shm'
+        How the ranks of a node combine: MPI collectives on private replicas ('mpi'), or one
+        node-shared MPI-3 window holding the parameters and optimizer state once and every
+        rank's gradient slot, each rank reducing and updating its ``1/R`` slice
+        (:mod:`~mpidl.distributed.shm`; elementwise optimizers, CPU). Call :meth:`close`
+        (or use ``with``) at the end to free the window.
+    overlap : bool
+        ``flat`` / ``hierarchical``: exchange the gradient in buckets of about ``bucket_mb``
+        MiB with non-blocking collectives started from the model's backward hook as soon as
+        a bucket's layers are done, waited for in :meth:`step`
+        (:mod:`~mpidl.distributed.overlap`). Needs a Model whose ``net`` is a Sequential, the
+        CPU backend and intra='mpi'; the hook takes this rank's sample count from
+        :meth:`local_indices`, so call it, then ONE backward, then :meth:`step`.
+    bucket_mb : float > 0
+        The bucket size of ``overlap`` in MiB.
+    compress : 'none' | 'bf16' | 'fp16'
+        ``hierarchical`` / ``node``: the leaders' (inter-node) exchange in 16 bits with error
+        feedback and float32 accumulation (:mod:`~mpidl.distributed.compress`); the node
+        strategy then sends the parameters' changes since the last sync.
+    sync_overlap : int >= 0
+        ``node``: start each inter-node parameter average without waiting and apply it this
+        many steps later as ``theta <- avg(theta_t) + (theta_now - theta_t)``
+        (:meth:`~mpidl.distributed.node.NodeReducer._start_async`); 0 blocks.
 
     Construction is collective: it broadcasts rank 0's parameters (and buffers) to every
     replica, warms up and measures with ``probe``, and splits ``B``. Bad arguments raise
@@ -134,7 +164,9 @@ class DataParallel:
                  balance_threshold: float = BALANCE_THRESHOLD, rebalance_every: int | None = None,
                  sync_optimizer_state: bool = False, on_nan: str = "stop",
                  check_replicas: bool = False, emulate_slowdown: float | Sequence[float] = 1.0,
-                 emulate_link: LinkModel | str | None = None):
+                 emulate_link: LinkModel | str | None = None, intra: str = "mpi",
+                 overlap: bool = False, bucket_mb: float = BUCKET_MB, compress: str = "none",
+                 sync_overlap: int = 0):
         params = getattr(model, "params", model)
         message = getattr(params, "message", None)
         if message is None or getattr(params, "data", None) is None:
@@ -164,6 +196,30 @@ class DataParallel:
         if rebalance_every is not None and (isinstance(rebalance_every, bool) or not isinstance(
                 rebalance_every, Integral) or rebalance_every < 1):
             raise ValueError(f"rebalance_every must be an integer >= 1 or None, got {rebalance_every!r}")
+        if intra not in INTRA:
+            raise ValueError(f"intra must be one of {', '.join(INTRA)}, got {intra!r}")
+        if intra == "shm":
+            check_shared_supported(params, optimizer)
+        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, Real) or not 0 < bucket_mb < float("inf"):
+            raise ValueError(f"bucket_mb must be a number > 0, got {bucket_mb!r}")
+        if compress not in COMPRESSIONS:
+            raise ValueError(f"compress must be one of {', '.join(COMPRESSIONS)}, got {compress!r}")
+        if compress != "none" and (strategy == "flat" or overlap):
+            raise ValueError("compress acts on the blocking inter-node exchange of the hierarchical "
+                             "or node strategy (not flat, not with overlap)")
+        if sync_overlap and (strategy != "node" or intra != "mpi" or compress != "none"):
+            raise ValueError("sync_overlap applies to strategy='node' with intra='mpi' and no compress")
+        if overlap:
+            net = getattr(model, "net", None)
+            if strategy not in OVERLAP_STRATEGIES:
+                raise ValueError(f"overlap works with strategy {' or '.join(OVERLAP_STRATEGIES)}, not {strategy!r}")
+            if intra != "mpi":
+                raise ValueError("overlap works with intra='mpi' (the shared window is reduced in place)")
+            if net is None or not hasattr(net, "backward_hook"):
+                raise ValueError("overlap needs a Model whose net is a Sequential (its backward hook "
+                                 "starts the buckets)")
+            if not isinstance(params.data, np.ndarray):
+                raise ValueError("overlap needs the CPU backend (host buffers for non-blocking MPI)")
         if isinstance(emulate_link, str):
             emulate_link = parse_link(emulate_link)
         self.model = model if params is not model else None
@@ -185,13 +241,24 @@ class DataParallel:
             raise ValueError(f"emulate_slowdown has {len(factors)} factors for {topo.size} ranks")
         self.slowdown = Slowdown(factors[topo.rank])
         self.reducer = make_reducer(strategy, topo, weighting=weighting, sync_every=sync_every,
-                                    emulate_link=emulate_link)
+                                    emulate_link=emulate_link, sync_overlap=sync_overlap)
+        if compress != "none":
+            self.reducer.compressor = Compressor(compress)
         self.strategy = strategy
         self.weighting = weighting
         self._backend = getattr(params, "backend", None)
         given = None if isinstance(speeds, str) else balance.check_speeds(speeds, topo.size)
+        self.intra = intra
         # ---- collective set-up
         self._broadcast_initial_state()
+        if compress != "none" and hasattr(self.reducer, "set_reference"):
+            self.reducer.set_reference(params.data, self._synced_state())
+        #: the node's shared window under intra='shm', else None
+        self.shared: SharedNode | None = None
+        if intra == "shm":
+            self.shared = SharedNode(params, optimizer, topo)
+            if hasattr(self.reducer, "shared"):
+                self.reducer.shared = self.shared
         if probe is not None:
             self._warm_up(probe)
         if speeds == "auto":
@@ -221,6 +288,18 @@ class DataParallel:
         self._local_count: int | None = None
         #: (samples, compute seconds) of this rank's steps since the last re-fit (the latest only)
         self._recent: deque = deque(maxlen=RECENT_STEPS)
+        #: the bucketed non-blocking exchange under overlap=True (None on one rank: nothing
+        #: to exchange), and its bucket plan
+        self.exchange: OverlappedExchange | None = None
+        self.buckets: list = []
+        if overlap and topo.size > 1:
+            layers = [sum(p.size for _, p in layer.named_parameters()) for layer in model.net.layers]
+            self.buckets = plan_buckets(layers, float(bucket_mb) * 2 ** 20, params.data.itemsize)
+            self.exchange = OverlappedExchange(self.reducer, params.message, self.buckets)
+            model.net.backward_hook = self._backward_hook
+            for module in model.net.modules():
+                if module is not model.net and hasattr(module, "backward_hook"):
+                    module.backward_hook = self.exchange.poll  # progress inside the blocks
         self.reset_counters()
         self._mark = time.perf_counter()
 
@@ -242,8 +321,15 @@ class DataParallel:
         """One line for the log: world, nodes, strategy and weighting."""
         topo = self.topology
         extra = f", K'={self.reducer.sync_every}" if self.strategy == "node" else ""
+        if getattr(self.reducer, "sync_overlap", 0):
+            extra += f", sync applied {self.reducer.sync_overlap} step(s) after it starts"
+        hiding = [f"intra {self.intra}"]
+        if self.exchange is not None:
+            hiding.append(f"overlap in {len(self.buckets)} buckets")
+        if self.reducer.compressor is not None:
+            hiding.append(f"inter-node {self.reducer.compressor.kind}")
         return (f"{topo.size} rank(s) on {topo.num_nodes} node(s) {topo.node_sizes}; "
-                f"strategy {self.strategy} ({self.weighting} weighting{extra})")
+                f"strategy {self.strategy} ({self.weighting} weighting{extra}); {', '.join(hiding)}")
 
     # ------------------------------------------------------------------ the split (HDP)
     def split(self, n: int) -> list[int]:
@@ -297,25 +383,23 @@ class DataParallel:
         self._recent.append((int(count), seconds))
 
         t0 = time.perf_counter()
-        message = self.params.message
-        message[STOP] = 1.0 if self._pending_stop else 0.0
-        message[NONFINITE] = 0.0
-        self.reducer.reduce_gradients(message, count)
-        xp = get_array_module(message)
-        # One float64 sum instead of an elementwise test: NaN or Inf anywhere makes it
-        # non-finite, with no parameter-sized temporary; one device read for the slots too.
-        checks = to_host(xp.stack([self.params.grad.sum(dtype=np.float64),
-                                   message[STOP].astype(np.float64)]))
-        finite = bool(np.isfinite(checks[0]))
-        if checks[1] > 0:
+        if self.shared is not None:
+            finite, stop = self._reduce_shared(count)
+        elif self.exchange is not None:
+            finite, stop = self._reduce_overlapped(count)
+        else:
+            finite, stop = self._reduce_replicated(count)
+        if stop > 0:
             if self.reducer.step_is_global:
                 self.should_stop = True
             else:
                 self._pending_stop = True  # the node agrees now; the world at the next sync
         self.last_step_skipped = not finite
-        if finite:
+        if self.shared is not None:
+            self.shared.update(apply=finite)
+        elif finite:
             self.optimizer.step()
-        elif self.on_nan == "stop":
+        if not finite and self.on_nan == "stop":
             if self.reducer.step_is_global:
                 self._wait_seconds += time.perf_counter() - t0
                 raise NonFiniteGradient(
@@ -334,6 +418,85 @@ class DataParallel:
         self._wait_seconds += time.perf_counter() - t0
         self._mark = time.perf_counter()
         return result is not None
+
+    def _reduce_replicated(self, count) -> tuple[bool, float]:
+        """intra='mpi': the reducer on this rank's message; returns (finite, stop sum)."""
+        message = self.params.message
+        message[STOP] = 1.0 if self._pending_stop else 0.0
+        message[NONFINITE] = 0.0
+        self.reducer.reduce_gradients(message, count)
+        xp = get_array_module(message)
+        # One float64 sum instead of an elementwise test: NaN or Inf anywhere makes it
+        # non-finite, with no parameter-sized temporary; one device read for the slots too.
+        checks = to_host(xp.stack([self.params.grad.sum(dtype=np.float64),
+                                   message[STOP].astype(np.float64)]))
+        return bool(np.isfinite(checks[0])), float(checks[1])
+
+    def _backward_hook(self, layer: int) -> None:
+        """Installed as ``model.net.backward_hook``: start the buckets whose layers are done."""
+        exchange = self.exchange
+        if not exchange.active:
+            if self._local_count is None:
+                return  # a backward outside a step (local_indices not called): nothing starts
+            exchange.begin(self._local_count, 1.0 if self._pending_stop else 0.0)
+        exchange.ready(layer)
+
+    def _reduce_overlapped(self, count) -> tuple[bool, float]:
+        """overlap=True: wait for the buckets the hooks started (start the others first)."""
+        exchange = self.exchange
+        if not exchange.active:
+            exchange.begin(count, 1.0 if self._pending_stop else 0.0)
+        elif exchange.count != count:
+            exchange.finish()  # complete the collectives every rank has started
+            raise ValueError(f"step({count}): the backward hook already sent this rank's gradient "
+                             f"weighted by {exchange.count} samples (the size of local_indices())")
+        total = exchange.finish()
+        if total == 0:
+            raise ValueError("no rank computed a sample this step (every count was 0)")
+        message = self.params.message
+        return bool(np.isfinite(self.params.grad.sum(dtype=np.float64))), float(message[STOP])
+
+    def _reduce_shared(self, count) -> tuple[bool, float]:
+        """intra='shm': the weighted sum in the node's window (over the world for the exact
+        strategies on several nodes); returns (finite, stop sum)."""
+        reducer = self.reducer
+        weight = reducer._weight_count(count)
+        inter = reducer.step_is_global and self.topology.num_nodes > 1
+        total, stop, nonfinite = self.shared.reduce(weight, 1.0 if self._pending_stop else 0.0,
+                                                    reducer, inter=inter)
+        if reducer.step_is_global and total == 0:
+            raise ValueError("no rank computed a sample this step (every count was 0)")
+        if hasattr(reducer, "samples_since_sync") and reducer.weighting == "balanced":
+            reducer.samples_since_sync += int(round(total))
+        return nonfinite == 0, stop
+
+    def close(self) -> None:
+        """Free what this object holds beyond the model (collective over the node under
+        intra='shm': the parameters and optimizer state are copied back to private memory
+        and the window is freed; an overlapped node sync in flight is applied; duplicated
+        communicators are freed). The model and optimizer stay usable, this object does not;
+        a second call does nothing."""
+        if self.shared is not None:
+            self.shared.close()
+            self.shared = None
+            if hasattr(self.reducer, "shared"):
+                self.reducer.shared = None
+        if hasattr(self.reducer, "finish_pending"):
+            self.reducer.finish_pending(self.params.data, self._synced_state())
+        self.reducer.close()
+        if self.exchange is not None:
+            if getattr(self.model, "net", None) is not None:
+                for module in self.model.net.modules():
+                    if hasattr(module, "backward_hook"):
+                        module.backward_hook = None
+            self.exchange.close()
+            self.exchange = None
+
+    def __enter__(self) -> "DataParallel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def sync(self) -> None:
         """Make every replica identical now (collective): the node strategy's parameter
@@ -481,6 +644,11 @@ class DataParallel:
         ``buffers`` (the world average) and ``rank_buffers`` (each rank's own).
         """
         topo = self.topology
+        if hasattr(self.reducer, "finish_pending"):
+            # An overlapped sync in flight is applied first: a checkpoint cannot hold it.
+            sums = self.reducer.finish_pending(self.params.data, self._synced_state())
+            if sums is not None:
+                self._agree(sums)
         since_sync = getattr(self.reducer, "steps_since_sync", 0)
         params_differ = not self.exact and since_sync > 0
         state_differs = not self.exact and (params_differ or not self.sync_optimizer_state)
@@ -529,6 +697,10 @@ class DataParallel:
             where = "" if len(failing) == self.size else f" (on ranks {failing})"
             raise ValueError(first + where)
         params, opt_state, samples, buffers = parts
+        if self.shared is not None:
+            # The ranks of a node write the same values into its one copy; none may still
+            # be reading it, and none reads it before all have written.
+            self.shared.barrier()
         self.optimizer.load_state_dict_host({"state": opt_state, "step_count": state["optimizer"]["step_count"]})
         self.params.data[...] = self._backend.asarray(params) if self._backend else params
         if buffers and self.model is not None:
@@ -537,6 +709,11 @@ class DataParallel:
         if hasattr(self.reducer, "steps_since_sync"):
             self.reducer.steps_since_sync = int(state["steps_since_sync"])
         self.reducer.set_pending_samples(samples)
+        if self.reducer.compressor is not None and hasattr(self.reducer, "set_reference"):
+            common = self._backend.asarray(np.asarray(state["params"])) if self._backend else np.asarray(state["params"])
+            self.reducer.set_reference(common)  # the consensus: the same on every node
+        if self.shared is not None:
+            self.shared.barrier()
         if state["world_size"] == self.size:
             self.costs = [balance.RankCost(a, c) for a, c in state["costs"]]
             self.batch_sizes = list(state["batch_sizes"])

@@ -7,7 +7,9 @@ tested on a laptop. Every number produced under emulation must be reported as em
 * :class:`Slowdown` makes a rank ``f`` times slower: after a compute interval of ``t``
   seconds it sleeps ``(f - 1) t``, so the interval takes ``f t`` in total.
 * :class:`LinkModel` is the alpha-beta (latency-bandwidth) model of an inter-node link; the
-  reducers sleep the modelled time of every collective on the inter-node level.
+  reducers sleep the modelled time of every BLOCKING collective on the inter-node level.
+* :class:`LinkTimeline` schedules the modelled time of NON-BLOCKING inter-node collectives
+  on the link, so that it runs concurrently with the compute that overlaps them.
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ class LinkModel:
 
           T = 2 (L - 1) (alpha + n / (L beta))
 
+    * ring allgather of ``n`` bytes from every participant: ``T = (L - 1) (alpha + n / beta)``
     """
 
     latency_us: float
@@ -127,8 +130,52 @@ class LinkModel:
             return 0.0
         return 2 * (participants - 1) * (self.alpha + nbytes / (participants * self.beta))
 
+    def allgather_seconds(self, nbytes: int, participants: int) -> float:
+        """``(L-1) (alpha + n / beta)`` for a ring allgather of ``n`` bytes from each of ``L``."""
+        if participants <= 1:
+            return 0.0
+        return (participants - 1) * (self.alpha + nbytes / self.beta)
+
     def describe(self) -> str:
         return f"EMULATED inter-node link: {self.latency_us:g} us latency, {self.gbit_s:g} Gbit/s"
+
+
+class LinkTimeline:
+    """EMULATED occupancy of one inter-node link, for collectives that do not block.
+
+    A blocking collective sleeps its modelled time on the spot (the caller waits, as it would
+    for the real link). A non-blocking one is *scheduled* instead: ``start(seconds)`` books
+    the link from ``max(now, busy_until)`` for ``seconds`` (transfers on one link are
+    serialized) and returns the time at which the transfer ends; ``wait(deadline)`` sleeps
+    only what is left of it. The modelled time thus runs concurrently with whatever the
+    caller computes in between, as a helper thread sleeping the link model would, but
+    without a thread to schedule on a loaded machine: the caller is charged exactly
+    ``max(0, deadline - now)`` when it needs the result.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter,
+                 sleep: Callable[[float], None] = time.sleep):
+        self.clock = clock
+        self.sleep = sleep
+        self.busy_until = 0.0
+
+    def start(self, seconds: float) -> float:
+        """Book ``seconds`` of link time now (after any transfer still on the link); returns
+        the deadline (a ``clock`` time)."""
+        begin = max(self.clock(), self.busy_until)
+        self.busy_until = begin + max(float(seconds), 0.0)
+        return self.busy_until
+
+    def done(self, deadline: float) -> bool:
+        return self.clock() >= deadline
+
+    def wait(self, deadline: float) -> float:
+        """Sleep until ``deadline``; returns the seconds slept (0 when it has passed)."""
+        left = deadline - self.clock()
+        if left > 0:
+            self.sleep(left)
+            return left
+        return 0.0
 
 
 def parse_link(text: str) -> LinkModel:

@@ -29,6 +29,9 @@ class HierarchicalReducer(Reducer):
 
     EMULATION: the leaders sleep ``2 (L-1) (alpha + n / (L beta))`` after the leaders'
     allreduce (``L`` nodes); the other ranks wait for it in the broadcast.
+
+    With a compressor (``compress='bf16'|'fp16'``) step 2 is the compressed exchange of
+    :mod:`~mpidl.distributed.compress`: the leaders' ``inter`` bytes halve.
     """
 
     name = "hierarchical"
@@ -43,8 +46,5 @@ class HierarchicalReducer(Reducer):
         topo = self.topology
         self._reduce_to_root("intra", topo.node, message)
         if topo.is_leader:
-            self._allreduce("inter", topo.leaders, message)
-            if self.emulate_link is not None:
-                self._emulate_inter_node(
-                    self.emulate_link.allreduce_seconds(message.nbytes, topo.num_nodes))
+            self._inter_sum(message)
         self._bcast_from_root("intra", topo.node, message)

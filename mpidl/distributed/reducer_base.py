@@ -156,6 +156,8 @@ class Reducer:
         self.topology = topology
         self.weighting = weighting
         self.emulate_link = emulate_link
+        #: a :class:`~mpidl.distributed.compress.Compressor` for the leaders' level, or None
+        self.compressor = None
         self._buffers = _MPIBuffers()
         self.reset_counters()
 
@@ -215,6 +217,9 @@ class Reducer:
 
     def set_pending_samples(self, samples: int) -> None:
         """Restore :meth:`pending_samples` from a checkpoint (a no-op for exact strategies)."""
+
+    def close(self) -> None:
+        """Free what the reducer holds beyond its counters (duplicated communicators)."""
 
     # -- helpers for the strategies --------------------------------------------------------
     def _weight_count(self, count) -> int:
@@ -282,6 +287,25 @@ class Reducer:
         root = comm != MPI.COMM_NULL and comm.Get_rank() == 0
         self._collective(level, comm, array, lambda buf: comm.Bcast(buf, root=0),
                          copy_in=root, copy_out=not root)
+
+    def _inter_sum(self, message, key: str = "gradient") -> None:
+        """The leaders' SUM of ``message`` in place (leaders only): one ``Allreduce``, or,
+        with a compressor, the compressed ``Allgather`` and a local sum with error feedback
+        under ``key`` (:mod:`~mpidl.distributed.compress`); EMULATED link time included."""
+        comm = self.topology.leaders
+        if comm == MPI.COMM_NULL or comm.Get_size() == 1:
+            return
+        nodes = comm.Get_size()
+        if self.compressor is None:
+            self._allreduce("inter", comm, message)
+            seconds = self.emulate_link.allreduce_seconds(message.nbytes, nodes) if self.emulate_link else 0.0
+        else:
+            packed = self.compressor.packed(message, key)
+            gathered = np.empty((nodes, packed.size), dtype=packed.dtype)
+            self._collective("inter", comm, packed, lambda buf: comm.Allgather(buf, gathered))
+            self.compressor.unpack_sum(gathered, message)
+            seconds = self.emulate_link.allgather_seconds(packed.nbytes, nodes) if self.emulate_link else 0.0
+        self._emulate_inter_node(seconds)
 
     def _emulate_inter_node(self, seconds: float) -> None:
         """EMULATION: sleep the modelled time of an inter-node collective (see LinkModel)."""

@@ -34,7 +34,8 @@ __all__ = ["make_reducer", "Reducer", "FlatReducer", "HierarchicalReducer", "Nod
 
 
 def make_reducer(strategy: str, topology: Topology, weighting: str = "balanced",
-                 sync_every: int = 50, emulate_link: LinkModel | str | None = None) -> Reducer:
+                 sync_every: int = 50, emulate_link: LinkModel | str | None = None,
+                 sync_overlap: int = 0) -> Reducer:
     """Create the gradient reducer for ``strategy``.
 
     ==================  ======  ===========================================================
@@ -66,6 +67,9 @@ def make_reducer(strategy: str, topology: Topology, weighting: str = "balanced",
         but validated).
     emulate_link : LinkModel or 'LATENCY_US,GBIT_S' or None
         EMULATION: sleep the modelled time of every inter-node collective.
+    sync_overlap : int
+        ``node``: apply each parameter sync this many steps after starting it
+        non-blockingly (0: blocking); see :meth:`NodeReducer._start_async`.
 
     Raises ValueError for an unknown strategy or weighting, or ``sync_every < 1``.
     """
@@ -74,5 +78,8 @@ def make_reducer(strategy: str, topology: Topology, weighting: str = "balanced",
                          f"choose one of {', '.join(STRATEGIES)}")
     check_sync_every(sync_every)  # validated for every strategy: a bad value is a bad config
     if strategy == NodeReducer.name:
-        return NodeReducer(topology, weighting, sync_every=sync_every, emulate_link=emulate_link)
+        return NodeReducer(topology, weighting, sync_every=sync_every, emulate_link=emulate_link,
+                           sync_overlap=sync_overlap)
+    if sync_overlap:
+        raise ValueError("sync_overlap applies to the node strategy")
     return STRATEGIES[strategy](topology, weighting, emulate_link=emulate_link)

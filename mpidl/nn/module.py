@@ -137,6 +137,12 @@ class Sequential(Module):
     ``y = f_L(... f_2(f_1(x)))``; backward runs the chain rule in reverse:
     ``dx = f_1'(... f_L'(dy))``. If a layer returns ``None`` from backward (an input layer told
     not to compute its input gradient), the chain stops there and ``None`` is returned.
+
+    ``backward_hook``: None, or a callable ``hook(k)`` called right after layer ``k``'s
+    backward has returned, i.e. when the gradients of layers ``k .. L-1`` are final (layers
+    in reverse order ``L-1, ..., 0``). A training loop's distributed step installs one to
+    start exchanging those gradients while the earlier layers still compute (the layers
+    themselves know nothing about it).
     """
 
     def __init__(self, *layers: Module):
@@ -145,6 +151,7 @@ class Sequential(Module):
             if not isinstance(layer, Module):
                 raise TypeError(f"Sequential item {k} is a {type(layer).__name__}, not a Module")
         self.layers = list(layers)
+        self.backward_hook = None
 
     def _members(self):
         return ((str(k), layer) for k, layer in enumerate(self.layers))
@@ -163,6 +170,8 @@ class Sequential(Module):
     def backward(self, dy):
         for k in range(len(self.layers) - 1, -1, -1):
             dy = self.layers[k].backward(dy)
+            if self.backward_hook is not None:
+                self.backward_hook(k)
             if dy is None and k > 0:
                 # The layers before it would keep stale gradients: a silent training bug.
                 raise RuntimeError(f"layer {k} returned no input gradient but is not the first layer")
