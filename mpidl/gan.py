@@ -354,7 +354,9 @@ class ConditionalGAN:
         return d_loss, g_loss, b
 
     def train_epoch(self, epoch: int) -> dict:
-        """One pass in a seeded order (the same on every rank); the global mean losses."""
+        """One pass in a seeded order (the same on every rank): the global mean losses and
+        ``comm``, rank 0's collectives of the epoch per model and level
+        (``{"g"|"d": {"intra"|"inter"|"world"|"control": {"calls", "bytes"}}}``)."""
         order = np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self.y))
         sums = np.zeros(3)
         self.dp_g.reset_counters()
@@ -363,10 +365,9 @@ class ConditionalGAN:
             d_loss, g_loss, b = self.step(order[start:start + self.cfg.batch_size])
             sums += (d_loss * b, g_loss * b, b)
         total = self.dp_d.sum(sums)
-        inter = sum(dp.counters.get("inter", {}).get("calls", 0) for dp in (self.dp_g, self.dp_d))
-        inter_bytes = sum(dp.counters.get("inter", {}).get("bytes", 0) for dp in (self.dp_g, self.dp_d))
-        return {"d_loss": float(total[0] / total[2]), "g_loss": float(total[1] / total[2]),
-                "inter_calls": int(inter), "inter_bytes": int(inter_bytes)}
+        comm = {name: {level: dict(c) for level, c in dp.counters.items()}
+                for name, dp in (("g", self.dp_g), ("d", self.dp_d))}
+        return {"d_loss": float(total[0] / total[2]), "g_loss": float(total[1] / total[2]), "comm": comm}
 
     def sync(self) -> None:
         """Every replica of G and D identical (the node strategy's average)."""
