@@ -15,6 +15,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
+from mpidl.backend import gpu_unavailable_reason
 from mpidl.optim import (LAMB, OPTIMIZERS, Adadelta, Adagrad, Adamax, NAdam, RAdam, RMSprop,
                          build_optimizer)
 
@@ -340,3 +341,27 @@ def test_build_optimizer_study_names_and_arguments():
         LAMB(flat, betas=0.9)
     with pytest.raises(ValueError, match="lr_decay must be"):
         Adagrad(flat, lr_decay=-1.0)
+
+
+@pytest.mark.skipif(gpu_unavailable_reason() is not None, reason=str(gpu_unavailable_reason()))
+@pytest.mark.parametrize("index", range(N_STUDY))
+def test_device_buffers_match_host(index):
+    import cupy
+
+    from mpidl.backend import get_backend
+    from mpidl.params import FlatParameters, Parameter, uniform
+    from test_optim import SHAPES
+
+    flat_host = make_flat()
+    flat_device = FlatParameters([(n, Parameter(s, uniform(0.0))) for n, s in zip(flat_host.names, SHAPES)],
+                                 get_backend("gpu", "float64"))
+    flat_device.data[...] = cupy.asarray(flat_host.data)
+    host, device = study_optimizers(flat_host)[index], study_optimizers(flat_device)[index]
+    for g in gradient_sequence(flat_host):
+        flat_host.grad[...] = g
+        flat_device.grad[...] = cupy.asarray(g)
+        host.step()
+        device.step()
+    np.testing.assert_allclose(cupy.asnumpy(flat_device.data), flat_host.data, rtol=1e-12, atol=1e-14)
+    for x, y in zip(device.state_buffers(), host.state_buffers()):
+        np.testing.assert_allclose(cupy.asnumpy(x), y, rtol=1e-12, atol=1e-14)
