@@ -37,12 +37,12 @@ from common import TrainBatch, md_table, shown  # noqa: E402
 
 #: family -> (model, optimizer, lr)
 FAMILIES = {
-    "CNN": ("hsicnn", "sgd", 0.05),
+    "CNN": ("hsicnn", "sgd", 0.02),
     "LSTM": ("spectral_lstm", "adam", 1e-3),
     "ViT": ("vit", "adam", 1e-3),
 }
 #: learning rate of each optimizer on hsicnn, global batch 32 (each rule's usual scale)
-OPTIMIZER_LR = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3, "rmsprop": 1e-3, "adagrad": 1e-2,
+OPTIMIZER_LR = {"sgd": 0.02, "adam": 1e-3, "adamw": 1e-3, "rmsprop": 1e-3, "adagrad": 1e-2,
                 "radam": 1e-3, "nadam": 2e-3, "adamax": 2e-3, "adadelta": 1.0, "lamb": 1e-2}
 STRATEGIES = {"flat": ["--strategy", "flat"], "node K'=50": ["--strategy", "node", "--sync-every", "50"]}
 LINK = "50,1"
@@ -85,12 +85,60 @@ def classifier_argv(model, optimizer, lr, seed, p) -> list:
     return argv + (["--max-steps", p["max_steps"]] if p["max_steps"] else [])
 
 
+def reuse_finished(*batches) -> dict:
+    """Drop from each batch the runs whose metrics file already holds a finished run of the
+    same arguments (its ``start`` record's config); return their results."""
+    reused = {}
+    for batch in batches:
+        keep = []
+        for run in batch.runs:
+            path = Path(run["argv"][run["argv"].index("--metrics") + 1])
+            result = None
+            if run["name"] != "warmup" and path.is_file():
+                try:
+                    result = common.load_metrics(path)
+                except (OSError, ValueError):
+                    result = None
+            if result and result[0] and result[2] and _same_arguments(result[0]["config"], run["argv"]):
+                reused[run["name"]] = result
+            else:
+                keep.append(run)
+        batch.runs = keep
+    return reused
+
+
+def _same_arguments(config: dict, argv: list) -> bool:
+    """Every ``--option value`` of ``argv`` equals the recorded config's value."""
+    for i, word in enumerate(argv):
+        if not word.startswith("--") or word in ("--metrics", "--quiet"):
+            continue
+        key = word[2:].replace("-", "_")
+        value = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else True
+        recorded = config.get(key)
+        if value is True:
+            if recorded is not True:
+                return False
+        elif recorded is None or str(recorded) != str(value) and not _same_number(recorded, value):
+            return False
+    return True
+
+
+def _same_number(a, b) -> bool:
+    try:
+        return float(a) == float(b)
+    except (TypeError, ValueError):
+        return False
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a few steps per run (CI); numbers mean nothing")
     ap.add_argument("--out", type=Path, default=common.RESULTS, help="where families.md goes")
     ap.add_argument("--work", type=Path, default=None, help="raw metrics and logs (default: a temporary folder)")
     ap.add_argument("--mpich-defaults", action="store_true", help="do not set MPICH progress throttling")
+    ap.add_argument("--reuse", action="store_true",
+                    help="with --work: keep the finished runs of an earlier invocation whose arguments "
+                         "are the same, run only the others (default off)")
     args = ap.parse_args(argv)
     p = plan(args.quick)
     work = args.work or Path(tempfile.mkdtemp(prefix="mpidl-families-"))
@@ -128,8 +176,15 @@ def main(argv=None) -> int:
                            "--emulate-link", LINK] + options)
             gan.runs[-1]["module"] = "mpidl.gan"
             runs.setdefault(("family", "GAN", strategy), []).append(name)
-    print(f"families: {len(cls.runs) - 1} classifier runs and {len(gan.runs)} GAN runs -> {work}", flush=True)
-    results = {**cls.launch(p["timeout"]), **gan.launch(p["timeout"])}
+    reused = reuse_finished(cls, gan) if args.reuse else {}
+    print(f"families: {len(cls.runs) - 1} classifier runs and {len(gan.runs)} GAN runs -> {work}"
+          f" ({len(reused)} reused)", flush=True)
+    results = dict(reused)
+    if len(cls.runs) > 1:
+        results.update(cls.launch(p["timeout"]))
+    if gan.runs:
+        results.update(gan.launch(p["timeout"]))
+    results.pop("warmup", None)
     failed = [n for n, r in results.items() if r is None or r[2] is None]
 
     def column(kind, key, strategy, metric):
@@ -210,6 +265,9 @@ def main(argv=None) -> int:
         "## Commands", "",
         "One row's run alone (classifier, GAN):", "",
         common.code_block([cls.train_command(example), gan_cmd]),
+        "",
+        (f"Reused from an earlier invocation with the same arguments (`--reuse`): {len(reused)} of "
+         f"{len(results)} runs; the others ran in this one." if reused else ""),
         "",
         f"Failed runs: {', '.join(failed) if failed else 'none'}. This run took "
         f"{(time.perf_counter() - started) / 60:.1f} minutes.",
