@@ -154,7 +154,7 @@ def main(argv=None) -> int:
     runs: dict = {}  # (kind, key, strategy) -> [run names]
     absent = []
     families = [f for f in p["families"] if FAMILIES[f][0] in MODELS]
-    absent = [f"{f} (`{FAMILIES[f][0]}`)" for f in p["families"] if FAMILIES[f][0] not in MODELS]
+    absent = [f"{f} (`{FAMILIES[f][0]}`)" for f in FAMILIES if FAMILIES[f][0] not in MODELS]
     for seed in p["seeds"]:
         for strategy, options in STRATEGIES.items():
             tag = "flat" if strategy == "flat" else "node"
@@ -251,7 +251,8 @@ def main(argv=None) -> int:
                   "quality flat", "quality node K'=50", "node - flat (points)", "also"], fam_rows),
         "",
         "Not on this branch (no such model in `mpidl.models.MODELS`; they join the table once merged): "
-        + (", ".join(absent) if absent else "none") + ".",
+        + (", ".join(absent) if absent else "none") + "."
+        + (" `--quick` runs the CNN and the GAN only." if args.quick else ""),
         "",
         "The GAN's quality is the share of generated spectra (256 per class) that a classifier trained on "
         "the real training spectra (Linear-ReLU-Linear) assigns to their conditioning class (chance 25 %); "

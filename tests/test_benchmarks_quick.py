@@ -91,8 +91,7 @@ def test_peers_quick_writes_its_table(tmp_path):
 
 def test_families_quick_writes_its_tables(tmp_path):
     # Through experiments.py --only families: the CNN and the GAN rows and one row per
-    # optimizer, each with both strategies' numbers (LSTM / ViT are listed when absent).
-    from mpidl.models import MODELS
+    # optimizer, each with both strategies' numbers (--quick leaves LSTM and ViT out).
     from mpidl.optim import OPTIMIZERS
 
     _run([sys.executable, str(BENCH / "experiments.py"), "--quick", "--no-samson", "--out", str(tmp_path),
@@ -106,8 +105,6 @@ def test_families_quick_writes_its_tables(tmp_path):
         cells = [c.strip() for c in row.split("|")[1:-1]]
         assert "n/a" not in cells[2:8], row
     assert "EMULATED 50 us / 1 Gbit/s" in text and "Failed runs: none" in text
-    for model in ("spectral_lstm", "vit"):
-        assert (model in MODELS) or f"`{model}`" in text
 
 
 def test_conv_benchmark_prints_every_contender():
