@@ -176,6 +176,7 @@ def main(argv=None) -> int:
                            "--emulate-link", LINK] + options)
             gan.runs[-1]["module"] = "mpidl.gan"
             runs.setdefault(("family", "GAN", strategy), []).append(name)
+    planned = (list(cls.runs), list(gan.runs))  # every row's command, reused or not
     reused = reuse_finished(cls, gan) if args.reuse else {}
     print(f"families: {len(cls.runs) - 1} classifier runs and {len(gan.runs)} GAN runs -> {work}"
           f" ({len(reused)} reused)", flush=True)
@@ -185,6 +186,7 @@ def main(argv=None) -> int:
     if gan.runs:
         results.update(gan.launch(p["timeout"]))
     results.pop("warmup", None)
+    cls.runs, gan.runs = planned
     failed = [n for n, r in results.items() if r is None or r[2] is None]
 
     def column(kind, key, strategy, metric):
@@ -270,7 +272,7 @@ def main(argv=None) -> int:
         (f"Reused from an earlier invocation with the same arguments (`--reuse`): {len(reused)} of "
          f"{len(results)} runs; the others ran in this one." if reused else ""),
         "",
-        f"Failed runs: {', '.join(failed) if failed else 'none'}. This run took "
+        f"Failed runs: {', '.join(failed) if failed else 'none'}. This invocation took "
         f"{(time.perf_counter() - started) / 60:.1f} minutes.",
     ]
     name = "families_quick.md" if args.quick else "families.md"
