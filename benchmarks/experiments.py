@@ -1,4 +1,4 @@
-# python benchmarks/experiments.py [--quick] [--out benchmarks/results] [--only hdp balanced node comm scaling peers overlap]
+# python benchmarks/experiments.py [--quick] [--out benchmarks/results] [--only hdp balanced node comm scaling peers overlap families]
 """The papers' experiments, and the one command that regenerates every benchmark table and figure.
 
 Three experiments, each on the built-in synthetic scene (the default data) and on the real
@@ -18,7 +18,8 @@ Samson scene (converted by ``python -m mpidl.data_tools hsi``; skipped, with a n
    after a fixed number of epochs, the accuracy cost of each K' next to its traffic saving.
 
 Then, unless skipped: ``benchmarks/comm.py`` (1 node and 2 emulated nodes),
-``benchmarks/scaling.py`` and ``benchmarks/peers_torch.py`` (PyTorch DDP, when installed).
+``benchmarks/scaling.py``, ``benchmarks/peers_torch.py`` (PyTorch DDP, when installed) and
+``benchmarks/families.py`` (the model families and the optimizer study, flat vs node K'=50).
 
 Each table row is one ``python -m mpidl.train`` run; the tables give the exact command of each
 kind of row. The runs of one experiment and dataset execute one after another inside one
@@ -46,7 +47,7 @@ from common import (PYTHON, TrainBatch, epoch_samples, fmt_bytes, md_table, mean
                     med_spread, median, shown, timed_epochs)
 
 EXPERIMENTS = ("hdp", "balanced", "node")
-EXTERNAL = ("comm", "scaling", "peers", "overlap")
+EXTERNAL = ("comm", "scaling", "peers", "overlap", "families")
 SLOWDOWNS = ("1,1,1,2", "1,1,2,4")
 HDP_CONFIGS = {  # name -> (options, what it means)
     "none": (["--balance", "none"], "equal split (`--balance none`)"),
@@ -149,7 +150,7 @@ def main(argv=None) -> int:
         print(f"== {name}", flush=True)
         try:
             result = {"hdp": hdp, "balanced": balanced, "node": node, "comm": comm,
-                      "scaling": scaling, "peers": peers, "overlap": overlap}[name](ctx)
+                      "scaling": scaling, "peers": peers, "overlap": overlap, "families": families}[name](ctx)
         except Exception as exc:  # one broken experiment must not hide the others' tables
             import traceback
 
@@ -985,6 +986,17 @@ def peers(ctx: Context) -> dict:
     return result
 
 
+def families(ctx: Context) -> dict:
+    quick = ["--quick"] if ctx.args.quick else []
+    cmd = [PYTHON, str(common.BENCH_DIR / "families.py"), "--out", str(ctx.out), "--work", str(ctx.work / "families"), *quick]
+    if ctx.args.mpich_defaults:
+        cmd.append("--mpich-defaults")
+    result = _script(ctx, cmd, "families.log", 3600)
+    if result["exit"]:
+        result["error"] = "families.py failed; see the log"
+    return result
+
+
 # --------------------------------------------------------------------------------------------
 # the index
 # --------------------------------------------------------------------------------------------
@@ -1003,6 +1015,7 @@ def write_index(ctx: Context, summary: dict) -> None:
              "| [comm.md](comm.md) | reduction strategies on flat buffers 4 KiB - 64 MiB, raw MPI_Allreduce, torch.distributed (gloo) |",
              "| [scaling.md](scaling.md) | samples/s with 1, 2, 4 ranks, hsicnn and resnet8 |",
              "| [peers.md](peers.md) | mpidl vs PyTorch DDP (gloo) on the same model and data |",
+             "| [families.md](families.md) | model families (CNN, LSTM, ViT, GAN) and every optimizer on hsicnn: flat vs node K'=50 on 2 EMULATED nodes |",
              "| [conv.txt](conv.txt) | convolution step and conv layers vs sgemm peak and PyTorch: run on its own, "
              "`python benchmarks/conv.py --repeats 5 > benchmarks/results/conv.txt` (not part of this command) |",
              "", "Sections and their wall time:", ""]

@@ -1,8 +1,9 @@
 # mpiexec -n 4 python benchmarks/train_batch.py RUNS.json
 """Run several ``python -m mpidl.train`` command lines one after another in one ``mpiexec``.
 
-``RUNS.json`` is a list of ``{"name": ..., "argv": [...]}``; every rank reads it and calls
-``mpidl.train.main(argv)`` for each entry in order, exactly what ``mpiexec -n N python -m
+``RUNS.json`` is a list of ``{"name": ..., "argv": [...]}`` (optionally ``"module":
+"mpidl.gan"``, another command with a ``main(argv)``; default ``mpidl.train``); every rank
+reads it and calls ``mpidl.train.main(argv)`` for each entry in order, exactly what ``mpiexec -n N python -m
 mpidl.train ARGV`` runs, so a row of a benchmark table is reproduced by that command alone.
 The only difference is what is shared between runs: the interpreter, imported modules and
 Numba's compiled kernels (a benchmark therefore starts with an untimed warm-up run), which
@@ -23,6 +24,8 @@ import time
 def main(path: str) -> int:
     with open(path, encoding="utf-8") as f:
         runs = json.load(f)
+    import importlib
+
     from mpidl.train import main as train_main  # sets the threads per rank before NumPy loads
 
     from mpi4py import MPI
@@ -32,7 +35,9 @@ def main(path: str) -> int:
     for i, entry in enumerate(runs, start=1):
         world.Barrier()  # every run starts together, as a fresh job would
         start = time.perf_counter()
-        code = train_main(entry["argv"])
+        module = entry.get("module", "mpidl.train")
+        run = train_main if module == "mpidl.train" else importlib.import_module(module).main
+        code = run(entry["argv"])
         seconds = time.perf_counter() - start
         failed += code != 0
         if world.Get_rank() == 0:

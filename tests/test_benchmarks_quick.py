@@ -89,6 +89,24 @@ def test_peers_quick_writes_its_table(tmp_path):
     assert [r.split("|")[1].strip() for r in rows][0] == "flat" and len(rows) == 3
 
 
+def test_families_quick_writes_its_tables(tmp_path):
+    # Through experiments.py --only families: the CNN and the GAN rows and one row per
+    # optimizer, each with both strategies' numbers (--quick leaves LSTM and ViT out).
+    from mpidl.optim import OPTIMIZERS
+
+    _run([sys.executable, str(BENCH / "experiments.py"), "--quick", "--no-samson", "--out", str(tmp_path),
+          "--work", str(tmp_path / "work"), "--only", "families"], timeout=600)
+    text = (tmp_path / "families_quick.md").read_text()
+    families = _table_rows(text, "| family | model")
+    assert [r.split("|")[1].strip() for r in families] == ["CNN", "GAN"]
+    optimizers = _table_rows(text, "| optimizer | lr")
+    assert [r.split("|")[1].strip() for r in optimizers] == list(OPTIMIZERS)
+    for row in families + optimizers:
+        cells = [c.strip() for c in row.split("|")[1:-1]]
+        assert "n/a" not in cells[2:8], row
+    assert "EMULATED 50 us / 1 Gbit/s" in text and "Failed runs: none" in text
+
+
 def test_conv_benchmark_prints_every_contender():
     # Tiny settings: one round of one step at batch 4, no PyTorch column.
     proc = _run([sys.executable, "benchmarks/conv.py", "--repeats", "1", "--steps", "1", "--warmup", "1",

@@ -414,8 +414,8 @@ def test_build_optimizer_names():
     assert type(adam) is Adam and adam.betas == (0.8, 0.99) and adam.eps == 1e-7
     adamw = build_optimizer("AdamW", flat, lr=1e-3, weight_decay=0.05)
     assert type(adamw) is AdamW and adamw.weight_decay == 0.05
-    with pytest.raises(ValueError, match="unknown optimizer 'rmsprop'; choose one of sgd, adam, adamw"):
-        build_optimizer("rmsprop", flat, lr=0.1)
+    with pytest.raises(ValueError, match="unknown optimizer 'adabelief'; choose one of sgd, adam, adamw, rmsprop"):
+        build_optimizer("adabelief", flat, lr=0.1)
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -8,7 +8,7 @@ from mpidl.nn.activation import LeakyReLU, ReLU
 from mpidl.nn.conv import Conv2d
 from mpidl.nn.dropout import Dropout
 from mpidl.nn.linear import Flatten, Linear
-from mpidl.nn.loss import SoftmaxCrossEntropy
+from mpidl.nn.loss import BCEWithLogits, MSELoss, SoftmaxCrossEntropy
 from mpidl.nn.module import Module, Sequential
 from mpidl.nn.norm import BatchNorm2d
 from mpidl.nn.pool import AvgPool2d, GlobalAvgPool2d, MaxPool2d
@@ -29,4 +29,6 @@ __all__ = [
     "BatchNorm2d",
     "Residual",
     "SoftmaxCrossEntropy",
+    "BCEWithLogits",
+    "MSELoss",
 ]
