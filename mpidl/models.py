@@ -38,6 +38,7 @@ from mpidl.nn import (
     Sequential,
 )
 from mpidl.params import FlatParameters
+from mpidl.threads import apply as _apply_thread_policy
 
 __all__ = ["MODELS", "Model", "build_model"]
 
@@ -194,6 +195,7 @@ class Model:
         self.input_shape = tuple(build_args["input_shape"])
         self.num_classes = int(build_args["num_classes"])
         self.params = FlatParameters(net.named_parameters(), backend, seed)
+        _apply_thread_policy()  # the fast path with nothing set by hand (mpidl/threads.py)
         net.to(backend)
         first = net[0] if isinstance(net, Sequential) else None
         if isinstance(first, Conv2d):

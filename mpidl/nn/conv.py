@@ -10,7 +10,7 @@ import numpy as np
 
 from mpidl import kernels
 from mpidl.backend import get_array_module, is_device_array
-from mpidl.blas import batched_matmul
+from mpidl.blas import batched_matmul, matmul
 from mpidl.nn.module import Module
 from mpidl.params import Initializer, Parameter, kaiming_uniform, uniform
 
@@ -190,7 +190,7 @@ class Conv2d(Module):
             x, k, k, s, p, out=_workspace(self._workspaces, "cols", (self.in_channels * k * k, n * oh * ow), x)
         )
         y2d = _workspace(self._workspaces, "y2d", (f, n * oh * ow), x)
-        xp.matmul(self.weight.data.reshape(f, -1), cols, out=y2d)
+        matmul(self.weight.data.reshape(f, -1), cols, y2d)
         if self.bias is not None:
             y2d += self.bias.data[:, None]
 
@@ -210,14 +210,14 @@ class Conv2d(Module):
         dy2d = _workspace(self._workspaces, "dy2d", (f, n * oh * ow), dy)
         dy2d.reshape(f, n, oh, ow)[...] = dy.transpose(1, 0, 2, 3)
 
-        xp.matmul(dy2d, self._cols.T, out=self.weight.grad.reshape(f, -1))
+        matmul(dy2d, self._cols.T, self.weight.grad.reshape(f, -1))
         if self.bias is not None:
             xp.sum(dy2d, axis=1, out=self.bias.grad)
         if not self.compute_input_grad:
             return None
 
         dcols = _workspace(self._workspaces, "dcols", self._cols.shape, dy)
-        xp.matmul(self.weight.data.reshape(f, -1).T, dy2d, out=dcols)
+        matmul(self.weight.data.reshape(f, -1).T, dy2d, dcols)
         # dx is returned to the previous layer, which may keep it: a fresh array.
         return kernels.col2im(dcols, self._x_shape, k, k, s, p)
 
