@@ -26,6 +26,10 @@ during the steps (peak minus the resident size before the first step). On ``--de
 both frameworks run on the GPU (CuPy / CUDA), time with device synchronization, and report the
 peak device memory their allocators held.
 
+``--threads N`` sets ``OMP_NUM_THREADS=N`` in every worker instead (mpidl's policy and PyTorch
+both follow it): on a loaded machine, one thread each measures the arithmetic without the
+thread pools' waiting.
+
 Writes ``benchmarks/results/step.md`` (``step_gpu.md`` for the GPU) and a JSON beside it.
 """
 
@@ -60,6 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=10, help="timed steps per process (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per process (default 3)")
     p.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+    p.add_argument("--threads", type=int, default=None,
+                   help="set OMP_NUM_THREADS=N in every worker (both frameworks read it); default: nothing set")
     p.add_argument("--kinds", default=",".join(KINDS), help=f"which of {','.join(KINDS)} (default all)")
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per worker process (default 600)")
@@ -229,8 +235,10 @@ def worker(args) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def clean_env() -> dict:
+def clean_env(threads: int | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(THREAD_VARIABLE_PREFIXES)}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     return env
 
@@ -239,7 +247,7 @@ def run_worker(kind: str, model: str, args, weights: Path) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--model", model,
            "--weights", str(weights), "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--device", args.device]
-    proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=args.timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(args.threads), capture_output=True, text=True, timeout=args.timeout)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
@@ -293,8 +301,10 @@ def report(results: dict, args, info: dict, command: str) -> list[str]:
     body = [
         f"`{command}`: {args.rounds} rounds, each a fresh process per model and kind, the order "
         f"rotating; {args.warmup} untimed + {args.steps} timed steps per process, batch {BATCH}, "
-        f"SGD lr {LR} momentum {MOMENTUM}, float32, device {args.device}. No thread or wait-policy "
-        "variable set in any worker. Step ms: median over rounds of each process's median step "
+        f"SGD lr {LR} momentum {MOMENTUM}, float32, device {args.device}. "
+        + ("No thread or wait-policy variable set in any worker. " if args.threads is None else
+           f"Every worker runs with `OMP_NUM_THREADS={args.threads}` and nothing else set. ")
+        + "Step ms: median over rounds of each process's median step "
         "[min-max over rounds]. Ratios: median over rounds of the same round's mpidl/torch "
         "[min-max]; below 1 mpidl is faster / smaller. Peak RSS: `ru_maxrss` of the whole process "
         "(interpreter, libraries, JIT caches included); in parentheses its growth during the timed "
@@ -344,7 +354,7 @@ def main(argv=None) -> int:
                 print(f"round {round_index + 1} {model:10s} {kind:5s} {1e3 * statistics.median(result['times']):8.1f} ms "
                       f"peak RSS {result['peak_rss'] / 1e6:6.0f} MB", flush=True)
     command = "python benchmarks/step.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    suffix = "" if args.device == "cpu" else "_gpu"
+    suffix = ("" if args.device == "cpu" else "_gpu") + ("" if args.threads is None else f"_threads{args.threads}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"step{suffix}.json").write_text(json.dumps({"info": info, "results": results}, indent=1))
     body = report(results, args, info, command.strip())

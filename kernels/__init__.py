@@ -28,6 +28,10 @@ scatter-adds ``cols`` back into an ``(N, C, H, W)`` array.
 GEMMs of a stride-1 convolution by Winograd's F(m x m, r x r) algorithm; their layout
 ``(C, alpha, alpha, TH*TW*N)`` and math are in :mod:`mpidl.kernels.reference`.
 
+Batch normalization (+ ReLU) has its own pair of files, ``batchnorm_reference`` (the
+definition, any ``xp``: it also serves CuPy arrays) and ``batchnorm_cpu`` (Numba), chosen the
+same way; the math is in :mod:`mpidl.kernels.batchnorm_reference`.
+
 Pooling takes ``(k, stride, pad)``; max pooling pads with -inf and returns ``argmax``, int32,
 the index ``h*W + w`` of the winning input pixel in its ``(H, W)`` plane; average pooling pads
 with zeros and always divides by ``k*k`` (PyTorch's ``count_include_pad=True``).
@@ -53,6 +57,8 @@ __all__ = [
     "winograd_input_adjoint",
     "winograd_output",
     "winograd_output_adjoint",
+    "batchnorm_forward",
+    "batchnorm_backward",
     "implementation_for",
 ]
 
@@ -171,3 +177,32 @@ def winograd_output(mt, y_shape, m, r, bias=None, out=None):
 def winograd_output_adjoint(dy, m, r, out=None):
     """Adjoint of :func:`winograd_output` (bias aside): ``dy -> dM``."""
     return implementation_for(dy).winograd_output_adjoint(dy, m, r, out=out)
+
+
+def _batchnorm_module(x):
+    """``batchnorm_cpu`` for NumPy arrays (unless ``MPIDL_KERNELS=reference``), else the reference."""
+    if implementation_for(x) is reference or type(x).__module__.startswith("cupy"):
+        from . import batchnorm_reference  # noqa: PLC0415
+
+        return batchnorm_reference
+    try:
+        from . import batchnorm_cpu  # noqa: PLC0415
+    except ImportError:
+        from . import batchnorm_reference as batchnorm_cpu  # noqa: PLC0415
+    return batchnorm_cpu
+
+
+def batchnorm_forward(x, gamma, beta, eps, relu=False, stats=None):
+    """``x : (N, C, H, W)`` -> ``(y, mean, var)`` (float64 statistics); ``stats=(mean, var)``
+    normalizes with those (evaluation); ``relu`` applies ``max(y, 0)``."""
+    if x.ndim != 4 or gamma.shape != (x.shape[1],) or beta.shape != (x.shape[1],):
+        raise ValueError(f"batchnorm_forward: x must be (N, C, H, W) with gamma, beta of shape (C,); "
+                         f"got {tuple(x.shape)}, {tuple(gamma.shape)}, {tuple(beta.shape)}")
+    return _batchnorm_module(x).batchnorm_forward(x, gamma, beta, float(eps), bool(relu), stats)
+
+
+def batchnorm_backward(dy, x, y, gamma, mean, var, eps, relu=False, batch_stats=True):
+    """``(dx, dgamma, dbeta)`` of :func:`batchnorm_forward` (``y`` its output, read with ``relu``)."""
+    if dy.shape != x.shape or (relu and y.shape != x.shape):
+        raise ValueError(f"batchnorm_backward: dy {tuple(dy.shape)} (and y with relu) must have x's shape {tuple(x.shape)}")
+    return _batchnorm_module(dy).batchnorm_backward(dy, x, y, gamma, mean, var, float(eps), bool(relu), bool(batch_stats))

@@ -72,6 +72,17 @@ def blocks_for(total: int, threads_per_block: int = THREADS_PER_BLOCK) -> int:
 # --------------------------------------------------------------------------------------------
 
 
+@cuda.jit(device=True)
+def _nchw(t, c_size, h_size, w_size):
+    """``(n, c, h, w)`` of flat index ``t`` in a C-contiguous ``(N, C, H, W)`` array: the
+    one-thread-per-element kernels decode their thread index with it."""
+    w = t % w_size
+    rest = t // w_size
+    h = rest % h_size
+    rest = rest // h_size
+    return rest // c_size, rest % c_size, h, w
+
+
 @cuda.jit
 def _im2col_kernel(x, kh, kw, stride, pad, out_h, out_w, cols):
     """Thread ``t`` writes ``cols.flat[t]``: consecutive threads write consecutive columns of
@@ -128,10 +139,7 @@ def _col2im_kernel(cols, kh, kw, stride, pad, out_h, out_w, zero, dx):
     t = cuda.grid(1)
     if t >= n_size * c_size * h_size * w_size:
         return
-    w = t % w_size
-    h = (t // w_size) % h_size
-    c = (t // (w_size * h_size)) % c_size
-    n = t // (w_size * h_size * c_size)
+    n, c, h, w = _nchw(t, c_size, h_size, w_size)
     total = zero
     for i in range(kh):
         oh = _source_index(h, pad, i, stride, out_h)
@@ -154,10 +162,7 @@ def _maxpool_forward_kernel(x, k, stride, pad, y, argmax):
     t = cuda.grid(1)
     if t >= n_size * c_size * out_h * out_w:
         return
-    ow = t % out_w
-    oh = (t // out_w) % out_h
-    c = (t // (out_w * out_h)) % c_size
-    n = t // (out_w * out_h * c_size)
+    n, c, oh, ow = _nchw(t, c_size, out_h, out_w)
     h0 = oh * stride - pad
     w0 = ow * stride - pad
     i_lo, i_hi = _window_range(h0, k, h_size)
@@ -183,10 +188,7 @@ def _maxpool_backward_kernel(dy, argmax, k, stride, pad, zero, dx):
     t = cuda.grid(1)
     if t >= n_size * c_size * h_size * w_size:
         return
-    w = t % w_size
-    h = (t // w_size) % h_size
-    c = (t // (w_size * h_size)) % c_size
-    n = t // (w_size * h_size * c_size)
+    n, c, h, w = _nchw(t, c_size, h_size, w_size)
     me = h * w_size + w
     total = zero
     for i in range(k):
@@ -208,10 +210,7 @@ def _avgpool_forward_kernel(x, k, stride, pad, window, zero, y):
     t = cuda.grid(1)
     if t >= n_size * c_size * out_h * out_w:
         return
-    ow = t % out_w
-    oh = (t // out_w) % out_h
-    c = (t // (out_w * out_h)) % c_size
-    n = t // (out_w * out_h * c_size)
+    n, c, oh, ow = _nchw(t, c_size, out_h, out_w)
     h0 = oh * stride - pad
     w0 = ow * stride - pad
     i_lo, i_hi = _window_range(h0, k, h_size)
@@ -231,10 +230,7 @@ def _avgpool_backward_kernel(dy, k, stride, pad, window, zero, dx):
     t = cuda.grid(1)
     if t >= n_size * c_size * h_size * w_size:
         return
-    w = t % w_size
-    h = (t // w_size) % h_size
-    c = (t // (w_size * h_size)) % c_size
-    n = t // (w_size * h_size * c_size)
+    n, c, h, w = _nchw(t, c_size, h_size, w_size)
     total = zero
     for i in range(k):
         oh = _source_index(h, pad, i, stride, out_h)
@@ -259,6 +255,17 @@ def _avgpool_backward_kernel(dy, k, stride, pad, window, zero, dx):
 _MAX_ALPHA = 8
 
 
+@cuda.jit(device=True)
+def _tile_column(t, columns, n_size, tiles_w, m):
+    """Thread ``t`` of a transform kernel -> ``(channel, q, n, h0, w0)``: the channel (or
+    filter) ``t // columns``, the column ``q = tile*N + n`` and the top-left output pixel
+    ``(h0, w0)`` of its ``m x m`` tile (tiles row-major, ``tiles_w`` per row)."""
+    channel = t // columns
+    q = t - channel * columns
+    tile = q // n_size
+    return channel, q, q % n_size, (tile // tiles_w) * m, (tile % tiles_w) * m
+
+
 @cuda.jit
 def _winograd_input_kernel(x, bt, m, pad, tiles_w, columns, v):
     n_size, c_size, h_size, w_size = x.shape
@@ -266,12 +273,9 @@ def _winograd_input_kernel(x, bt, m, pad, tiles_w, columns, v):
     t = cuda.grid(1)
     if t >= c_size * columns:
         return
-    c = t // columns
-    q = t - c * columns
-    n = q % n_size
-    tile = q // n_size
-    h0 = (tile // tiles_w) * m - pad
-    w0 = (tile % tiles_w) * m - pad
+    c, q, n, h0, w0 = _tile_column(t, columns, n_size, tiles_w, m)
+    h0 -= pad
+    w0 -= pad
     rows = cuda.local.array((_MAX_ALPHA, _MAX_ALPHA), numba_float64)  # B^T d
     for a in range(alpha):
         for l in range(alpha):
@@ -296,12 +300,7 @@ def _winograd_output_kernel(mt, at, bias, m, tiles_w, columns, y):
     t = cuda.grid(1)
     if t >= f_size * columns:
         return
-    f = t // columns
-    q = t - f * columns
-    n = q % n_size
-    tile = q // n_size
-    h0 = (tile // tiles_w) * m
-    w0 = (tile % tiles_w) * m
+    f, q, n, h0, w0 = _tile_column(t, columns, n_size, tiles_w, m)
     cols = cuda.local.array((_MAX_ALPHA, _MAX_ALPHA), numba_float64)  # A^T M
     for i in range(m):
         for b in range(alpha):
@@ -325,12 +324,7 @@ def _winograd_output_adjoint_kernel(dy, at, m, tiles_w, columns, dm):
     t = cuda.grid(1)
     if t >= f_size * columns:
         return
-    f = t // columns
-    q = t - f * columns
-    n = q % n_size
-    tile = q // n_size
-    h0 = (tile // tiles_w) * m
-    w0 = (tile % tiles_w) * m
+    f, q, n, h0, w0 = _tile_column(t, columns, n_size, tiles_w, m)
     cols = cuda.local.array((_MAX_ALPHA, _MAX_ALPHA), numba_float64)  # A dY, (a, j)
     for a in range(alpha):
         for j in range(m):
@@ -354,10 +348,7 @@ def _winograd_input_adjoint_kernel(dv, bt, m, pad, tiles_h, tiles_w, zero, dx):
     t = cuda.grid(1)
     if t >= n_size * c_size * h_size * w_size:
         return
-    w = t % w_size
-    h = (t // w_size) % h_size
-    c = (t // (w_size * h_size)) % c_size
-    n = t // (w_size * h_size * c_size)
+    n, c, h, w = _nchw(t, c_size, h_size, w_size)
     hp, wp = h + pad, w + pad  # position in the padded input
     total = zero
     # tiles th with th*m <= hp < th*m + alpha, i.e. hp - alpha < th*m <= hp
