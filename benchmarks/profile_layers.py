@@ -1,7 +1,7 @@
 # python benchmarks/profile_layers.py [--model resnet8] [--steps 10]
 """Where a training step goes: forward and backward time per layer of a model, summed by kind.
 
-Every leaf layer's ``forward`` and ``backward`` is wrapped with a timer (``time.perf_counter``;
+Every leaf layer's ``forward`` and ``backward`` is wrapped with a timer (``--clock``;
 the kernels are synchronous on the CPU), the loss and the optimizer step are timed as their own
 rows; after ``--warmup`` steps the median over ``--steps`` steps of each layer's time is taken,
 and the table lists the per-kind sums (Conv2d 3x3, Conv2d 1x1, BatchNorm2d, ReLU, Residual's
@@ -27,7 +27,11 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="resnet8")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="wall: perf_counter; cpu: process_time, CPU seconds of all threads (immune to "
+                        "other processes' load; with OMP_NUM_THREADS=1 the same as wall on an idle machine)")
     args = p.parse_args(argv)
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
 
     import numpy as np  # noqa: PLC0415
 
@@ -58,9 +62,9 @@ def main(argv=None) -> int:
 
         def timed(function, direction):
             def run(value):
-                start = time.perf_counter()
+                start = clock()
                 out = function(value)
-                elapsed = time.perf_counter() - start
+                elapsed = clock() - start
                 times[(name, kind, direction)].append(elapsed)
                 return out
             return run
@@ -82,14 +86,14 @@ def main(argv=None) -> int:
             residuals.append(name)
 
     def step():
-        start = time.perf_counter()
+        start = clock()
         logits = model.forward(x)
         loss_fn.forward(logits, y)
         dlogits = loss_fn.backward()
         model.backward(dlogits)
-        t_opt = time.perf_counter()
+        t_opt = clock()
         opt.step()
-        end = time.perf_counter()
+        end = clock()
         times[("optimizer", "SGD step", "update")].append(end - t_opt)
         times[("step", "step", "total")].append(end - start)
 
