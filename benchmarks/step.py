@@ -21,7 +21,7 @@ Rounds alternate the three (the order rotates each round), so every kind sees th
 each process times ``--warmup`` steps untimed, then ``--steps`` steps, and reports the median.
 Reported per model: the median over rounds of each kind's step time with its ``[min-max]``, the
 median over rounds of the per-round ratio mpidl/torch (same round, similar load) with its
-spread, and the peak resident memory (``ru_maxrss``) of each process, also as the growth
+spread, the CPU time per step (``process_time``, all threads), and the peak resident memory (``ru_maxrss``) of each process, also as the growth
 during the steps (peak minus the resident size before the first step). On ``--device gpu``
 both frameworks run on the GPU (CuPy / CUDA), time with device synchronization, and report the
 peak device memory their allocators held.
@@ -103,17 +103,22 @@ def _batch(input_shape, num_classes, seed=0):
     return x, y
 
 
+_CPU_TIMES: list = []  # CPU seconds (all threads of the process) of the timed steps
+
+
 def _time_steps(step, warmup: int, steps: int, sync=lambda: None):
     for _ in range(warmup):
         step()
     sync()
     rss_before = _rss_bytes()
-    times = []
+    times, cpu_times = [], []
     for _ in range(steps):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         step()
         sync()
         times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
+    _CPU_TIMES[:] = cpu_times
     return times, rss_before
 
 
@@ -160,7 +165,7 @@ def worker_mpidl(args) -> dict:
 
         sync = cupy.cuda.Device().synchronize
     times, rss_before = _time_steps(step, args.warmup, args.steps, sync)
-    result = {"times": times, "rss_before": rss_before, "peak_rss": _peak_rss_bytes()}
+    result = {"times": times, "cpu_times": list(_CPU_TIMES), "rss_before": rss_before, "peak_rss": _peak_rss_bytes()}
     if args.device == "gpu":
         import cupy  # noqa: PLC0415
 
@@ -200,7 +205,7 @@ def worker_torch(args) -> dict:
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     times, rss_before = _time_steps(step, args.warmup, args.steps, sync)
-    result = {"times": times, "rss_before": rss_before, "peak_rss": _peak_rss_bytes(),
+    result = {"times": times, "cpu_times": list(_CPU_TIMES), "rss_before": rss_before, "peak_rss": _peak_rss_bytes(),
               "threads": {"torch": torch.get_num_threads()}, "version": torch.__version__}
     if device == "cuda":
         result["device_bytes"] = int(torch.cuda.max_memory_reserved())
@@ -272,6 +277,9 @@ def report(results: dict, args, info: dict, command: str) -> list[str]:
     mpidl_kinds = [k for k in kinds if k != "torch"]
     if "torch" in kinds:
         headers += [f"{k}/torch" for k in mpidl_kinds]
+    headers += [f"{k} CPU ms" for k in kinds]
+    if "torch" in kinds:
+        headers += [f"{k}/torch CPU" for k in mpidl_kinds]
     headers += [f"{k} peak RSS MB (step growth)" for k in kinds]
     if "torch" in kinds:
         headers += [f"{k}/torch peak RSS" for k in mpidl_kinds]
@@ -286,6 +294,11 @@ def report(results: dict, args, info: dict, command: str) -> list[str]:
             for k in mpidl_kinds:
                 ratios = [a / t for a, t in zip(medians[k], medians["torch"])]
                 row.append(f"**{common.med_spread(ratios)}**")
+        cpu = {k: [statistics.median(r.get("cpu_times") or [float("nan")]) for r in by_kind[k]] for k in kinds}
+        row += [_ms(cpu[k]) for k in kinds]
+        if "torch" in kinds:
+            for k in mpidl_kinds:
+                row.append(common.med_spread([a / t for a, t in zip(cpu[k], cpu["torch"])]))
         for k in kinds:
             peaks = [r["peak_rss"] for r in by_kind[k]]
             growth = [r["peak_rss"] - r["rss_before"] for r in by_kind[k]]
@@ -306,7 +319,10 @@ def report(results: dict, args, info: dict, command: str) -> list[str]:
            f"Every worker runs with `OMP_NUM_THREADS={args.threads}` and nothing else set. ")
         + "Step ms: median over rounds of each process's median step "
         "[min-max over rounds]. Ratios: median over rounds of the same round's mpidl/torch "
-        "[min-max]; below 1 mpidl is faster / smaller. Peak RSS: `ru_maxrss` of the whole process "
+        "[min-max]; below 1 mpidl is faster / smaller. CPU ms: the same for the process's CPU "
+        "time per step (all its threads: work plus any spinning; with one thread it does not "
+        "count the time the process waited for a core, so it is the load-independent measure). "
+        "Peak RSS: `ru_maxrss` of the whole process "
         "(interpreter, libraries, JIT caches included); in parentheses its growth during the timed "
         "steps over the resident size before them.",
         "",
