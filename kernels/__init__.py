@@ -25,8 +25,10 @@ offset ``(i, j)``, column ``(n*OH + oh)*OW + ow`` is output pixel ``(oh, ow)`` o
 scatter-adds ``cols`` back into an ``(N, C, H, W)`` array.
 
 ``winograd_input / winograd_output`` and their adjoints are the transforms around the batched
-GEMMs of a stride-1 convolution by Winograd's F(m x m, r x r) algorithm; their layout
-``(C, alpha, alpha, TH*TW*N)`` and math are in :mod:`mpidl.kernels.reference`.
+GEMMs of a stride-1 convolution by Winograd's F(m x m, r x r) algorithm. They have their own
+three files, ``winograd_reference`` / ``winograd_cpu`` / ``winograd_cuda``, chosen by the same
+rule; their layout ``(C, alpha, alpha, TH*TW*N)`` and math are in
+:mod:`mpidl.kernels.winograd_reference`.
 
 Batch normalization (+ ReLU) has its own pair of files, ``batchnorm_reference`` (the
 definition, any ``xp``: it also serves CuPy arrays) and ``batchnorm_cpu`` (Numba), chosen the
@@ -41,7 +43,7 @@ from __future__ import annotations
 
 import os
 
-from . import reference
+from . import reference, winograd_reference
 
 __all__ = [
     "conv_output_size",
@@ -63,8 +65,8 @@ __all__ = [
 ]
 
 conv_output_size = reference.conv_output_size
-winograd_matrices = reference.winograd_matrices
-winograd_geometry = reference.winograd_geometry
+winograd_matrices = winograd_reference.winograd_matrices
+winograd_geometry = winograd_reference.winograd_geometry
 
 _FORCE_VALUES = ("", "reference", "cpu", "cuda")
 
@@ -159,24 +161,38 @@ def avgpool2d_backward(dy, x_shape, k, stride, pad=0):
     return implementation_for(dy).avgpool2d_backward(dy, x_shape, k, stride, pad)
 
 
+def _winograd_module(x):
+    """The Winograd file of the implementation :func:`implementation_for` picks for ``x``."""
+    module = implementation_for(x)
+    if module is reference:
+        return winograd_reference
+    if module.__name__.endswith(".cpu"):
+        from . import winograd_cpu  # noqa: PLC0415
+
+        return winograd_cpu
+    from . import winograd_cuda  # noqa: PLC0415
+
+    return winograd_cuda
+
+
 def winograd_input(x, m, r, pad=0, out=None):
     """``x : (N, C, H, W)`` -> ``V : (C, alpha, alpha, TH*TW*N)``, ``B^T d B`` per input tile."""
-    return implementation_for(x).winograd_input(x, m, r, pad, out=out)
+    return _winograd_module(x).winograd_input(x, m, r, pad, out=out)
 
 
 def winograd_input_adjoint(dv, x_shape, m, r, pad=0, out=None):
     """Adjoint of :func:`winograd_input`: ``dV -> dx : x_shape``."""
-    return implementation_for(dv).winograd_input_adjoint(dv, x_shape, m, r, pad, out=out)
+    return _winograd_module(dv).winograd_input_adjoint(dv, x_shape, m, r, pad, out=out)
 
 
 def winograd_output(mt, y_shape, m, r, bias=None, out=None):
     """``M : (F, alpha, alpha, TH*TW*N)`` -> ``y : y_shape``, ``A^T M A`` per tile plus ``bias``."""
-    return implementation_for(mt).winograd_output(mt, y_shape, m, r, bias=bias, out=out)
+    return _winograd_module(mt).winograd_output(mt, y_shape, m, r, bias=bias, out=out)
 
 
 def winograd_output_adjoint(dy, m, r, out=None):
     """Adjoint of :func:`winograd_output` (bias aside): ``dy -> dM``."""
-    return implementation_for(dy).winograd_output_adjoint(dy, m, r, out=out)
+    return _winograd_module(dy).winograd_output_adjoint(dy, m, r, out=out)
 
 
 def _batchnorm_module(x):
