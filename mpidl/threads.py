@@ -9,12 +9,13 @@ Three thread pools share the cores: OpenBLAS's (the GEMMs), OpenMP's (Numba's
 ``parallel=True`` kernels run on Numba's ``omp`` threading layer, i.e. libgomp) and mpidl's own
 Python threads (:mod:`mpidl.blas`). Left at their defaults they fight: each runs one thread per
 core, and both OpenBLAS and libgomp keep their idle workers spinning after a call (OpenBLAS
-for about 0.1 s, libgomp ``OMP_WAIT_POLICY=ACTIVE``-like spinning), so the next kernel of the
-other pool finds the cores taken. Measured on 2 cores (hsicnn, batch 64, one training step,
+for about 0.1 s, libgomp for its ``GOMP_SPINCOUNT`` before it sleeps), so the next kernel of
+the other pool finds the cores taken. Measured on 2 cores (hsicnn, batch 64, one training step,
 fresh processes, loaded machine): nothing set 40 ms; ``OMP_WAIT_POLICY=PASSIVE`` alone
 20-24 ms; ``OPENBLAS_THREAD_TIMEOUT=4`` alone 64-107 ms (then OpenMP spins instead);
-both 13-14 ms; one OpenBLAS thread and passive OpenMP 17-24 ms. The spinning is the cost, not
-the counts.
+both 13-14 ms; one OpenBLAS thread and passive OpenMP 17-24 ms (before mpidl split the
+products itself). The spinning is the cost, not the counts. With this policy and nothing set,
+``benchmarks/step.py`` (README, "One training step vs PyTorch") measures the API path.
 
 The policy
 ----------
