@@ -1018,6 +1018,7 @@ def write_index(ctx: Context, summary: dict) -> None:
              "| [families.md](families.md) | model families (CNN, LSTM, ViT, GAN) and every optimizer on hsicnn: flat vs node K'=50 on 2 EMULATED nodes |",
              "| [conv.txt](conv.txt) | convolution step and conv layers vs sgemm peak and PyTorch: run on its own, "
              "`python benchmarks/conv.py --repeats 5 > benchmarks/results/conv.txt` (not part of this command) |",
+             "| [step.md](step.md), [step_threads1.md](step_threads1.md) | one training step of every model vs its PyTorch twin, fresh processes, nothing set (and one thread each): run on its own, `python benchmarks/step.py` (`--threads 1`) (not part of this command) |",
              "", "Sections and their wall time:", ""]
     for name, sec in summary["sections"].items():
         status = "FAILED: " + sec["error"] if "error" in sec else "ok"

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # bash jobs/gpu_check.sh
 #
-# The one short check on a real GPU machine (under 6 minutes): the GPU test suite and
-# the one-step GPU benchmark (each case with im2col and with Winograd convolutions). Run from anywhere; it works in the repository root. It installs
+# The one short check on a real GPU machine (under 9 minutes): the GPU test suite, the
+# one-step GPU benchmark (each case with im2col and with Winograd convolutions) and
+# benchmarks/step.py on the GPU (mpidl on CuPy vs PyTorch CUDA). Run from anywhere; it works
+# in the repository root. It installs
 # nothing unless asked: GPU_CHECK_PIP="cupy-cuda12x numba-cuda[cu12]" bash jobs/gpu_check.sh first runs
-# `pip install $GPU_CHECK_PIP` (that time is not part of the 6 minutes).
+# `pip install $GPU_CHECK_PIP` (that time is not part of the 9 minutes).
 # Exit code 0 only when the tests pass AND the benchmark ran.
 
 # Stop at the first failing command and at unset variables.
@@ -32,7 +34,7 @@ if [[ -n "$reason" ]]; then
     exit 1
 fi
 
-# Time limits per step keep the whole check under 6 minutes even if something hangs
+# Time limits per step keep the whole check under 9 minutes even if something hangs
 # (first CuPy use compiles kernels, so the tests get most of the budget).
 status=0
 echo "gpu_check: python -m pytest -q -rs tests/gpu"
@@ -46,6 +48,10 @@ if [[ ! -f benchmarks/gpu_step.py ]]; then
 fi
 echo "gpu_check: python benchmarks/gpu_step.py"
 timeout 150 "$PYTHON" benchmarks/gpu_step.py || status=$?
+# One training step of every twinned model, mpidl on CuPy against PyTorch CUDA (fresh process
+# each; one round to stay within the time limit): benchmarks/results/step_gpu.md.
+echo "gpu_check: python benchmarks/step.py --device gpu --rounds 1 --kinds api,torch"
+timeout 150 "$PYTHON" benchmarks/step.py --device gpu --rounds 1 --kinds api,torch --timeout 120 || status=$?
 
 if [[ $status -ne 0 ]]; then
     echo "gpu_check: FAILED (exit code $status)" >&2

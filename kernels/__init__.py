@@ -25,8 +25,14 @@ offset ``(i, j)``, column ``(n*OH + oh)*OW + ow`` is output pixel ``(oh, ow)`` o
 scatter-adds ``cols`` back into an ``(N, C, H, W)`` array.
 
 ``winograd_input / winograd_output`` and their adjoints are the transforms around the batched
-GEMMs of a stride-1 convolution by Winograd's F(m x m, r x r) algorithm; their layout
-``(C, alpha, alpha, TH*TW*N)`` and math are in :mod:`mpidl.kernels.reference`.
+GEMMs of a stride-1 convolution by Winograd's F(m x m, r x r) algorithm. They have their own
+three files, ``winograd_reference`` / ``winograd_cpu`` / ``winograd_cuda``, chosen by the same
+rule; their layout ``(C, alpha, alpha, TH*TW*N)`` and math are in
+:mod:`mpidl.kernels.winograd_reference`.
+
+Batch normalization (+ ReLU) has its own pair of files, ``batchnorm_reference`` (the
+definition, any ``xp``: it also serves CuPy arrays) and ``batchnorm_cpu`` (Numba), chosen the
+same way; the math is in :mod:`mpidl.kernels.batchnorm_reference`.
 
 Pooling takes ``(k, stride, pad)``; max pooling pads with -inf and returns ``argmax``, int32,
 the index ``h*W + w`` of the winning input pixel in its ``(H, W)`` plane; average pooling pads
@@ -37,7 +43,7 @@ from __future__ import annotations
 
 import os
 
-from . import reference
+from . import reference, winograd_reference
 
 __all__ = [
     "conv_output_size",
@@ -53,12 +59,14 @@ __all__ = [
     "winograd_input_adjoint",
     "winograd_output",
     "winograd_output_adjoint",
+    "batchnorm_forward",
+    "batchnorm_backward",
     "implementation_for",
 ]
 
 conv_output_size = reference.conv_output_size
-winograd_matrices = reference.winograd_matrices
-winograd_geometry = reference.winograd_geometry
+winograd_matrices = winograd_reference.winograd_matrices
+winograd_geometry = winograd_reference.winograd_geometry
 
 _FORCE_VALUES = ("", "reference", "cpu", "cuda")
 
@@ -153,21 +161,64 @@ def avgpool2d_backward(dy, x_shape, k, stride, pad=0):
     return implementation_for(dy).avgpool2d_backward(dy, x_shape, k, stride, pad)
 
 
+def _winograd_module(x):
+    """The Winograd file of the implementation :func:`implementation_for` picks for ``x``."""
+    module = implementation_for(x)
+    if module is reference:
+        return winograd_reference
+    if module.__name__.endswith(".cpu"):
+        from . import winograd_cpu  # noqa: PLC0415
+
+        return winograd_cpu
+    from . import winograd_cuda  # noqa: PLC0415
+
+    return winograd_cuda
+
+
 def winograd_input(x, m, r, pad=0, out=None):
     """``x : (N, C, H, W)`` -> ``V : (C, alpha, alpha, TH*TW*N)``, ``B^T d B`` per input tile."""
-    return implementation_for(x).winograd_input(x, m, r, pad, out=out)
+    return _winograd_module(x).winograd_input(x, m, r, pad, out=out)
 
 
 def winograd_input_adjoint(dv, x_shape, m, r, pad=0, out=None):
     """Adjoint of :func:`winograd_input`: ``dV -> dx : x_shape``."""
-    return implementation_for(dv).winograd_input_adjoint(dv, x_shape, m, r, pad, out=out)
+    return _winograd_module(dv).winograd_input_adjoint(dv, x_shape, m, r, pad, out=out)
 
 
 def winograd_output(mt, y_shape, m, r, bias=None, out=None):
     """``M : (F, alpha, alpha, TH*TW*N)`` -> ``y : y_shape``, ``A^T M A`` per tile plus ``bias``."""
-    return implementation_for(mt).winograd_output(mt, y_shape, m, r, bias=bias, out=out)
+    return _winograd_module(mt).winograd_output(mt, y_shape, m, r, bias=bias, out=out)
 
 
 def winograd_output_adjoint(dy, m, r, out=None):
     """Adjoint of :func:`winograd_output` (bias aside): ``dy -> dM``."""
-    return implementation_for(dy).winograd_output_adjoint(dy, m, r, out=out)
+    return _winograd_module(dy).winograd_output_adjoint(dy, m, r, out=out)
+
+
+def _batchnorm_module(x):
+    """``batchnorm_cpu`` for NumPy arrays (unless ``MPIDL_KERNELS=reference``), else the reference."""
+    if implementation_for(x) is reference or type(x).__module__.startswith("cupy"):
+        from . import batchnorm_reference  # noqa: PLC0415
+
+        return batchnorm_reference
+    try:
+        from . import batchnorm_cpu  # noqa: PLC0415
+    except ImportError:
+        from . import batchnorm_reference as batchnorm_cpu  # noqa: PLC0415
+    return batchnorm_cpu
+
+
+def batchnorm_forward(x, gamma, beta, eps, relu=False, stats=None):
+    """``x : (N, C, H, W)`` -> ``(y, mean, var)`` (float64 statistics); ``stats=(mean, var)``
+    normalizes with those (evaluation); ``relu`` applies ``max(y, 0)``."""
+    if x.ndim != 4 or gamma.shape != (x.shape[1],) or beta.shape != (x.shape[1],):
+        raise ValueError(f"batchnorm_forward: x must be (N, C, H, W) with gamma, beta of shape (C,); "
+                         f"got {tuple(x.shape)}, {tuple(gamma.shape)}, {tuple(beta.shape)}")
+    return _batchnorm_module(x).batchnorm_forward(x, gamma, beta, float(eps), bool(relu), stats)
+
+
+def batchnorm_backward(dy, x, y, gamma, mean, var, eps, relu=False, batch_stats=True):
+    """``(dx, dgamma, dbeta)`` of :func:`batchnorm_forward` (``y`` its output, read with ``relu``)."""
+    if dy.shape != x.shape or (relu and y.shape != x.shape):
+        raise ValueError(f"batchnorm_backward: dy {tuple(dy.shape)} (and y with relu) must have x's shape {tuple(x.shape)}")
+    return _batchnorm_module(dy).batchnorm_backward(dy, x, y, gamma, mean, var, float(eps), bool(relu), bool(batch_stats))

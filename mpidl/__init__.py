@@ -11,3 +11,9 @@ if _os.path.isfile(_os.path.join(_root, "kernels", "__init__.py")):
     __path__.append(_root)  # type: ignore[name-defined]
 
 __version__ = "0.1.0"
+
+# The thread policy (mpidl/threads.py): OpenMP's idle workers sleep instead of spinning. Set
+# here, before Numba loads libgomp; the thread counts follow when a model is built.
+from mpidl import threads as _threads  # noqa: E402
+
+_threads.set_wait_policy()

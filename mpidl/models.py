@@ -37,7 +37,9 @@ from mpidl.nn import (
     Residual,
     Sequential,
 )
+from mpidl.nn.fused import fuse_batchnorm_relu
 from mpidl.params import FlatParameters
+from mpidl.threads import apply as _apply_thread_policy
 
 __all__ = ["MODELS", "Model", "build_model"]
 
@@ -193,7 +195,10 @@ class Model:
         self.backend = backend
         self.input_shape = tuple(build_args["input_shape"])
         self.num_classes = int(build_args["num_classes"])
+        # Batch norm + ReLU as one kernel pair (mpidl/nn/fused.py): same names, same results.
+        fuse_batchnorm_relu(net)
         self.params = FlatParameters(net.named_parameters(), backend, seed)
+        _apply_thread_policy()  # the fast path with nothing set by hand (mpidl/threads.py)
         net.to(backend)
         first = net[0] if isinstance(net, Sequential) else None
         if isinstance(first, Conv2d):

@@ -31,48 +31,23 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import sys
 
 
-def _limit_threads_per_rank() -> int:
-    """Give each rank its share of the cores for BLAS and Numba: without this, 4 ranks on a
-    2-core machine each start 2 BLAS and 2 Numba threads and spend their time switching.
-    Must run before NumPy is imported; an explicit user setting wins. Returns this rank's
-    index on its node (its local rank), which also picks its GPU."""
-    from mpi4py import MPI  # mpi4py does not import numpy
-
-    node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
-    local_size, local_rank = node.Get_size(), node.Get_rank()
-    node.Free()
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    threads = str(max(1, cores // local_size))
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
-        os.environ.setdefault(var, threads)
-    # Numba's parallel kernels run on OpenMP, whose idle workers busy-wait after each parallel
-    # region and so starve OpenBLAS's threads on the same cores: measured here, one rank on
-    # 2 cores ran 4.6x slower (1.40 s vs 0.30 s per epoch of the default job). Passive
-    # waiting makes the workers sleep.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    # Likewise OpenBLAS's own workers spin after each GEMM (about 0.1 s by default), holding a
-    # core while im2col / col2im / pooling run between the GEMMs; the smallest timeout lets
-    # them sleep at once (one rank on 2 cores: 0.30-0.40 s -> 0.26 s per epoch).
-    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
-    return local_rank
-
-
 def main(argv=None) -> int:
-    local_rank = _limit_threads_per_rank()
+    from mpidl import threads
     from mpidl.checkpoint import CheckpointError
     from mpidl.config import ConfigError, parse_config
     from mpidl.distributed import NonFiniteGradient, Topology
-    from mpidl.distributed.launch import abort_on_uncaught_exception, agree_on_error, allgather, world
+    from mpidl.distributed.launch import (abort_on_uncaught_exception, agree_on_error, allgather,
+                                          machine_rank_and_size, world)
     from mpidl.log import Printer
 
     rank, size = world()
+    # The ranks on this machine share its cores (the thread policy, mpidl/threads.py); the
+    # rank among them picks the GPU.
+    local_rank, ranks_on_machine = machine_rank_and_size()
+    threads.apply(ranks_per_machine=ranks_on_machine)
     # An unexpected exception anywhere (a bug, not a bad input) must not leave ranks hanging.
     sys.excepthook = abort_on_uncaught_exception
 

@@ -134,3 +134,38 @@ def test_overlap_quick_writes_its_table(tmp_path):
     rows = _table_rows((tmp_path / "overlap_quick.md").read_text(), "| contender |")
     assert [r.split("|")[1].strip() for r in rows] == [
         "compute (no exchange)", "flat blocking", "flat overlap", "hierarchical blocking", "hierarchical overlap"]
+
+
+def test_step_benchmark_runs_the_mpidl_kinds(tmp_path):
+    """benchmarks/step.py with the two mpidl kinds (PyTorch is no test dependency)."""
+    out = tmp_path / "results"
+    _run([sys.executable, str(BENCH / "step.py"), "--rounds", "1", "--steps", "1", "--warmup", "0",
+          "--models", "hsicnn", "--kinds", "api,cli", "--out", str(out)], timeout=600)
+    text = (out / "step.md").read_text()
+    rows = _table_rows(text, "| model | input | api step ms | cli step ms |")
+    assert len(rows) == 1 and rows[0].startswith("| `hsicnn` | 156x9x9 |"), text
+
+
+def test_torch_twins_match_mpidl_names_and_outputs():
+    """Every twin is a registered model whose state_dict keys are mpidl's parameter and buffer
+    names, and with mpidl's weights it computes mpidl's logits (float32, training mode)."""
+    torch = pytest.importorskip("torch")
+    import numpy as np
+
+    sys.path.insert(0, str(BENCH))
+    from torch_twins import TWINS
+
+    from mpidl.models import MODELS, build_model
+
+    for name, twin in TWINS.items():
+        assert name in MODELS
+        model = build_model(name, twin.input_shape, twin.num_classes, seed=0, **twin.kwargs)
+        net = twin.build(model.build_args)
+        state = {n: torch.from_numpy(np.asarray(p.data).copy()) for n, p in model.net.named_parameters()}
+        state.update({n: torch.from_numpy(np.asarray(b).copy()) for n, b in model.net.named_buffers()})
+        state.update({k: v for k, v in net.state_dict().items() if k.endswith("num_batches_tracked")})
+        net.load_state_dict(state, strict=True)
+        x = np.random.default_rng(0).standard_normal((4, *twin.input_shape)).astype(np.float32)
+        expected = model.forward(x)
+        got = net.train()(torch.from_numpy(x)).detach().numpy()
+        np.testing.assert_allclose(got, expected, rtol=1e-3, atol=1e-4, err_msg=name)

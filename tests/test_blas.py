@@ -1,20 +1,28 @@
-"""mpidl.blas.batched_matmul: the same products as numpy.matmul, whatever the split."""
+"""mpidl.blas: the same products as numpy.matmul, whatever the split between threads."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from mpidl import blas
+from mpidl import blas, threads
 
 
 def _random(shape, seed):
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
+@pytest.fixture(params=[1, 2, 3])
+def gemm_threads(request, monkeypatch):
+    """Run the test with the products split between 1, 2 and 3 threads."""
+    threads.gemm_threads()  # apply the policy once, then override its split count
+    monkeypatch.setitem(threads._state, "gemm_threads", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("batch", [1, 2, 5, 25])
 @pytest.mark.parametrize("layout", ["contiguous", "transposed_b", "strided_out"])
-def test_batched_matmul_equals_matmul(batch, layout):
+def test_batched_matmul_equals_matmul(batch, layout, gemm_threads):
     a = _random((batch, 4, 6), 0)
     if layout == "transposed_b":
         b = _random((batch, 7, 6), 1).transpose(0, 2, 1)  # (batch, 6, 7) view
@@ -31,34 +39,23 @@ def test_batched_matmul_equals_matmul(batch, layout):
     np.testing.assert_array_equal(out, np.matmul(a, b))
 
 
-def test_thread_count_is_restored():
-    before = blas.blas_threads()
-    blas.batched_matmul(_random((8, 3, 3), 0), _random((8, 3, 3), 1), np.empty((8, 3, 3), np.float32))
-    assert blas.blas_threads() == before
+@pytest.mark.parametrize("shape", [(16, 300, 2000), (2000, 300, 16), (3, 5, 7)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_matmul_equals_matmul(shape, transposed, gemm_threads):
+    m, k, n = shape
+    a = _random((k, m), 0).T if transposed else _random((m, k), 0)
+    b = _random((n, k), 1).T if transposed else _random((k, n), 1)
+    out = np.full((m, n), np.nan, np.float32)
+    assert blas.matmul(a, b, out) is out
+    # A block of rows or columns is the same dot products over the whole of K, but BLAS may
+    # block K differently for another shape: equal to float32 rounding.
+    np.testing.assert_allclose(out, np.matmul(a, b), rtol=1e-5, atol=1e-4)
 
 
-def test_openblas_thread_functions_are_found_with_numpy_openblas():
-    config = np.show_config(mode="dicts") if "mode" in np.show_config.__code__.co_varnames else {}
-    blas_name = str(config.get("Build Dependencies", {}).get("blas", {}).get("name", "")).lower()
-    if "openblas" not in blas_name:
-        pytest.skip(f"NumPy is not built on OpenBLAS ({blas_name or 'unknown'}): the plain matmul fallback is used")
-    assert blas._openblas_thread_functions() is not None
-    assert blas.blas_threads() >= 1
-
-
-@pytest.mark.parametrize("threads", [1, 2, 3])
-def test_split_between_threads_equals_matmul(threads):
-    functions = blas._openblas_thread_functions()
-    if functions is None:
-        pytest.skip("OpenBLAS thread-count functions not found: batched_matmul is a plain matmul here")
-    set_threads, get_threads = functions
-    before = get_threads()
-    set_threads(threads)
-    try:
-        assert blas.blas_threads() == threads
-        a, b = _random((7, 5, 9), 2), _random((7, 9, 4), 3)
-        out = blas.batched_matmul(a, b, np.empty((7, 5, 4), np.float32))
-        np.testing.assert_array_equal(out, np.matmul(a, b))
-        assert get_threads() == threads  # restored after the products ran with 1 thread each
-    finally:
-        set_threads(before)
+def test_matmul_into_a_strided_view(gemm_threads):
+    a, b = _random((16, 400), 0), _random((400, 1000), 1)
+    storage = np.full((16, 2000), np.nan, np.float32)
+    out = storage[:, ::2]
+    blas.matmul(a, b, out)
+    np.testing.assert_allclose(out, a @ b, rtol=1e-5, atol=1e-4)
+    assert np.isnan(storage[:, 1::2]).all()

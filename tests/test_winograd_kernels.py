@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from mpidl import kernels
-from mpidl.kernels import cpu, reference
+from mpidl.kernels import cpu, reference, winograd_cpu, winograd_reference
 
 SCALE_RTOL = {np.float32: 1e-6, np.float64: 1e-12}
 # (N, C, H, W), m, r, pad: exact tilings and tiles that stick out, N = 1 and more, 1x1 to 5x5 filters
@@ -46,7 +46,7 @@ def _assert_scaled_close(actual, expected, dtype):
 
 def _geometry(shape, m, r, pad):
     n, c, h, w = shape
-    oh, ow, th, tw = reference.winograd_geometry(shape, m, r, pad)
+    oh, ow, th, tw = winograd_reference.winograd_geometry(shape, m, r, pad)
     return n, c, oh, ow, th * tw * n, m + r - 1
 
 
@@ -57,7 +57,7 @@ def _geometry(shape, m, r, pad):
 
 @pytest.mark.parametrize("m, r", [(m, r) for m in range(1, 6) for r in range(1, 6) if m + r - 2 <= 8])
 def test_matrices_compute_a_correlation(m, r):
-    at, g, bt = reference.winograd_matrices(m, r)
+    at, g, bt = winograd_reference.winograd_matrices(m, r)
     alpha = m + r - 1
     assert at.shape == (m, alpha) and g.shape == (alpha, r) and bt.shape == (alpha, alpha)
     rng = np.random.default_rng(m * 10 + r)
@@ -69,7 +69,7 @@ def test_matrices_compute_a_correlation(m, r):
 def test_known_matrices_of_f2_3():
     # Lavin & Gray (2016), F(2, 3): B^T, G, A^T with the points 0, 1, -1 and infinity (up to signs
     # of whole rows, which cancel between G and B^T).
-    at, g, bt = reference.winograd_matrices(2, 3)
+    at, g, bt = winograd_reference.winograd_matrices(2, 3)
     np.testing.assert_array_equal(at, [[1, 1, 1, 0], [0, 1, -1, 1]])
     products = np.einsum("ij,jk,jl->ikl", at, g, bt)  # y[i] = sum_{k,l} P[i,k,l] g[k] d[l]
     expected = np.zeros((2, 3, 4))
@@ -79,13 +79,13 @@ def test_known_matrices_of_f2_3():
 
 
 def test_matrices_are_read_only_and_refuse_bad_sizes():
-    at, _, _ = reference.winograd_matrices(3, 3)
+    at, _, _ = winograd_reference.winograd_matrices(3, 3)
     with pytest.raises(ValueError):
         at[0, 0] = 2
     with pytest.raises(ValueError, match="m, r >= 1"):
-        reference.winograd_matrices(0, 3)
+        winograd_reference.winograd_matrices(0, 3)
     with pytest.raises(ValueError, match="m, r >= 1"):
-        reference.winograd_matrices(8, 3)
+        winograd_reference.winograd_matrices(8, 3)
 
 
 # --------------------------------------------------------------------------------------------
@@ -97,15 +97,15 @@ def test_matrices_are_read_only_and_refuse_bad_sizes():
 def test_reference_adjoints(shape, m, r, pad):
     n, c, oh, ow, _, _ = _geometry(shape, m, r, pad)
     x = _random(shape)
-    v = reference.winograd_input(x, m, r, pad)
+    v = winograd_reference.winograd_input(x, m, r, pad)
     dv = _random(v.shape, seed=1)
-    assert np.vdot(v, dv) == pytest.approx(np.vdot(x, reference.winograd_input_adjoint(dv, shape, m, r, pad)), rel=1e-12)
+    assert np.vdot(v, dv) == pytest.approx(np.vdot(x, winograd_reference.winograd_input_adjoint(dv, shape, m, r, pad)), rel=1e-12)
 
     f = 2
     mt = _random((f, *v.shape[1:]), seed=2)
-    y = reference.winograd_output(mt, (n, f, oh, ow), m, r)
+    y = winograd_reference.winograd_output(mt, (n, f, oh, ow), m, r)
     dy = _random(y.shape, seed=3)
-    assert np.vdot(y, dy) == pytest.approx(np.vdot(mt, reference.winograd_output_adjoint(dy, m, r)), rel=1e-12)
+    assert np.vdot(y, dy) == pytest.approx(np.vdot(mt, winograd_reference.winograd_output_adjoint(dy, m, r)), rel=1e-12)
 
 
 @pytest.mark.parametrize("shape, m, r, pad", CASES)
@@ -113,12 +113,12 @@ def test_reference_pipeline_is_a_convolution(shape, m, r, pad):
     n, c, oh, ow, columns, alpha = _geometry(shape, m, r, pad)
     f = 3
     x, weight, bias = _random(shape), _random((f, c, r, r), seed=1), _random(f, seed=2)
-    _, g, _ = reference.winograd_matrices(m, r)
+    _, g, _ = winograd_reference.winograd_matrices(m, r)
     u = np.einsum("ak,fckl,bl->abfc", g, weight, g).reshape(alpha * alpha, f, c)
-    v = reference.winograd_input(x, m, r, pad)  # (C, alpha, alpha, P)
+    v = winograd_reference.winograd_input(x, m, r, pad)  # (C, alpha, alpha, P)
     mt = np.matmul(u, v.reshape(c, alpha * alpha, columns).transpose(1, 0, 2))  # (alpha^2, F, P)
     mt = np.ascontiguousarray(mt.transpose(1, 0, 2)).reshape(f, alpha, alpha, columns)
-    y = reference.winograd_output(mt, (n, f, oh, ow), m, r, bias=bias)
+    y = winograd_reference.winograd_output(mt, (n, f, oh, ow), m, r, bias=bias)
 
     cols = reference.im2col(x, r, r, 1, pad)
     direct = (weight.reshape(f, -1) @ cols + bias[:, None]).reshape(f, n, oh, ow).transpose(1, 0, 2, 3)
@@ -128,12 +128,12 @@ def test_reference_pipeline_is_a_convolution(shape, m, r, pad):
 def test_reference_fills_out_buffers_and_checks_shapes():
     x = _random((2, 2, 5, 5))
     out = np.full((2, 5, 5, 2 * 2 * 2), np.nan)
-    assert reference.winograd_input(x, 3, 3, 1, out=out) is out
-    np.testing.assert_array_equal(out, reference.winograd_input(x, 3, 3, 1))
+    assert winograd_reference.winograd_input(x, 3, 3, 1, out=out) is out
+    np.testing.assert_array_equal(out, winograd_reference.winograd_input(x, 3, 3, 1))
     with pytest.raises(ValueError, match="expected"):
-        reference.winograd_input_adjoint(out[:, :4], x.shape, 3, 3, 1)
+        winograd_reference.winograd_input_adjoint(out[:, :4], x.shape, 3, 3, 1)
     with pytest.raises(ValueError, match="expected"):
-        reference.winograd_output(np.zeros((2, 5, 5, 3)), (2, 2, 5, 5), 3, 3)
+        winograd_reference.winograd_output(np.zeros((2, 5, 5, 3)), (2, 2, 5, 5), 3, 3)
 
 
 # --------------------------------------------------------------------------------------------
@@ -146,20 +146,20 @@ def test_reference_fills_out_buffers_and_checks_shapes():
 def test_cpu_transforms_match_the_reference(shape, m, r, pad, dtype):
     n, c, oh, ow, _, _ = _geometry(shape, m, r, pad)
     x = _random(shape, dtype)
-    v = cpu.winograd_input(x, m, r, pad)
-    _assert_scaled_close(v, reference.winograd_input(x, m, r, pad), dtype)
+    v = winograd_cpu.winograd_input(x, m, r, pad)
+    _assert_scaled_close(v, winograd_reference.winograd_input(x, m, r, pad), dtype)
 
     dv = _random(v.shape, dtype, seed=1)
-    _assert_scaled_close(cpu.winograd_input_adjoint(dv, shape, m, r, pad),
-                         reference.winograd_input_adjoint(dv, shape, m, r, pad), dtype)
+    _assert_scaled_close(winograd_cpu.winograd_input_adjoint(dv, shape, m, r, pad),
+                         winograd_reference.winograd_input_adjoint(dv, shape, m, r, pad), dtype)
 
     f = 3
     mt, bias = _random((f, *v.shape[1:]), dtype, seed=2), _random(f, dtype, seed=3)
     for b in (None, bias):
-        _assert_scaled_close(cpu.winograd_output(mt, (n, f, oh, ow), m, r, bias=b),
-                             reference.winograd_output(mt, (n, f, oh, ow), m, r, bias=b), dtype)
+        _assert_scaled_close(winograd_cpu.winograd_output(mt, (n, f, oh, ow), m, r, bias=b),
+                             winograd_reference.winograd_output(mt, (n, f, oh, ow), m, r, bias=b), dtype)
     dy = _random((n, f, oh, ow), dtype, seed=4)
-    _assert_scaled_close(cpu.winograd_output_adjoint(dy, m, r), reference.winograd_output_adjoint(dy, m, r), dtype)
+    _assert_scaled_close(winograd_cpu.winograd_output_adjoint(dy, m, r), winograd_reference.winograd_output_adjoint(dy, m, r), dtype)
 
 
 def test_cpu_kernels_fill_out_buffers_and_are_dispatched(monkeypatch):
@@ -168,17 +168,17 @@ def test_cpu_kernels_fill_out_buffers_and_are_dispatched(monkeypatch):
     monkeypatch.delenv("MPIDL_KERNELS", raising=False)
     assert kernels.implementation_for(x) is cpu
     assert kernels.winograd_input(x, 3, 3, 1, out=out) is out
-    _assert_scaled_close(out, reference.winograd_input(x, 3, 3, 1), np.float32)
+    _assert_scaled_close(out, winograd_reference.winograd_input(x, 3, 3, 1), np.float32)
     monkeypatch.setenv("MPIDL_KERNELS", "reference")
     assert kernels.implementation_for(x) is reference
     with pytest.raises(ValueError, match="out has shape"):
-        cpu.winograd_input(x, 3, 3, 1, out=np.empty((3, 5, 5, 9), np.float32))
+        winograd_cpu.winograd_input(x, 3, 3, 1, out=np.empty((3, 5, 5, 9), np.float32))
     with pytest.raises(ValueError, match="expected"):
-        cpu.winograd_output(out, (2, 3, 9, 9), 2, 3)  # M for m = 3, asked for m = 2
+        winograd_cpu.winograd_output(out, (2, 3, 9, 9), 2, 3)  # M for m = 3, asked for m = 2
 
 
 def test_cpu_kernels_hand_other_dtypes_to_the_reference():
     x = _random((1, 2, 5, 5)).astype(np.float16)
-    v = cpu.winograd_input(x, 3, 3, 1)
+    v = winograd_cpu.winograd_input(x, 3, 3, 1)
     assert v.dtype == np.float16
-    np.testing.assert_array_equal(v, reference.winograd_input(x, 3, 3, 1))
+    np.testing.assert_array_equal(v, winograd_reference.winograd_input(x, 3, 3, 1))

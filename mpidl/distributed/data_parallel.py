@@ -57,6 +57,7 @@ from mpidl.distributed.reducers import STRATEGIES, make_reducer
 from mpidl.distributed.overlap import OVERLAP_STRATEGIES, OverlappedExchange, plan_buckets
 from mpidl.distributed.shm import SharedNode, check_shared_supported
 from mpidl.distributed.topology import Topology
+from mpidl.threads import apply as apply_thread_policy
 
 ON_NAN = ("stop", "skip")
 #: default bucket size of ``overlap`` (MiB)
@@ -233,6 +234,8 @@ class DataParallel:
         self.check_replicas = bool(check_replicas)
         self.topology = topology if topology is not None else Topology.from_comm()
         topo = self.topology
+        # The cores of a machine are shared by the ranks on it (mpidl/threads.py).
+        apply_thread_policy(ranks_per_machine=topo.machine_size)
         if self.batch_size < topo.size:
             raise ValueError(f"batch_size {self.batch_size} is smaller than the number of ranks "
                              f"{topo.size}: every rank needs at least one sample of each global batch")

@@ -35,6 +35,18 @@ def allgather(value, comm=None) -> list:
     return comm.allgather(value)
 
 
+def machine_rank_and_size(comm=None) -> tuple[int, int]:
+    """``(rank, size)`` of this process among the ranks of ``comm`` on its machine
+    (``Split_type(COMM_TYPE_SHARED)``; collective): the rank picks the GPU, the size divides
+    the cores (:mod:`mpidl.threads`)."""
+    comm = MPI.COMM_WORLD if comm is None else comm
+    machine = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        return machine.Get_rank(), machine.Get_size()
+    finally:
+        machine.Free()
+
+
 def agree_on_error(error: str | None, comm=None) -> str | None:
     """Collective: the first rank's error message (with ``(on rank[s] [...])`` when not every
     rank saw one), the same on every rank; None when no rank had an error."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from mpidl.backend import Backend
+from mpidl.backend import Backend, get_array_module
 from mpidl.params import Parameter
 
 __all__ = ["Module", "Sequential"]
@@ -176,3 +176,18 @@ class Sequential(Module):
                 # The layers before it would keep stale gradients: a silent training bug.
                 raise RuntimeError(f"layer {k} returned no input gradient but is not the first layer")
         return dy
+
+
+def workspace(cache: dict, key: str, shape: tuple, like):
+    """A scratch array of ``shape`` with ``like``'s dtype and device, reused across calls.
+
+    Training runs the same shapes step after step, so the large im2col matrices are
+    allocated once instead of every step (allocation of a few hundred MB per step is a
+    measurable cost on the CPU and fragments the GPU memory pool).
+    """
+    xp = get_array_module(like)
+    buffer = cache.get(key)
+    if buffer is None or buffer.shape != shape or buffer.dtype != like.dtype or get_array_module(buffer) is not xp:
+        buffer = xp.empty(shape, dtype=like.dtype)
+        cache[key] = buffer
+    return buffer

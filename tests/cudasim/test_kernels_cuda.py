@@ -29,7 +29,7 @@ if not SIMULATING and not cuda.is_available():
     )
 
 from mpidl.kernels import cuda as kcuda  # noqa: E402
-from mpidl.kernels import reference  # noqa: E402
+from mpidl.kernels import reference, winograd_cuda, winograd_reference  # noqa: E402
 
 RTOL = {np.float32: 1e-6, np.float64: 1e-12}
 DTYPES = (np.float32, np.float64)
@@ -169,26 +169,26 @@ def _assert_scaled_close(actual, expected, dtype):
 def test_winograd_transforms(transfer, shape, m, r, pad, dtype):
     n, _, h, w = shape
     x = _random(shape, dtype)
-    v = kcuda.winograd_input(_to(transfer, x), m, r, pad)
-    expected_v = reference.winograd_input(x, m, r, pad)
+    v = winograd_cuda.winograd_input(_to(transfer, x), m, r, pad)
+    expected_v = winograd_reference.winograd_input(x, m, r, pad)
     _assert_scaled_close(v, expected_v, dtype)
 
     dv = _random(expected_v.shape, dtype, seed=1)
-    _assert_scaled_close(kcuda.winograd_input_adjoint(_to(transfer, dv), shape, m, r, pad),
-                         reference.winograd_input_adjoint(dv, shape, m, r, pad), dtype)
+    _assert_scaled_close(winograd_cuda.winograd_input_adjoint(_to(transfer, dv), shape, m, r, pad),
+                         winograd_reference.winograd_input_adjoint(dv, shape, m, r, pad), dtype)
 
     f, oh, ow = 2, h + 2 * pad - r + 1, w + 2 * pad - r + 1
     mt, bias = _random((f, *expected_v.shape[1:]), dtype, seed=2), _random(f, dtype, seed=3)
-    _assert_scaled_close(kcuda.winograd_output(_to(transfer, mt), (n, f, oh, ow), m, r, bias=_to(transfer, bias)),
-                         reference.winograd_output(mt, (n, f, oh, ow), m, r, bias=bias), dtype)
+    _assert_scaled_close(winograd_cuda.winograd_output(_to(transfer, mt), (n, f, oh, ow), m, r, bias=_to(transfer, bias)),
+                         winograd_reference.winograd_output(mt, (n, f, oh, ow), m, r, bias=bias), dtype)
     dy = _random((n, f, oh, ow), dtype, seed=4)
-    _assert_scaled_close(kcuda.winograd_output_adjoint(_to(transfer, dy), m, r),
-                         reference.winograd_output_adjoint(dy, m, r), dtype)
+    _assert_scaled_close(winograd_cuda.winograd_output_adjoint(_to(transfer, dy), m, r),
+                         winograd_reference.winograd_output_adjoint(dy, m, r), dtype)
 
 
 def test_winograd_refuses_bad_arguments():
     x = cuda.to_device(_random((1, 2, 5, 5), np.float32))
     with pytest.raises(ValueError, match="m \\+ r - 1 <= 8"):
-        kcuda.winograd_input(x, 7, 3, 1)  # alpha = 9 > the kernels' local arrays
+        winograd_cuda.winograd_input(x, 7, 3, 1)  # alpha = 9 > the kernels' local arrays
     with pytest.raises(ValueError, match="expected"):
-        kcuda.winograd_output(cuda.to_device(np.zeros((2, 5, 5, 3), np.float32)), (1, 2, 5, 5), 3, 3)
+        winograd_cuda.winograd_output(cuda.to_device(np.zeros((2, 5, 5, 3), np.float32)), (1, 2, 5, 5), 3, 3)

@@ -24,7 +24,7 @@ if not cuda.is_available():
 
 from mpidl import kernels  # noqa: E402
 from mpidl.kernels import cuda as kcuda  # noqa: E402
-from mpidl.kernels import reference  # noqa: E402
+from mpidl.kernels import reference, winograd_cuda, winograd_reference  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -129,14 +129,14 @@ def _assert_scaled_close(actual, expected, dtype):
 def test_winograd_transforms(shape, m, pad, dtype):
     n, c, h, w = shape
     x = _random(shape, dtype)
-    v = kcuda.winograd_input(x, m, 3, pad)
-    _assert_scaled_close(v, reference.winograd_input(x, m, 3, pad), dtype)
+    v = winograd_cuda.winograd_input(x, m, 3, pad)
+    _assert_scaled_close(v, winograd_reference.winograd_input(x, m, 3, pad), dtype)
     dv = _random(v.shape, dtype, seed=1)
-    _assert_scaled_close(kcuda.winograd_input_adjoint(dv, shape, m, 3, pad),
-                         reference.winograd_input_adjoint(dv, shape, m, 3, pad), dtype)
+    _assert_scaled_close(winograd_cuda.winograd_input_adjoint(dv, shape, m, 3, pad),
+                         winograd_reference.winograd_input_adjoint(dv, shape, m, 3, pad), dtype)
     f, oh, ow = 32, h + 2 * pad - 2, w + 2 * pad - 2
     mt, bias = _random((f, *v.shape[1:]), dtype, seed=2), _random((f,), dtype, seed=3)
-    _assert_scaled_close(kcuda.winograd_output(mt, (n, f, oh, ow), m, 3, bias=bias),
-                         reference.winograd_output(mt, (n, f, oh, ow), m, 3, bias=bias), dtype)
+    _assert_scaled_close(winograd_cuda.winograd_output(mt, (n, f, oh, ow), m, 3, bias=bias),
+                         winograd_reference.winograd_output(mt, (n, f, oh, ow), m, 3, bias=bias), dtype)
     dy = _random((n, f, oh, ow), dtype, seed=4)
-    _assert_scaled_close(kcuda.winograd_output_adjoint(dy, m, 3), reference.winograd_output_adjoint(dy, m, 3), dtype)
+    _assert_scaled_close(winograd_cuda.winograd_output_adjoint(dy, m, 3), winograd_reference.winograd_output_adjoint(dy, m, 3), dtype)
