@@ -16,11 +16,12 @@ BASE = ["--batch-size", "24", "--epochs", "2", "--lr", "0.05", "--schedule", "co
 
 @pytest.mark.mpi(min_size=2)
 def test_rebalance_moves_work_away_from_an_emulated_slow_rank():
-    # equal given speeds, but the last rank is EMULATED 6x slower: after epoch 1 the split
+    # equal given speeds, but the last rank is EMULATED 6x slower: after 4 steps the split
     # must follow the measured compute time per sample, identically on every rank
     slow = ",".join(["1"] * (P - 1) + ["6"])
     trainer, _ = run(WORLD, BASE + ["--speeds", ",".join(["1"] * P), "--rebalance",
-                                    "--emulate-slowdown", slow], train=tiny_dataset(n=96))
+                                    "--rebalance-every", "4", "--emulate-slowdown", slow],
+                     train=tiny_dataset(n=96))
     sizes = trainer.dp.batch_sizes
     gathered = WORLD.allgather(sizes)
     assert all(g == gathered[0] for g in gathered)
