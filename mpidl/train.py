@@ -130,8 +130,10 @@ def _build(cfg, local_rank: int = 0):
     else:
         train_set, test_set, meta = data.load_splits(cfg.data, augment=cfg.augment, seed=cfg.seed)
         desc = meta["description"]
+    # A model that cannot take the data's shape raises a ValueError naming both, here,
+    # before any collective.
     model = build_model(cfg.model, train_set.sample_shape, train_set.num_classes,
-                        backend=backend, seed=cfg.seed)
+                        backend=backend, seed=cfg.seed, **cfg.model_kwargs)
     # The schedule's length depends on the data size; check it now, before any collective.
     from mpidl.trainer import steps_per_epoch  # noqa: PLC0415
 
