@@ -12,6 +12,7 @@ import pytest
 from gradcheck import bind_parameters, check_backward
 from mpidl.nn import (
     GELU,
+    GRU,
     LSTM,
     BandGroups,
     BatchNorm1d,
@@ -56,6 +57,8 @@ LAYERS = {
     "lstm-last": (lambda: LSTM(3, 4), (2, 5, 3)),
     "lstm-sequence": (lambda: LSTM(3, 4, return_sequence=True), (2, 5, 3)),
     "lstm-one-step": (lambda: LSTM(2, 3), (3, 1, 2)),
+    "gru-last": (lambda: GRU(3, 4), (2, 5, 3)),
+    "gru-sequence": (lambda: GRU(3, 4, return_sequence=True), (2, 5, 3)),
     "attention-2-heads": (lambda: MultiHeadSelfAttention(6, 2), (2, 4, 6)),
     "attention-1-head": (lambda: MultiHeadSelfAttention(4, 1), (3, 3, 4)),
     "positional": (lambda: PositionalEmbedding(4, 6), (2, 4, 6)),
@@ -133,6 +136,23 @@ def test_lstm_matches_the_gate_equations_step_by_step():
     last = LSTM(3, 2)
     last.weight_ih, last.weight_hh, last.bias_ih, last.bias_hh = lstm.weight_ih, lstm.weight_hh, lstm.bias_ih, lstm.bias_hh
     np.testing.assert_allclose(last.forward(x), out[:, -1], rtol=1e-15)
+
+
+def test_gru_matches_the_gate_equations_step_by_step():
+    gru = GRU(3, 2, return_sequence=True)
+    bind_parameters(gru, seed=4)
+    x = normal((2, 4, 3), seed=5)
+    out = gru.forward(x)
+    w_ih, w_hh, b_ih, b_hh = gru.weight_ih.data, gru.weight_hh.data, gru.bias_ih.data, gru.bias_hh.data
+    sig = lambda v: 1 / (1 + np.exp(-v))  # noqa: E731
+    for n in range(2):
+        h = np.zeros(2)
+        for t in range(4):
+            a, b = w_ih @ x[n, t] + b_ih, w_hh @ h + b_hh
+            r, z = sig(a[0:2] + b[0:2]), sig(a[2:4] + b[2:4])
+            cand = np.tanh(a[4:6] + r * b[4:6])
+            h = (1 - z) * cand + z * h
+            np.testing.assert_allclose(out[n, t], h, rtol=1e-13)
 
 
 def test_attention_matches_a_per_head_loop():

@@ -20,7 +20,7 @@ from mpidl.nn.loss import SoftmaxCrossEntropy
 from mpidl.nn.module import Module, Sequential
 from mpidl.nn.norm import BatchNorm1d, BatchNorm2d, LayerNorm
 from mpidl.nn.pool import AvgPool2d, GlobalAvgPool2d, MaxPool2d
-from mpidl.nn.recurrent import LSTM
+from mpidl.nn.recurrent import GRU, LSTM
 from mpidl.nn.residual import Residual
 from mpidl.nn.tokens import BandGroups, CenterPixel, Patchify
 
@@ -45,6 +45,7 @@ __all__ = [
     "BatchNorm1d",
     "LayerNorm",
     "LSTM",
+    "GRU",
     "MultiHeadSelfAttention",
     "PositionalEmbedding",
     "ClassToken",
