@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import sys
 import tempfile
 import time
@@ -283,7 +281,7 @@ def main(argv=None) -> int:
 
     info = common.machine_info()
     info["argv"] = "python benchmarks/twins_torch.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    rows, results = [], []
+    results = []
     for name in args.models:
         for seed in args.seeds:
             metrics = work / f"{name}_{seed}.jsonl"
