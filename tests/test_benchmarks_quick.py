@@ -89,6 +89,14 @@ def test_peers_quick_writes_its_table(tmp_path):
     assert [r.split("|")[1].strip() for r in rows][0] == "flat" and len(rows) == 3
 
 
+def test_twins_quick_writes_its_table(tmp_path):
+    pytest.importorskip("torch")  # the twins are PyTorch modules; nothing to compare without it
+    _run([sys.executable, str(BENCH / "twins_torch.py"), "--quick", "--models", "mlp,spectral_lstm",
+          "--out", str(tmp_path), "--work", str(tmp_path / "work")])
+    rows = _table_rows((tmp_path / "twins_quick.md").read_text(), "| model | parameters")
+    assert [r.split("|")[1].strip() for r in rows] == ["`mlp`", "`spectral_lstm`"]
+
+
 def test_conv_benchmark_prints_every_contender():
     # Tiny settings: one round of one step at batch 4, no PyTorch column.
     proc = _run([sys.executable, "benchmarks/conv.py", "--repeats", "1", "--steps", "1", "--warmup", "1",
