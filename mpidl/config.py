@@ -8,6 +8,7 @@ rank raises the same :class:`ConfigError` and nobody is left waiting in a collec
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
@@ -44,6 +45,7 @@ class Config:
     # data and model
     data: str | None = None
     model: str = "hsicnn"
+    model_args: str | None = None
     augment: bool = False
     # optimisation
     epochs: int = 10
@@ -100,6 +102,7 @@ class Config:
     slowdown_list: list[float] | None = field(default=None, repr=False)
     link: tuple[float, float] | None = field(default=None, repr=False)
     fault: tuple[int, int, str] | None = field(default=None, repr=False)
+    model_kwargs: dict = field(default_factory=dict, repr=False)
 
     def validate(self, world_size: int = 1) -> "Config":
         """Check every value; parse list-valued options. Raises :class:`ConfigError`.
@@ -107,6 +110,14 @@ class Config:
         ``world_size`` is the number of ranks, needed for checks such as ``B >= P``.
         """
         _choice("--model", self.model, MODELS)
+        if self.model_args is not None:
+            try:
+                kwargs = json.loads(self.model_args)
+            except ValueError:
+                kwargs = None
+            if not isinstance(kwargs, dict):
+                raise ConfigError(f"--model-args must be a JSON object such as '{{\"patch\": 1}}', got {self.model_args!r}")
+            self.model_kwargs = kwargs
         _choice("--optimizer", self.optimizer, OPTIMIZERS)
         _choice("--schedule", self.schedule, SCHEDULES)
         _choice("--strategy", self.strategy, STRATEGIES)
@@ -210,7 +221,7 @@ class Config:
 
     def to_dict(self) -> dict:
         """The user-facing options (JSON-serializable), for metrics, checkpoints and saved models."""
-        hidden = {"speed_list", "slowdown_list", "link", "fault"}
+        hidden = {"speed_list", "slowdown_list", "link", "fault", "model_kwargs"}
         return {k: v for k, v in asdict(self).items() if k not in hidden}
 
 
@@ -286,7 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("data and model")
     g.add_argument("--data", metavar="PATH", help="HDF5 dataset in the mpidl layout (default: the built-in synthetic scene)")
     g.add_argument("--model", default=d.model, help=f"one of {', '.join(MODELS)}")
-    g.add_argument("--augment", action="store_true", help="random flips / 90-degree rotations of training patches")
+    g.add_argument("--model-args", default=d.model_args, metavar="JSON",
+                   help="the model's width arguments as a JSON object, e.g. '{\"patch\": 1, \"depth\": 2}' "
+                        "for vit (see mpidl/models.py; default: the model's defaults)")
 
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int, default=d.epochs, help="passes over the training split")

@@ -8,7 +8,17 @@ name           architecture                                                     
 ``hsicnn_bn``  the same with BatchNorm2d after each convolution                        the same
 ``resnet8``    conv3x3(16)+BN+ReLU, three basic residual blocks (16, 32/2, 64/2),     small images (3 x 32 x 32)
                global average pool, linear
+``mlp``        the centre pixel's C-band spectrum -> linear(128) -> ReLU ->            hyperspectral patches
+               linear(128) -> ReLU -> linear                                            (any P; a spectral baseline)
+``spectral_    the centre pixel's spectrum read as T = ceil(C / 12) steps of 12        hyperspectral patches
+lstm``         bands (the last zero-padded) -> LSTM(64), last hidden state -> linear
+``vit``        p x p sub-patches as tokens (C*p*p values) -> linear(64) -> class      hyperspectral patches
+               token + learned positional embedding -> 2 pre-norm encoder blocks      (p = 1: one token per
+               (4 heads, MLP 128, GELU) -> LayerNorm -> class token -> linear         pixel) and images
 =============  ======================================================================  ===========================
+
+The width arguments of every model can be passed from the command line as a JSON object,
+``--model-args '{"patch": 2}'``.
 
 :func:`build_model` is the only entry point: it checks the input shape, builds the network,
 binds every parameter into one :class:`~mpidl.params.FlatParameters` (deterministic from
@@ -25,23 +35,33 @@ import numpy as np
 
 from mpidl.backend import Backend, get_backend, to_host
 from mpidl.nn import (
+    LSTM,
+    BandGroups,
     BatchNorm2d,
+    CenterPixel,
+    ClassToken,
     Conv2d,
     Dropout,
     Flatten,
     GlobalAvgPool2d,
+    LayerNorm,
     Linear,
     MaxPool2d,
     Module,
+    Patchify,
+    PositionalEmbedding,
     ReLU,
     Residual,
+    SelectToken,
     Sequential,
+    Tokenwise,
+    TransformerEncoderBlock,
 )
 from mpidl.nn.fused import fuse_batchnorm_relu
 from mpidl.params import FlatParameters
 from mpidl.threads import apply as _apply_thread_policy
 
-__all__ = ["MODELS", "Model", "build_model"]
+__all__ = ["MODELS", "Model", "build_model", "default_vit_patch"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -151,11 +171,104 @@ def _resnet8(
     return net, {"widths": widths}
 
 
+def _mlp(
+    input_shape: tuple[int, int, int],
+    num_classes: int,
+    seed: int,
+    *,
+    hidden: Sequence[int] = (128, 128),
+) -> tuple[Module, dict]:
+    bands = input_shape[0]
+    hidden = [int(h) for h in hidden]
+    if not hidden or min(hidden) < 1:
+        raise ValueError(f"mlp: hidden must be one or more positive ints, got {hidden}")
+    layers: list[Module] = [CenterPixel()]
+    width = bands
+    for h in hidden:
+        layers += [Linear(width, h), ReLU()]
+        width = h
+    layers.append(Linear(width, num_classes))
+    return Sequential(*layers), {"hidden": hidden}
+
+
+def _spectral_lstm(
+    input_shape: tuple[int, int, int],
+    num_classes: int,
+    seed: int,
+    *,
+    group: int = 12,
+    hidden: int = 64,
+) -> tuple[Module, dict]:
+    bands = input_shape[0]
+    group, hidden = int(group), int(hidden)
+    if group < 1 or hidden < 1:
+        raise ValueError(f"spectral_lstm: group and hidden must be positive, got group={group}, hidden={hidden}")
+    if group > bands:
+        raise ValueError(
+            f"spectral_lstm: a group of {group} bands is more than the {bands} bands of input_shape "
+            f"{tuple(input_shape)}; pass --model-args '{{\"group\": {max(1, bands // 4)}}}' (at most {bands})"
+        )
+    net = Sequential(CenterPixel(), BandGroups(bands, group), LSTM(group, hidden), Linear(hidden, num_classes))
+    return net, {"group": group, "hidden": hidden}
+
+
+def default_vit_patch(height: int, width: int, max_tokens: int = 64) -> int:
+    """The sub-patch size ``vit`` uses when none is given: the smallest p dividing both H and
+    W with at most ``max_tokens`` tokens ``(H/p)*(W/p)`` (1 for a 7x7 patch, 4 for 32x32)."""
+    for p in range(1, min(height, width) + 1):
+        if height % p == 0 and width % p == 0 and (height // p) * (width // p) <= max_tokens:
+            return p
+    return 1
+
+
+def _vit(
+    input_shape: tuple[int, int, int],
+    num_classes: int,
+    seed: int,
+    *,
+    patch: int | None = None,
+    dim: int = 64,
+    depth: int = 2,
+    heads: int = 4,
+    mlp_dim: int = 128,
+) -> tuple[Module, dict]:
+    channels, height, width = input_shape
+    patch = default_vit_patch(height, width) if patch is None else int(patch)
+    if patch < 1 or height % patch or width % patch:
+        fits = [p for p in range(1, min(height, width) + 1) if height % p == 0 and width % p == 0]
+        raise ValueError(
+            f"vit: sub-patch {patch} does not divide the {height}x{width} pixels of input_shape "
+            f"{tuple(input_shape)}; pass --model-args '{{\"patch\": P}}' with P one of {fits}, "
+            f"or convert the data with a patch size that is a multiple of {patch}"
+        )
+    dim, depth, heads, mlp_dim = int(dim), int(depth), int(heads), int(mlp_dim)
+    if min(dim, depth, heads, mlp_dim) < 1 or dim % heads:
+        raise ValueError(
+            f"vit: dim, depth, heads and mlp_dim must be positive with heads dividing dim, "
+            f"got dim={dim}, depth={depth}, heads={heads}, mlp_dim={mlp_dim}"
+        )
+    tokens = (height // patch) * (width // patch)
+    net = Sequential(
+        Patchify(patch),
+        Tokenwise(Linear(channels * patch * patch, dim)),
+        ClassToken(dim),
+        PositionalEmbedding(tokens + 1, dim),
+        *[TransformerEncoderBlock(dim, heads, mlp_dim) for _ in range(depth)],
+        LayerNorm(dim),
+        SelectToken(0),
+        Linear(dim, num_classes),
+    )
+    return net, {"patch": patch, "dim": dim, "depth": depth, "heads": heads, "mlp_dim": mlp_dim}
+
+
 #: name -> builder(input_shape, num_classes, seed, **widths) -> (net, resolved widths)
 MODELS: dict[str, Callable[..., tuple[Module, dict]]] = {
     "hsicnn": _hsicnn,
     "hsicnn_bn": _hsicnn_bn,
     "resnet8": _resnet8,
+    "mlp": _mlp,
+    "spectral_lstm": _spectral_lstm,
+    "vit": _vit,
 }
 
 # Keyword arguments a caller may pass to each builder (the internal ones of _hsicnn excluded).
@@ -163,6 +276,9 @@ _PUBLIC_KWARGS = {
     "hsicnn": ("channels", "hidden", "dropout"),
     "hsicnn_bn": ("channels", "hidden", "dropout"),
     "resnet8": ("widths",),
+    "mlp": ("hidden",),
+    "spectral_lstm": ("group", "hidden"),
+    "vit": ("patch", "dim", "depth", "heads", "mlp_dim"),
 }
 
 
@@ -201,7 +317,7 @@ class Model:
         _apply_thread_policy()  # the fast path with nothing set by hand (mpidl/threads.py)
         net.to(backend)
         first = net[0] if isinstance(net, Sequential) else None
-        if isinstance(first, Conv2d):
+        if hasattr(first, "compute_input_grad"):
             first.compute_input_grad = False
 
     @property
@@ -264,18 +380,21 @@ def build_model(
 
     Parameters
     ----------
-    name : one of ``MODELS`` (hsicnn, hsicnn_bn, resnet8)
+    name : one of ``MODELS`` (hsicnn, hsicnn_bn, resnet8, mlp, spectral_lstm, vit)
     input_shape : (C, H, W) of one sample
     num_classes : K >= 2
     backend : device and dtype (default CPU float32)
     seed : initial values are drawn from ``np.random.default_rng(seed)``
     **kwargs : widths of the architecture (hsicnn: ``channels=(64, 64)``, ``hidden=128``,
-        ``dropout=0.0``; resnet8: ``widths=(16, 32, 64)``)
+        ``dropout=0.0``; resnet8: ``widths=(16, 32, 64)``; mlp: ``hidden=(128, 128)``;
+        spectral_lstm: ``group=12``, ``hidden=64``; vit: ``patch=None`` (see
+        :func:`default_vit_patch`), ``dim=64``, ``depth=2``, ``heads=4``, ``mlp_dim=128``)
 
     Raises
     ------
     ValueError
-        Unknown name (the message lists the known ones), bad input shape or widths.
+        Unknown name (the message lists the known ones), bad input shape or widths, or an input
+        shape the model cannot take (the message names the model, the shape and the fix).
     """
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; known models: {', '.join(sorted(MODELS))}")
@@ -288,7 +407,10 @@ def build_model(
     if unknown:
         raise ValueError(f"model {name!r} takes no argument(s) {unknown}; it takes {list(_PUBLIC_KWARGS[name])}")
     backend = backend if backend is not None else get_backend()
-    net, widths = MODELS[name](input_shape, int(num_classes), int(seed), **kwargs)
+    try:
+        net, widths = MODELS[name](input_shape, int(num_classes), int(seed), **kwargs)
+    except TypeError as exc:  # e.g. a number where a list of widths belongs, from --model-args
+        raise ValueError(f"model {name!r}: bad width argument(s) {kwargs}: {exc}") from None
     build_args = {
         "name": name,
         "input_shape": list(input_shape),

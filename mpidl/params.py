@@ -48,6 +48,7 @@ __all__ = [
     "FlatParameters",
     "he_normal",
     "kaiming_uniform",
+    "normal",
     "uniform",
     "zeros",
     "ones",
@@ -129,6 +130,14 @@ def uniform(bound: float) -> Initializer:
     if bound < 0:
         raise ValueError(f"bound must be >= 0, got {bound}")
     return _Uniform(float(bound))
+
+
+def normal(std: float) -> Initializer:
+    """``w ~ N(0, std^2)`` (e.g. ``normal(0.02)`` for a transformer's class token and
+    positional embedding)."""
+    if std < 0:
+        raise ValueError(f"std must be >= 0, got {std}")
+    return _Normal(float(std))
 
 
 def zeros() -> Initializer:

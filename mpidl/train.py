@@ -196,8 +196,10 @@ def _build(cfg, local_rank: int = 0):
         if test_set.num_samples == 0:
             raise ValueError(f"--data {cfg.data}: the test split is empty (0 samples): there is "
                              "nothing to evaluate the model on (convert the data with a test split)")
+    # A model that cannot take the data's shape raises a ValueError naming both, here,
+    # before any collective.
     model = build_model(cfg.model, train_set.sample_shape, train_set.num_classes,
-                        backend=backend, seed=cfg.seed)
+                        backend=backend, seed=cfg.seed, **cfg.model_kwargs)
     # The schedule's length depends on the data size; check it now, before any collective.
     from mpidl.trainer import steps_per_epoch  # noqa: PLC0415
 

@@ -105,6 +105,12 @@ def test_families_quick_writes_its_tables(tmp_path):
         cells = [c.strip() for c in row.split("|")[1:-1]]
         assert "n/a" not in cells[2:8], row
     assert "EMULATED 50 us / 1 Gbit/s" in text and "Failed runs: none" in text
+def test_twins_quick_writes_its_table(tmp_path):
+    pytest.importorskip("torch")  # the twins are PyTorch modules; nothing to compare without it
+    _run([sys.executable, str(BENCH / "twins_torch.py"), "--quick", "--models", "mlp,spectral_lstm",
+          "--out", str(tmp_path), "--work", str(tmp_path / "work")])
+    rows = _table_rows((tmp_path / "twins_quick.md").read_text(), "| model | parameters")
+    assert [r.split("|")[1].strip() for r in rows] == ["`mlp`", "`spectral_lstm`"]
 
 
 def test_conv_benchmark_prints_every_contender():

@@ -48,12 +48,21 @@ def test_lists_are_parsed():
         (["--data", "/nonexistent/file.h5"], 1, "--data /nonexistent/file.h5: no such file"),
         (["--dtype", "float16"], 1, "--dtype 'float16' is not one of"),
         (["--on-nan", "ignore"], 1, "--on-nan"),
+        (["--model-args", "[1, 2]"], 1, "--model-args must be a JSON object"),
+        (["--model-args", "{patch: 1}"], 1, "--model-args must be a JSON object"),
     ],
 )
 def test_bad_values_are_refused(argv, world, message):
     with pytest.raises(ConfigError) as info:
         parse_config(argv, world_size=world)
     assert message in str(info.value)
+
+
+def test_model_args_are_parsed():
+    cfg = parse_config(["--model", "vit", "--model-args", '{"patch": 1, "depth": 3}'])
+    assert cfg.model_kwargs == {"patch": 1, "depth": 3}
+    assert parse_config([]).model_kwargs == {}
+    assert "model_kwargs" not in cfg.to_dict() and cfg.to_dict()["model_args"] == '{"patch": 1, "depth": 3}'
 
 
 def test_to_dict_is_plain():

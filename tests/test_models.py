@@ -12,12 +12,16 @@ from mpidl.backend import get_backend
 from mpidl.models import MODELS, build_model
 from mpidl.nn import BatchNorm2d, Conv2d, SoftmaxCrossEntropy
 
-DEFAULT_SHAPES = {"hsicnn": (156, 9, 9), "hsicnn_bn": (156, 7, 7), "resnet8": (3, 32, 32)}
+DEFAULT_SHAPES = {"hsicnn": (156, 9, 9), "hsicnn_bn": (156, 7, 7), "resnet8": (3, 32, 32),
+                  "mlp": (156, 9, 9), "spectral_lstm": (156, 7, 7), "vit": (156, 7, 7)}
 # Narrow versions for the slower checks.
 TINY = {
     "hsicnn": dict(input_shape=(3, 5, 5), channels=(3, 4), hidden=6),
     "hsicnn_bn": dict(input_shape=(3, 4, 4), channels=(2, 3), hidden=5),
     "resnet8": dict(input_shape=(2, 8, 8), widths=(2, 3, 4)),
+    "mlp": dict(input_shape=(5, 3, 3), hidden=(4, 3)),
+    "spectral_lstm": dict(input_shape=(7, 3, 3), group=3, hidden=4),
+    "vit": dict(input_shape=(3, 4, 4), patch=2, dim=4, depth=2, heads=2, mlp_dim=6),
 }
 
 
@@ -27,7 +31,7 @@ def batch(input_shape, n=4, num_classes=3, seed=0, dtype=np.float32):
 
 
 def test_registry_names():
-    assert set(MODELS) == {"hsicnn", "hsicnn_bn", "resnet8"}
+    assert set(MODELS) == {"hsicnn", "hsicnn_bn", "resnet8", "mlp", "spectral_lstm", "vit"}
 
 
 @pytest.mark.parametrize("name", sorted(DEFAULT_SHAPES))
@@ -84,6 +88,10 @@ def test_unknown_model_lists_the_known_ones():
         ("hsicnn", (10, 5), {}, "three"),
         ("hsicnn", (10, 5, 5), {"widths": (1, 2, 3)}, "widths"),
         ("resnet8", (3, 8, 8), {"widths": (4, 8)}, "three"),
+        ("mlp", (10, 5, 5), {"hidden": 5}, "mlp.*bad width"),
+        ("spectral_lstm", (3, 32, 32), {}, r"spectral_lstm.*12 bands.*\(3, 32, 32\).*--model-args"),
+        ("vit", (156, 7, 7), {"patch": 2}, r"vit: sub-patch 2.*7x7.*\(156, 7, 7\).*--model-args.*\[1, 7\]"),
+        ("vit", (3, 8, 8), {"dim": 6, "heads": 4}, "heads dividing dim"),
     ],
 )
 def test_bad_requests_are_clear(name, shape, kwargs, match):
@@ -102,6 +110,33 @@ def test_bad_input_and_class_count():
 def test_first_layer_skips_its_input_gradient():
     model = build_model("resnet8", (3, 8, 8), 3)
     assert isinstance(model.net[0], Conv2d) and not model.net[0].compute_input_grad
+    for name in ("mlp", "spectral_lstm", "vit"):
+        model = build_model(name, num_classes=3, **TINY[name])
+        assert not model.net[0].compute_input_grad
+        x, y = batch(TINY[name]["input_shape"])
+        loss_fn = SoftmaxCrossEntropy()
+        loss_fn.forward(model.forward(x), y)
+        model.backward(loss_fn.backward())  # the first layer returns None: no error
+
+
+def test_vit_tokens_for_patches_and_images():
+    # one token per pixel of a 7x7 patch; 4x4 sub-patches of a 32x32 image (64 tokens)
+    assert build_model("vit", (156, 7, 7), 3).build_args["patch"] == 1
+    image = build_model("vit", (3, 32, 32), 10)
+    assert image.build_args["patch"] == 4
+    assert image.params["3.weight"].shape == (64 + 1, 64)  # positional embedding incl. the class token
+    x, _ = batch((3, 32, 32), n=2)
+    assert image.forward(x).shape == (2, 10)
+
+
+def test_spectral_lstm_reads_the_centre_spectrum_in_band_groups():
+    model = build_model("spectral_lstm", (30, 5, 5), 3, group=8)  # 4 steps, the last padded
+    assert model.net[1].steps == 4 and model.params["2.weight_ih"].shape == (4 * 64, 8)
+    x, _ = batch((30, 5, 5), n=2)
+    y = model.forward(x)
+    x2 = x.copy()
+    x2[:, :, 0, 0] += 10.0  # a pixel off the centre changes nothing
+    np.testing.assert_array_equal(model.forward(x2), y)
 
 
 @pytest.mark.parametrize("name", sorted(TINY))

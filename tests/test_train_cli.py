@@ -73,6 +73,11 @@ def test_four_ranks_metrics_have_per_rank_fields(tmp_path):
         (["--epochs", "-1"], "--epochs must be a positive integer"),
         (["--data", "missing.h5"], "--data missing.h5: no such file"),
         (["--model", "resnet8"], "resnet8"),  # 7x7 patches are too small for resnet8
+        # a model that cannot take the data's shape: the model, the shape and the fix
+        (["--model", "vit", "--model-args", '{"patch": 2}'],
+         "vit: sub-patch 2 does not divide the 7x7 pixels of input_shape (32, 7, 7); pass --model-args"),
+        (["--model", "mlp", "--model-args", '{"depth": 2}'], "model 'mlp' takes no argument(s) ['depth']"),
+        (["--model", "vit", "--model-args", "patch=2"], "--model-args must be a JSON object"),
     ],
 )
 def test_setup_errors_are_printed_once_and_exit_2(args, message):
@@ -80,6 +85,16 @@ def test_setup_errors_are_printed_once_and_exit_2(args, message):
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     assert proc.stderr.count("error") == 1 and message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("model, extra", [("mlp", []), ("spectral_lstm", ["--model-args", '{"group": 8}']),
+                                          ("vit", ["--model-args", '{"dim": 16, "depth": 1, "heads": 2}'])])
+def test_sequence_and_attention_models_train_from_the_command_line(tmp_path, model, extra):
+    metrics = tmp_path / "m.jsonl"
+    proc = train(["--model", model, *extra, *FAST, "--metrics", str(metrics)])
+    assert proc.returncode == 0, proc.stderr
+    start = read_jsonl(metrics)[0]
+    assert start["model"] == model and start["config"]["model_args"] == (extra[1] if extra else None)
 
 
 def test_data_file_without_layout_is_refused(tmp_path):

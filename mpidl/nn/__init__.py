@@ -4,15 +4,25 @@ See :mod:`mpidl.nn.module` for the contract (backward overwrites parameter gradi
 returns the input gradient; parameters are views into one flat buffer).
 """
 
-from mpidl.nn.activation import LeakyReLU, ReLU
+from mpidl.nn.activation import GELU, LeakyReLU, ReLU, Sigmoid, Tanh
+from mpidl.nn.attention import (
+    ClassToken,
+    MultiHeadSelfAttention,
+    PositionalEmbedding,
+    SelectToken,
+    Tokenwise,
+    TransformerEncoderBlock,
+)
 from mpidl.nn.conv import Conv2d
 from mpidl.nn.dropout import Dropout
 from mpidl.nn.linear import Flatten, Linear
 from mpidl.nn.loss import BCEWithLogits, MSELoss, SoftmaxCrossEntropy
 from mpidl.nn.module import Module, Sequential
-from mpidl.nn.norm import BatchNorm2d
+from mpidl.nn.norm import BatchNorm1d, BatchNorm2d, LayerNorm
 from mpidl.nn.pool import AvgPool2d, GlobalAvgPool2d, MaxPool2d
+from mpidl.nn.recurrent import GRU, LSTM
 from mpidl.nn.residual import Residual
+from mpidl.nn.tokens import BandGroups, CenterPixel, Patchify
 
 __all__ = [
     "Module",
@@ -31,4 +41,20 @@ __all__ = [
     "SoftmaxCrossEntropy",
     "BCEWithLogits",
     "MSELoss",
+    "GELU",
+    "Tanh",
+    "Sigmoid",
+    "BatchNorm1d",
+    "LayerNorm",
+    "LSTM",
+    "GRU",
+    "MultiHeadSelfAttention",
+    "PositionalEmbedding",
+    "ClassToken",
+    "SelectToken",
+    "Tokenwise",
+    "TransformerEncoderBlock",
+    "CenterPixel",
+    "BandGroups",
+    "Patchify",
 ]

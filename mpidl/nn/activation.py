@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 from mpidl.backend import get_array_module
 from mpidl.nn.module import Module
 
-__all__ = ["ReLU", "LeakyReLU"]
+__all__ = ["ReLU", "LeakyReLU", "GELU", "Tanh", "Sigmoid", "sigmoid"]
 
 
 class ReLU(Module):
@@ -63,3 +65,96 @@ class LeakyReLU(Module):
 
     def extra_repr(self) -> str:
         return f"negative_slope={self.negative_slope}"
+
+
+def _erf(xp, x):
+    """The error function of ``x`` with the array module's SciPy (``scipy.special`` /
+    ``cupyx.scipy.special``): NumPy has no ``erf`` of its own."""
+    if xp.__name__ == "cupy":
+        from cupyx.scipy.special import erf  # noqa: PLC0415 - only with CuPy
+    else:
+        from scipy.special import erf  # noqa: PLC0415
+    return erf(x)
+
+
+class GELU(Module):
+    """Gaussian error linear unit, the exact (erf) form, any shape: PyTorch's default
+    (``torch.nn.GELU(approximate="none")``), not the tanh approximation.
+
+    Notes
+    -----
+    ``y = x * Phi(x)`` with ``Phi(x) = (1 + erf(x / sqrt(2))) / 2`` the standard normal CDF;
+    ``dL/dx = dL/dy * (Phi(x) + x * phi(x))`` with ``phi(x) = exp(-x^2 / 2) / sqrt(2 pi)``.
+    Saved for backward: ``x`` and ``Phi(x)``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._x = self._cdf = None
+
+    def forward(self, x):
+        xp = get_array_module(x)
+        cdf = _erf(xp, x * x.dtype.type(1.0 / math.sqrt(2.0)))
+        cdf += 1
+        cdf *= 0.5
+        self._x, self._cdf = x, cdf
+        return x * cdf
+
+    def backward(self, dy):
+        if self._x is None:
+            raise RuntimeError("GELU.backward called before forward")
+        xp = get_array_module(dy)
+        x = self._x
+        pdf = xp.exp(x * x * x.dtype.type(-0.5)) * x.dtype.type(1.0 / math.sqrt(2.0 * math.pi))
+        return dy * (self._cdf + x * pdf)
+
+
+class Tanh(Module):
+    """Hyperbolic tangent, any shape.
+
+    Notes
+    -----
+    ``y = tanh(x)``; ``dL/dx = dL/dy * (1 - y^2)``. Only ``y`` is saved for backward.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._y = None
+
+    def forward(self, x):
+        self._y = get_array_module(x).tanh(x)
+        return self._y
+
+    def backward(self, dy):
+        if self._y is None:
+            raise RuntimeError("Tanh.backward called before forward")
+        return dy * (1 - self._y * self._y)
+
+
+def sigmoid(xp, x):
+    """``1 / (1 + exp(-x))`` without overflow warnings: ``exp`` of a non-positive number only
+    (``exp(x) / (1 + exp(x))`` for ``x < 0``)."""
+    z = xp.exp(-xp.abs(x))
+    return xp.where(x >= 0, 1 / (1 + z), z / (1 + z))
+
+
+class Sigmoid(Module):
+    """Logistic sigmoid, any shape.
+
+    Notes
+    -----
+    ``y = 1 / (1 + exp(-x))``; ``dL/dx = dL/dy * y * (1 - y)``. Only ``y`` is saved for backward.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._y = None
+
+    def forward(self, x):
+        self._y = sigmoid(get_array_module(x), x)
+        return self._y
+
+    def backward(self, dy):
+        if self._y is None:
+            raise RuntimeError("Sigmoid.backward called before forward")
+        return dy * self._y * (1 - self._y)

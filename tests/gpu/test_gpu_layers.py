@@ -251,6 +251,9 @@ MODEL_INPUTS = {
     "hsicnn": ((156, 9, 9), 8),
     "hsicnn_bn": ((156, 9, 9), 8),
     "resnet8": ((3, 32, 32), 4),
+    "mlp": ((156, 9, 9), 8),
+    "spectral_lstm": ((156, 7, 7), 8),
+    "vit": ((156, 7, 7), 4),
 }
 NUM_CLASSES = 5
 

@@ -44,6 +44,17 @@ def test_exact_strategies_equal_single_rank(strategy, reference):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("model", ["mlp", "spectral_lstm", "vit"])
+def test_recurrent_attention_and_mlp_models_equal_single_rank(model):
+    # no batch statistics in these models, so the flat reduction is exact for them too
+    argv = BASE + ["--epochs", "1"]
+    single, _ = run(MPI.COMM_SELF, argv + ["--speeds", "1"], model=model)
+    trainer, _ = run(WORLD, argv + ["--strategy", "flat", "--speeds", speeds_for(P)], model=model)
+    diff = rel_diff(trainer.params.data, single.params.data)
+    assert all_agree(WORLD, diff <= 1e-10), f"{model}: relative difference {diff:.3e}"
+
+
+@pytest.mark.mpi
 def test_node_strategy_with_one_node_equals_flat(reference):
     trainer, _ = run(WORLD, BASE + ["--strategy", "node", "--sync-every", "4", "--speeds", speeds_for(P)],
                      ranks_per_node=P)

@@ -25,6 +25,16 @@ def tiny_dataset(n: int = 50, seed: int = 0, shape=(5, 5, 5), classes: int = 3) 
     return ArrayDataset(x, y, [f"c{k}" for k in range(classes)])
 
 
+#: narrow widths of every model for the tiny (5, 5, 5) samples
+TINY_WIDTHS = {
+    "hsicnn": dict(channels=(4, 4), hidden=8),
+    "hsicnn_bn": dict(channels=(4, 4), hidden=8),
+    "mlp": dict(hidden=(8,)),
+    "spectral_lstm": dict(group=2, hidden=4),
+    "vit": dict(patch=1, dim=4, depth=1, heads=2, mlp_dim=6),
+}
+
+
 def make_trainer(comm, argv, *, ranks_per_node=None, train=None, test=None, dtype="float64",
                  model=None, stop_after=None) -> Trainer:
     """A trainer on ``comm`` with the options ``argv`` and the tiny data and model;
@@ -39,7 +49,7 @@ def make_trainer(comm, argv, *, ranks_per_node=None, train=None, test=None, dtyp
     test = test if test is not None else tiny_dataset(n=20, seed=1)
     topo = Topology.from_comm(comm, ranks_per_node=cfg.ranks_per_node)
     net = build_model(cfg.model, train.sample_shape, train.num_classes,
-                      backend=get_backend("cpu", dtype), seed=cfg.seed, channels=(4, 4), hidden=8)
+                      backend=get_backend("cpu", dtype), seed=cfg.seed, **TINY_WIDTHS[cfg.model])
     trainer = Trainer(cfg, net, train, test, Printer(comm.Get_rank(), quiet=True), topology=topo)
     if stop_after is not None:
         step = trainer.train_step

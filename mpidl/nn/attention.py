@@ -1,0 +1,258 @@
+"""Transformer pieces: multi-head self-attention, a learned positional embedding, a class
+token, a per-token wrapper and the pre-norm encoder block built from them."""
+
+from __future__ import annotations
+
+import math
+
+from mpidl.backend import get_array_module
+from mpidl.nn.activation import GELU
+from mpidl.nn.linear import Linear
+from mpidl.nn.module import Module, Sequential
+from mpidl.nn.norm import LayerNorm
+from mpidl.nn.residual import Residual
+from mpidl.params import Parameter, normal, uniform, zeros
+
+__all__ = ["Tokenwise", "MultiHeadSelfAttention", "PositionalEmbedding", "ClassToken", "SelectToken",
+           "TransformerEncoderBlock"]
+
+
+class Tokenwise(Module):
+    """Apply a layer of (M, D) rows to every token of (N, T, D) sequences.
+
+    Notes
+    -----
+    ``y[n, t] = f(x[n, t])``: ``x`` is reshaped to (N*T, D), ``f`` applied, the result
+    reshaped to (N, T, D'); backward reshapes the same way around ``f``'s backward.
+    """
+
+    def __init__(self, layer: Module) -> None:
+        super().__init__()
+        self.layer = layer
+        self._shape: tuple | None = None
+
+    def forward(self, x):
+        if x.ndim != 3:
+            raise ValueError(f"Tokenwise expects (N, T, D), got {tuple(x.shape)}")
+        self._shape = tuple(x.shape)
+        y = self.layer.forward(x.reshape(x.shape[0] * x.shape[1], x.shape[2]))
+        return y.reshape(x.shape[0], x.shape[1], -1)
+
+    def backward(self, dy):
+        if self._shape is None:
+            raise RuntimeError("Tokenwise.backward called before forward")
+        n, t, _ = self._shape
+        dx = self.layer.backward(dy.reshape(n * t, -1))
+        return None if dx is None else dx.reshape(self._shape)
+
+
+def _softmax_last(xp, s):
+    """Softmax along the last axis, shifted by the row maximum so that exp never overflows."""
+    e = xp.exp(s - s.max(axis=-1, keepdims=True))
+    e /= e.sum(axis=-1, keepdims=True)
+    return e
+
+
+class MultiHeadSelfAttention(Module):
+    """Multi-head scaled dot-product self-attention (PyTorch's ``nn.MultiheadAttention`` with
+    ``batch_first=True``, query = key = value = x, no mask, no dropout; same parameter layout).
+
+    Parameters
+    ----------
+    embed_dim : E; num_heads : h, dividing E (head size ``d = E / h``)
+
+    Shapes
+    ------
+    x : (N, T, E) -> y : (N, T, E); in_proj_weight : (3E, E) (rows: the q, k, v projections),
+    in_proj_bias : (3E,), out_proj.weight : (E, E), out_proj.bias : (E,). Initialization as
+    PyTorch: in_proj_weight Xavier-uniform ``U(+-sqrt(6 / (E + 3E)))``, both biases 0,
+    out_proj.weight Linear's default ``U(+-1/sqrt(E))``.
+
+    Notes
+    -----
+    ``[q | k | v] = x W_in^T + b_in``, each split into h heads (N, h, T, d);
+    ``S = q k^T / sqrt(d)`` (N, h, T, T); ``A = softmax(S)`` along the keys (the last axis);
+    ``O = A v`` (N, h, T, d), heads concatenated back to (N, T, E); ``y = O W_out^T + b_out``.
+
+    Backward: ``dO`` from the output projection; ``dA = dO v^T``, ``dv = A^T dO``;
+    ``dS = A * (dA - sum_keys(dA * A))`` (the softmax Jacobian); ``dq = dS k / sqrt(d)``,
+    ``dk = dS^T q / sqrt(d)``; then ``d[q | k | v]`` through the input projection:
+    ``dW_in = d[qkv]^T x``, ``db_in = sum d[qkv]``, ``dx = d[qkv] W_in``.
+    Saved for backward: x, q, k, v and A.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int) -> None:
+        super().__init__()
+        if embed_dim < 1 or num_heads < 1 or embed_dim % num_heads:
+            raise ValueError(f"MultiHeadSelfAttention needs num_heads dividing embed_dim, got {embed_dim}, {num_heads}")
+        self.embed_dim, self.num_heads = int(embed_dim), int(num_heads)
+        e = self.embed_dim
+        self.in_proj_weight = Parameter((3 * e, e), uniform(math.sqrt(6.0 / (4 * e))))
+        self.in_proj_bias = Parameter((3 * e,), zeros())
+        self.out_proj = Linear(e, e, bias_init=zeros())
+        self._saved = None
+
+    def _heads(self, z, n, t):
+        """(N, T, E) -> (N, h, T, d)."""
+        return z.reshape(n, t, self.num_heads, -1).transpose(0, 2, 1, 3)
+
+    def forward(self, x):
+        if x.ndim != 3 or x.shape[2] != self.embed_dim:
+            raise ValueError(f"MultiHeadSelfAttention expects (N, T, {self.embed_dim}), got {tuple(x.shape)}")
+        xp = get_array_module(x)
+        n, t, e = x.shape
+        qkv = x.reshape(n * t, e) @ self.in_proj_weight.data.T
+        qkv += self.in_proj_bias.data
+        qkv = qkv.reshape(n, t, 3, e)
+        q, k, v = (self._heads(qkv[:, :, j], n, t) for j in range(3))
+        scale = x.dtype.type(1.0 / math.sqrt(e // self.num_heads))
+        attn = _softmax_last(xp, xp.matmul(q, k.transpose(0, 1, 3, 2)) * scale)
+        out = xp.matmul(attn, v).transpose(0, 2, 1, 3).reshape(n * t, e)
+        self._saved = (x, q, k, v, attn, scale)
+        return self.out_proj.forward(out).reshape(n, t, e)
+
+    def backward(self, dy):
+        if self._saved is None:
+            raise RuntimeError("MultiHeadSelfAttention.backward called before forward")
+        x, q, k, v, attn, scale = self._saved
+        xp = get_array_module(dy)
+        n, t, e = x.shape
+        d_out = self._heads(self.out_proj.backward(dy.reshape(n * t, e)).reshape(n, t, e), n, t)
+        d_attn = xp.matmul(d_out, v.transpose(0, 1, 3, 2))
+        dv = xp.matmul(attn.transpose(0, 1, 3, 2), d_out)
+        ds = attn * (d_attn - (d_attn * attn).sum(axis=-1, keepdims=True))
+        ds *= scale
+        dq = xp.matmul(ds, k)
+        dk = xp.matmul(ds.transpose(0, 1, 3, 2), q)
+        dqkv = xp.empty((n, t, 3, e), dtype=dy.dtype)
+        for j, grad in enumerate((dq, dk, dv)):
+            dqkv[:, :, j] = grad.transpose(0, 2, 1, 3).reshape(n, t, e)
+        dqkv = dqkv.reshape(n * t, 3 * e)
+        xp.matmul(dqkv.T, x.reshape(n * t, e), out=self.in_proj_weight.grad)
+        xp.sum(dqkv, axis=0, out=self.in_proj_bias.grad)
+        return (dqkv @ self.in_proj_weight.data).reshape(n, t, e)
+
+    def _drop_workspaces(self) -> None:
+        self._saved = None
+
+    def extra_repr(self) -> str:
+        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}"
+
+
+class PositionalEmbedding(Module):
+    """A learned embedding added to each position: ``y[n, t] = x[n, t] + P[t]``.
+
+    Shapes
+    ------
+    x : (N, T, E) -> y : (N, T, E); weight P : (T, E), starts N(0, 0.02^2) (as in ViT).
+
+    Notes
+    -----
+    ``dP = sum_n dy[n]``, ``dx = dy``. Nothing is saved for backward.
+    """
+
+    def __init__(self, num_positions: int, embed_dim: int) -> None:
+        super().__init__()
+        if num_positions < 1 or embed_dim < 1:
+            raise ValueError(f"PositionalEmbedding needs positive sizes, got {num_positions}, {embed_dim}")
+        self.num_positions, self.embed_dim = int(num_positions), int(embed_dim)
+        self.weight = Parameter((self.num_positions, self.embed_dim), normal(0.02))
+
+    def forward(self, x):
+        if x.ndim != 3 or tuple(x.shape[1:]) != (self.num_positions, self.embed_dim):
+            raise ValueError(
+                f"PositionalEmbedding expects (N, {self.num_positions}, {self.embed_dim}), got {tuple(x.shape)}"
+            )
+        return x + self.weight.data
+
+    def backward(self, dy):
+        get_array_module(dy).sum(dy, axis=0, out=self.weight.grad)
+        return dy
+
+    def extra_repr(self) -> str:
+        return f"{self.num_positions}, {self.embed_dim}"
+
+
+class ClassToken(Module):
+    """Prepend one learned token to every sequence: ``y = [c; x[n]]``.
+
+    Shapes
+    ------
+    x : (N, T, E) -> y : (N, T + 1, E); weight c : (E,), starts N(0, 0.02^2).
+
+    Notes
+    -----
+    ``dc = sum_n dy[n, 0]``, ``dx = dy[:, 1:]``.
+    """
+
+    def __init__(self, embed_dim: int) -> None:
+        super().__init__()
+        if embed_dim < 1:
+            raise ValueError(f"ClassToken needs embed_dim >= 1, got {embed_dim}")
+        self.embed_dim = int(embed_dim)
+        self.weight = Parameter((self.embed_dim,), normal(0.02))
+
+    def forward(self, x):
+        if x.ndim != 3 or x.shape[2] != self.embed_dim:
+            raise ValueError(f"ClassToken expects (N, T, {self.embed_dim}), got {tuple(x.shape)}")
+        xp = get_array_module(x)
+        y = xp.empty((x.shape[0], x.shape[1] + 1, self.embed_dim), dtype=x.dtype)
+        y[:, 0] = self.weight.data
+        y[:, 1:] = x
+        return y
+
+    def backward(self, dy):
+        get_array_module(dy).sum(dy[:, 0], axis=0, out=self.weight.grad)
+        return dy[:, 1:]
+
+    def extra_repr(self) -> str:
+        return f"{self.embed_dim}"
+
+
+class SelectToken(Module):
+    """Keep one token of each sequence: ``y = x[:, index]`` ((N, T, E) -> (N, E)); backward
+    puts ``dy`` at that position and zeros elsewhere."""
+
+    def __init__(self, index: int = 0) -> None:
+        super().__init__()
+        self.index = int(index)
+        self._shape: tuple | None = None
+
+    def forward(self, x):
+        if x.ndim != 3:
+            raise ValueError(f"SelectToken expects (N, T, E), got {tuple(x.shape)}")
+        self._shape = tuple(x.shape)
+        return x[:, self.index]
+
+    def backward(self, dy):
+        if self._shape is None:
+            raise RuntimeError("SelectToken.backward called before forward")
+        dx = get_array_module(dy).zeros(self._shape, dtype=dy.dtype)
+        dx[:, self.index] = dy
+        return dx
+
+    def extra_repr(self) -> str:
+        return f"index={self.index}"
+
+
+class TransformerEncoderBlock(Sequential):
+    """Pre-norm transformer encoder block (as in ViT and PyTorch's
+    ``TransformerEncoderLayer(norm_first=True, activation="gelu", dropout=0)``).
+
+    Notes
+    -----
+    ``u = x + MHSA(LN_1(x))``; ``y = u + W_2 GELU(W_1 LN_2(u) + b_1) + b_2``, the MLP
+    (E -> mlp_dim -> E) applied to every token. Shapes (N, T, E) -> (N, T, E). Built from
+    :class:`~mpidl.nn.residual.Residual` (identity shortcuts), so its backward is the
+    composition of its parts'. Children: ``0`` the attention residual, ``1`` the MLP residual.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, mlp_dim: int) -> None:
+        attention = Sequential(LayerNorm(embed_dim), MultiHeadSelfAttention(embed_dim, num_heads))
+        mlp = Sequential(
+            LayerNorm(embed_dim),
+            Tokenwise(Linear(embed_dim, mlp_dim)),
+            GELU(),
+            Tokenwise(Linear(mlp_dim, embed_dim)),
+        )
+        super().__init__(Residual(attention), Residual(mlp))
