@@ -51,6 +51,12 @@ def default_mpiexec() -> str:
             or shutil.which("mpiexec") or "mpiexec")
 
 
+def available(exe: str | None = None) -> bool:
+    """Whether the launcher ``exe`` (default :func:`default_mpiexec`) exists."""
+    exe = exe or default_mpiexec()
+    return Path(exe).is_file() or shutil.which(exe) is not None
+
+
 @functools.cache
 def _flavor_of(mpiexec: str) -> str:
     try:

@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+import launcher
+
 import mpidl.checkpoint as ck
 from mpidl.backend import get_backend
 from mpidl.config import parse_config
@@ -27,7 +29,7 @@ from mpidl.models import build_model
 from mpidl.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
-MPIEXEC = os.environ.get("MPIEXEC") or str(Path(sys.executable).parent / "mpiexec")
+MPIEXEC = launcher.default_mpiexec()
 META = {"epoch": 1, "step_in_epoch": 0, "build_args": {"name": "x"}, "model": "x"}
 
 
@@ -224,7 +226,7 @@ def test_one_rank_interrupted_and_resumed_is_bitwise_identical(tmp_path, how):
 def launch(args, np_=2, timeout=120):
     if not Path(MPIEXEC).exists():
         pytest.skip(f"no mpiexec at {MPIEXEC}")
-    cmd = [MPIEXEC, "-n", str(np_), "-launcher", "fork", sys.executable, "-m", "mpidl.train", *args]
+    cmd = launcher.mpiexec(np_, [sys.executable, "-m", "mpidl.train", *args], exe=MPIEXEC)
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     proc.seconds = time.perf_counter() - start

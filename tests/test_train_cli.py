@@ -11,10 +11,11 @@ import h5py
 import numpy as np
 import pytest
 
+import launcher
 from mpidl.checkpoint import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
-MPIEXEC = os.environ.get("MPIEXEC") or str(Path(sys.executable).parent / "mpiexec")
+MPIEXEC = launcher.default_mpiexec()
 FAST = ["--epochs", "1", "--max-steps", "3", "--speeds", "auto"]
 
 
@@ -23,7 +24,7 @@ def train(args, np_=None, timeout=120):
     if np_ is not None:
         if not Path(MPIEXEC).exists():
             pytest.skip(f"no mpiexec at {MPIEXEC}")
-        cmd = [MPIEXEC, "-n", str(np_), "-launcher", "fork", *cmd]
+        cmd = launcher.mpiexec(np_, cmd, exe=MPIEXEC)
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     proc.seconds = time.perf_counter() - start
