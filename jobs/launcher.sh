@@ -10,6 +10,19 @@
 #                                     PROG... as RANKS ranks cut into NODES: 1 (one node), K
 #                                     (K equal nodes) or sizes "2,1" (in rank order)
 #   e.g.  mpidl_mpiexec 4 2 python -m mpidl.train --strategy node && exec "${MPIDL_CMD[@]}"
+#   mpidl_library_flavor [PYTHON]     prints mpich or openmpi: the MPI library that mpi4py of
+#                                     PYTHON (default $PYTHON, python) loads
+#                                     (MPI.Get_library_version(), without MPI_Init)
+#   mpidl_srun_mpi                    prints the srun --mpi type: $SRUN_MPI, else pmi2 for
+#                                     MPICH, pmix for Open MPI (mpidl_library_flavor)
+#   mpidl_slurm_launch [SRUN_OPTION...] -- PROG...
+#                                     inside a Slurm allocation: sets MPIDL_CMD to
+#                                     LAUNCHER=srun (default): srun --mpi=$(mpidl_srun_mpi)
+#                                       (Open MPI 5 has no PMI-2; the MPICH wheel's PMI
+#                                       client speaks PMI-1/2, not PMIx), SRUN_OPTION... PROG...;
+#                                     LAUNCHER=mpiexec: $MPIEXEC -n $SLURM_NTASKS with the
+#                                       tasks per node (MPICH -ppn, Open MPI --map-by ppr:N:node);
+#                                       both launchers read the allocation themselves.
 #
 # MPICH (hydra) treats every -hosts entry as a node, and -launcher fork starts the ranks
 # locally: `-hosts localhost:2,127.0.0.1:2` gives two real MPI_COMM_TYPE_SHARED nodes.
@@ -96,5 +109,54 @@ mpidl_mpiexec() {
         MPIDL_CMD+=("$exe" -n "$ranks" --oversubscribe --bind-to none)
         if (( EUID == 0 )); then MPIDL_CMD+=(--allow-run-as-root); fi
         MPIDL_CMD+=("$@")
+    fi
+}
+
+mpidl_library_flavor() {
+    local py=${1:-${PYTHON:-python}} text
+    if ! text=$("$py" -c 'import mpi4py; mpi4py.rc.initialize = False
+from mpi4py import MPI; print(MPI.Get_library_version().replace(chr(0), ""))' 2>&1); then
+        echo "launcher.sh: $py cannot load mpi4py: $text" >&2
+        return 2
+    fi
+    case "$text" in
+        *"Open MPI"*) echo openmpi ;;
+        *MPICH*|*"Intel(R) MPI"*) echo mpich ;;
+        *) echo "launcher.sh: unknown MPI library: ${text:0:200}" >&2; return 2 ;;
+    esac
+}
+
+mpidl_srun_mpi() {
+    local kind
+    if [[ -n "${SRUN_MPI:-}" ]]; then echo "$SRUN_MPI"; return 0; fi
+    kind=$(mpidl_library_flavor) || return 2
+    if [[ "$kind" == openmpi ]]; then echo pmix; else echo pmi2; fi
+}
+
+mpidl_slurm_launch() {
+    local -a opts=()
+    while (( $# )) && [[ "$1" != -- ]]; do opts+=("$1"); shift; done
+    [[ "${1:-}" == -- ]] && shift
+    local kind
+    kind=$(mpidl_library_flavor) || return 2
+    if [[ "${LAUNCHER:-srun}" == srun ]]; then
+        local type
+        type=$(mpidl_srun_mpi) || return 2
+        MPIDL_CMD=(srun "--mpi=$type" "${opts[@]}" "$@")
+    elif [[ "$LAUNCHER" == mpiexec ]]; then
+        local exe=${MPIEXEC:-mpiexec} per=${SLURM_NTASKS_PER_NODE:-}
+        # SLURM_NTASKS_PER_NODE is set only with --ntasks-per-node; "8(x4)" forms are cut to 8.
+        per=${per%%(*}
+        MPIDL_CMD=("$exe" -n "${SLURM_NTASKS:?not inside a Slurm allocation}")
+        if [[ "$kind" == openmpi ]]; then
+            if [[ -n "$per" ]]; then MPIDL_CMD+=(--map-by "ppr:$per:node"); fi
+            if (( EUID == 0 )); then MPIDL_CMD+=(--allow-run-as-root); fi
+        elif [[ -n "$per" ]]; then
+            MPIDL_CMD+=(-ppn "$per")
+        fi
+        MPIDL_CMD+=("$@")
+    else
+        echo "launcher.sh: LAUNCHER must be srun or mpiexec, got '$LAUNCHER'" >&2
+        return 2
     fi
 }
