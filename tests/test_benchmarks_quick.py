@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 MPIEXEC = launcher.default_mpiexec()
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.launcher]
 
 
 def _env():

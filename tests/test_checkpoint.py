@@ -245,6 +245,7 @@ def foreign_checkpoint(folder):
     ("corrupt", "is not a readable mpidl checkpoint"),
     ("other-model", "holds model hsicnn {'channels': [2, 2]"),
 ])
+@pytest.mark.launcher
 def test_bad_resume_ends_cleanly_with_exit_2(tmp_path, case, message):
     if case == "corrupt":
         (tmp_path / ck.CHECKPOINT_NAME).write_bytes(b"\x89HDF\r\n" + b"\0" * 100)

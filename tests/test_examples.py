@@ -26,6 +26,7 @@ def test_the_example_is_short():
     assert len(EXAMPLE.read_text().splitlines()) <= 40
 
 
+@pytest.mark.launcher
 def test_the_example_runs_as_printed_on_two_emulated_nodes():
     if not Path(MPIEXEC).exists():
         pytest.skip(f"no mpiexec at {MPIEXEC}")

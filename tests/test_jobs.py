@@ -73,6 +73,7 @@ def test_hetjob_gives_each_component_its_device():
     assert "--device cpu" in cpu_part and "--device gpu" in gpu_part
 
 
+@pytest.mark.launcher
 def test_local_cluster_trains_on_two_emulated_nodes(tmp_path):
     mpiexec = launcher.default_mpiexec()
     if not launcher.available(mpiexec):

@@ -33,6 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MPIEXEC = launcher.default_mpiexec()
 EPOCHS, STEPS_PER_EPOCH = 3, 15  # 240 samples, global batch 16
 
+pytestmark = pytest.mark.launcher
+
 
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
