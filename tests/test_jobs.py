@@ -18,14 +18,13 @@ REPO = Path(__file__).resolve().parents[1]
 JOBS = sorted((REPO / "jobs").glob("*.sh"))
 EXPECTED = {"local.sh", "local_cluster.sh", "slurm_cpu_single_node.sh", "slurm_cpu_multi_node.sh",
             "slurm_gpu.sh", "slurm_hetjob.sh", "gpu_check.sh", "launcher.sh", "local_slurm.sh"}
-# Options of the launchers (srun, sbatch, Open MPI's mpirun) and of the tools the scripts call
-# (apt-get, slurmd, mpiexec --version) that appear next to training options; every other
-# --option in a script must be one of `python -m mpidl.train`.
-LAUNCHER_OPTIONS = {"--mpi", "--cpu-bind", "--map-by", "--gpus-per-task", "--oversubscribe",
-                    "--bind-to", "--allow-run-as-root", "--version", "--no-install-recommends",
-                    "--signal", "--batch", "--force", "--parsable", "--wait", "--ntasks",
-                    "--nodes", "--time", "--job-name", "--output", "--chdir", "--export",
-                    "--noheader", "--format", "--jobs", "--states", "--help"}
+# Options of the launchers (srun, scancel, Open MPI's mpirun, `mpiexec --version`) and of the
+# tools jobs/local_slurm.sh calls (apt-get, mungekey) that appear next to training options;
+# every other --option in a script must be one of `python -m mpidl.train`.
+LAUNCHER_OPTIONS = {"--mpi", "--cpu-bind", "--map-by", "--gpus-per-task", "--cpus-per-task",
+                    "--ntasks-per-node", "--oversubscribe", "--bind-to", "--allow-run-as-root",
+                    "--version", "--signal", "--batch", "--no-install-recommends", "--create",
+                    "--keyfile"}
 
 
 def _ids(paths):
