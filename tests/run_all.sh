@@ -9,7 +9,8 @@
 # 4. the Slurm stage (tests/slurm_stage.sh) when Slurm can run here: a slurmctld answers, or
 #    root with apt-get can install one (SLURM_STAGE=0 skips it, SLURM_STAGE=1 requires it).
 # `mpi` runs only what depends on the MPI: the serial tests that start mpiexec themselves
-# (marker `launcher`) and stage 3 (CI runs it again under Open MPI).
+# (marker `launcher`, except the slow benchmark runs) and stage 3 (CI runs it again under
+# Open MPI).
 #
 # The MPI is the one mpi4py of $PYTHON loads (MPI.Get_library_version()): MPICH or Open MPI.
 # The launcher is $MPIEXEC, else the mpiexec beside $PYTHON, else the one on PATH; it must be
@@ -56,8 +57,10 @@ if [[ "$WHAT" == all ]]; then
     stage "CUDA kernels under the Numba CUDA simulator"
     NUMBA_ENABLE_CUDASIM=1 "${PYTEST[@]}" tests/cudasim
 else
-    stage "serial tests that start mpiexec (marker launcher)"
-    "${PYTEST[@]}" tests -m "launcher and not mpi" --ignore=tests/mpi --ignore=tests/cudasim
+    # Not the benchmarks' quick runs (marked slow too): minutes of 4-rank jobs that test the
+    # benchmark scripts, not the MPI; they run in the full pass.
+    stage "serial tests that start mpiexec (marker launcher, not slow)"
+    "${PYTEST[@]}" tests -m "launcher and not slow and not mpi" --ignore=tests/mpi --ignore=tests/cudasim
 fi
 
 for np in 1 2 4; do
