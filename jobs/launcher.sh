@@ -29,8 +29,9 @@
 # Open MPI's launcher sees one node whatever the host names, so the nodes are emulated by
 # MPIDL_RANKS_PER_NODE=K (consecutive ranks; sizes K..K,r with r <= K), set through `env`,
 # which execs mpiexec in its own process (a signal sent to it reaches mpiexec). Open MPI also
-# gets --oversubscribe (more ranks than cores), --bind-to none (no pinning to busy cores) and,
-# as root, --allow-run-as-root.
+# gets --oversubscribe (more ranks than cores), --bind-to none (no pinning to busy cores),
+# --mca mpi_yield_when_idle 1 (waiting ranks yield the core instead of spinning: the cores
+# are shared) and, as root, --allow-run-as-root.
 
 # Host names of the emulated nodes under MPICH: distinct strings, all this machine.
 MPIDL_HOSTS=(localhost 127.0.0.1 127.0.0.2 127.0.0.3 127.0.0.4 127.0.0.5 127.0.0.6 127.0.0.7)
@@ -106,7 +107,7 @@ mpidl_mpiexec() {
             fi
             MPIDL_CMD=(env "MPIDL_RANKS_PER_NODE=$k")
         fi
-        MPIDL_CMD+=("$exe" -n "$ranks" --oversubscribe --bind-to none)
+        MPIDL_CMD+=("$exe" -n "$ranks" --oversubscribe --bind-to none --mca mpi_yield_when_idle 1)
         if (( EUID == 0 )); then MPIDL_CMD+=(--allow-run-as-root); fi
         MPIDL_CMD+=("$@")
     fi

@@ -21,7 +21,9 @@ the nodes are emulated by ``MPIDL_RANKS_PER_NODE=K`` instead (consecutive ranks,
 by mpiexec (same process, so a signal sent to it reaches mpiexec). That override can express
 ``K, ..., K, r`` with ``r <= K`` only. Open MPI gets ``--oversubscribe`` (more ranks than
 cores), ``--bind-to none`` (its default pins ranks to cores, which on a shared machine ties
-ranks to busy cores) and, as root, ``--allow-run-as-root``.
+ranks to busy cores), ``--mca mpi_yield_when_idle 1`` (a rank waiting in MPI yields the core
+instead of spinning; Open MPI does so by itself only when it sees more ranks than cores, not
+when other jobs share them) and, as root, ``--allow-run-as-root``.
 
 The flavour comes from ``MPIDL_MPI_FLAVOR`` (``mpich`` / ``openmpi``; tests/run_all.sh sets it
 from ``MPI.Get_library_version()``), else from ``mpiexec --version``.
@@ -123,7 +125,8 @@ def mpiexec(ranks: int, program: list[str], nodes=None, *, exe: str | None = Non
                 raise ValueError(f"Open MPI emulates nodes by MPIDL_RANKS_PER_NODE=K (sizes K..K,r "
                                  f"with r <= K), which cannot give {sizes}")
             prefix = ["env", f"MPIDL_RANKS_PER_NODE={k}"]
-        cmd = [*prefix, exe, "-n", str(ranks), "--oversubscribe", "--bind-to", "none"]
+        cmd = [*prefix, exe, "-n", str(ranks), "--oversubscribe", "--bind-to", "none",
+               "--mca", "mpi_yield_when_idle", "1"]
         if os.geteuid() == 0:
             cmd.append("--allow-run-as-root")
         return cmd + list(program)

@@ -22,7 +22,7 @@ EXPECTED = {"local.sh", "local_cluster.sh", "slurm_cpu_single_node.sh", "slurm_c
 # tools jobs/local_slurm.sh calls (apt-get, mungekey) that appear next to training options;
 # every other --option in a script must be one of `python -m mpidl.train`.
 LAUNCHER_OPTIONS = {"--mpi", "--cpu-bind", "--map-by", "--gpus-per-task", "--cpus-per-task",
-                    "--ntasks-per-node", "--oversubscribe", "--bind-to", "--allow-run-as-root",
+                    "--ntasks-per-node", "--oversubscribe", "--bind-to", "--mca", "--allow-run-as-root",
                     "--version", "--signal", "--batch", "--no-install-recommends", "--create",
                     "--keyfile"}
 
