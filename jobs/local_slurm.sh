@@ -29,6 +29,8 @@ RUN=/run/mpidl-slurm
 LOG=/var/log/mpidl-slurm
 
 say() { echo "local_slurm: $*"; }
+# Whether a daemon of that name is alive (zombies, left until their parent reaps them, are not).
+alive() { pgrep -x -r D,R,S,I "$1" >/dev/null; }
 
 # Whether a slurmctld answers (ours or the site's).
 ctld_up() { command -v scontrol >/dev/null 2>&1 && scontrol ping 2>/dev/null | grep -q "is UP"; }
@@ -104,19 +106,20 @@ EOF
 
 start_daemons() {
     mkdir -p /run/munge && chown munge:munge /run/munge
-    if ! pgrep -x munged >/dev/null; then
+    if ! alive munged; then
         if [[ ! -s /etc/munge/munge.key ]]; then
             mungekey --create --keyfile /etc/munge/munge.key
             chown munge:munge /etc/munge/munge.key && chmod 600 /etc/munge/munge.key
         fi
         runuser -u munge -- /usr/sbin/munged
     fi
-    pgrep -x slurmctld >/dev/null || slurmctld
-    pgrep -x slurmd >/dev/null || slurmd
-    # Until the node is idle (slurmd registered); a node left DOWN by an earlier run is resumed.
+    # Until the node is idle (slurmd registered); a node left DOWN by an earlier run is resumed,
+    # and a daemon that was still shutting down when this started is started again.
     local host i state
     host=$(hostname -s)
-    for ((i = 0; i < 60; i++)); do
+    for ((i = 0; i < 90; i++)); do
+        alive slurmctld || slurmctld
+        alive slurmd || slurmd
         state=$(sinfo -h -n "$host" -o %T 2>/dev/null || true)
         case "$state" in
             idle*|mixed*|allocated*) say "Slurm is up: node $host $state"; return 0 ;;
@@ -131,8 +134,8 @@ start_daemons() {
 
 case "$ACTION" in
     start)
-        if ctld_up; then
-            say "a slurmctld already answers: using it"
+        if ctld_up && ! { [[ -f "$CONF" ]] && grep -qF "$MARK" "$CONF"; }; then
+            say "a slurmctld of this site already answers: using it"
             sinfo
             exit 0
         fi
@@ -144,7 +147,12 @@ case "$ACTION" in
         # Only the daemons of a configuration this script wrote.
         if [[ -f "$CONF" ]] && grep -qF "$MARK" "$CONF"; then
             for pidfile in "$RUN/slurmd.pid" "$RUN/slurmctld.pid"; do
-                if [[ -f "$pidfile" ]]; then kill "$(cat "$pidfile")" 2>/dev/null || true; fi
+                if [[ -f "$pidfile" ]]; then
+                    pid=$(cat "$pidfile")
+                    kill "$pid" 2>/dev/null || true
+                    # Until it is gone, so that a `start` right after starts a fresh one.
+                    for ((i = 0; i < 60; i++)); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+                fi
             done
             say "stopped slurmd and slurmctld"
         fi
