@@ -128,8 +128,8 @@ class Trainer:
         never inside an MPI call. One rank receiving the signal is enough: the flag travels
         with the next step's message. MPICH's ``mpiexec`` (hydra) forwards a SIGTERM it
         receives to every rank; Slurm signals every task of the step itself. Open MPI's
-        ``mpiexec`` (prterun) treats SIGTERM as "abort the job" (it kills the ranks within a
-        second and exits 1), but forwards SIGUSR1, which both launchers and ``srun`` pass on:
+        ``mpiexec`` (prterun) treats SIGTERM as "abort the job" (it kills the ranks about a
+        second later and exits 1), but forwards SIGUSR1, which both launchers and ``srun`` pass on:
         that is the signal to send to a launcher (``#SBATCH --signal=B:USR1@120``)."""
 
         def on_term(signum, frame):

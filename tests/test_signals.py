@@ -8,8 +8,8 @@ configured epochs and, in float64 with fixed speeds, end with bitwise the parame
 uninterrupted run.
 
 MPICH's ``mpiexec`` (hydra) forwards SIGTERM and SIGUSR1 to every rank. Open MPI's (prterun)
-forwards SIGUSR1, but takes SIGTERM as "abort the job": it kills the ranks within a second and
-exits 1, so no checkpoint is written (the ``launcher-TERM`` case checks that too, since the
+forwards SIGUSR1, but takes SIGTERM as "abort the job": it kills the ranks about a second later
+and exits non-zero, checkpoint or not (the ``launcher-TERM`` case checks that too, since the
 README tells Open MPI users to send SIGUSR1 instead). Under Slurm the signal goes to every task
 of the step (srun); one rank receiving it is enough, which the ``one-rank`` case checks.
 """
@@ -115,13 +115,12 @@ def test_signal_checkpoints_exits_0_and_resume_completes(tmp_path, tiny_data, ta
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_start(first, metrics)
     if target == "launcher-TERM" and launcher.flavor(MPIEXEC) == launcher.OPENMPI:
-        # prterun aborts on SIGTERM whatever the ranks do: exit 1, no checkpoint. This is
-        # why the README and jobs/ send SIGUSR1 to an Open MPI launcher.
+        # prterun aborts on SIGTERM whatever the ranks do: it exits non-zero and kills the
+        # ranks about a second later, so a checkpoint is written only when the ranks happen to
+        # get there first. This is why the README and jobs/ send SIGUSR1 to an Open MPI launcher.
         first.send_signal(signal.SIGTERM)
         out, err = first.communicate(timeout=60)
         assert first.returncode != 0, (out, err)
-        assert not (folder / CHECKPOINT_NAME).exists()
-        assert records(metrics)[-1]["event"] != "end"
         return
     if target == "one-rank":
         pids = {}
