@@ -23,7 +23,6 @@ import math
 import os
 import platform
 import shlex
-import shutil
 import statistics
 import subprocess
 import sys
@@ -34,11 +33,19 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH_DIR = ROOT / "benchmarks"
 RESULTS = BENCH_DIR / "results"
 PYTHON = sys.executable
-_VENV_MPIEXEC = Path(sys.executable).parent / "mpiexec"
-MPIEXEC = os.environ.get("MPIEXEC") or (str(_VENV_MPIEXEC) if _VENV_MPIEXEC.exists()
-                                        else shutil.which("mpiexec") or "mpiexec")
-#: MPICH's launcher treats every -hosts entry as a node: two "nodes" of two ranks on one machine.
-TWO_NODES = ["-ppn", "2", "-hosts", "localhost,127.0.0.1"]
+
+def _load_launcher():
+    """tests/launcher.py, the one module that knows the launchers' flags (MPICH, Open MPI)."""
+    import importlib.util  # noqa: PLC0415
+
+    spec = importlib.util.spec_from_file_location("mpidl_tests_launcher", ROOT / "tests" / "launcher.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+launcher = _load_launcher()
+MPIEXEC = launcher.default_mpiexec()
 SAMSON_DIR = ROOT.parent / "shared" / "data" / "samson"
 
 #: MPICH progress throttling, set for every benchmark job (see ``THROTTLE_NOTE``).
@@ -73,11 +80,10 @@ def bench_env(throttle: bool = True, extra: dict | None = None) -> dict:
 
 
 def mpiexec(ranks: int, program: list[str], two_nodes: bool = False) -> list[str]:
-    """``mpiexec -n RANKS [-ppn 2 -hosts localhost,127.0.0.1] -launcher fork PROGRAM...``."""
-    cmd = [MPIEXEC, "-n", str(ranks)]
-    if two_nodes:
-        cmd += TWO_NODES
-    return cmd + ["-launcher", "fork"] + list(program)
+    """``mpiexec -n RANKS ... PROGRAM...`` for this MPI (tests/launcher.py); ``two_nodes``: the
+    ranks as 2 emulated nodes (MPICH ``-hosts localhost:2,127.0.0.1:2 -launcher fork``, Open MPI
+    ``MPIDL_RANKS_PER_NODE``)."""
+    return launcher.mpiexec(ranks, list(program), 2 if two_nodes else None, exe=MPIEXEC)
 
 
 def shown(cmd: list[str]) -> str:

@@ -6,6 +6,8 @@
 # only every K' = 50 steps, so inter-node traffic falls by about K' x ranks-per-node.
 # Options after the script name go to `python -m mpidl.train`; run from the repository root.
 # LAUNCHER=mpiexec sbatch ... uses mpiexec instead of srun (see the end of the script).
+# Stop it with a checkpoint: `scancel --signal=TERM JOBID` (srun passes SIGTERM to every rank;
+# with LAUNCHER=mpiexec under Open MPI use `scancel --batch --signal=USR1 JOBID`).
 #
 # (Each #SBATCH line is explained on the line above it: comments on the line itself are not
 # safe on every Slurm version.)
@@ -31,16 +33,18 @@ export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1} NUMBA_NUM_THREADS=${SLURM_CPUS_
 train_args=(-m mpidl.train --strategy node --sync-every 50
             --metrics "runs/${SLURM_JOB_ID}.jsonl" "$@")
 mkdir -p runs
+# The launch line for this MPI (jobs/launcher.sh, read from the submission directory: sbatch
+# runs a copy of this script from its spool directory). LAUNCHER=srun (default) starts the
+# ranks with `srun --mpi=pmi2` under MPICH and `srun --mpi=pmix` under Open MPI (mpi4py's
+# library decides; SRUN_MPI=... overrides); LAUNCHER=mpiexec uses the MPI's own launcher
+# inside the allocation instead.
+# shellcheck source=jobs/launcher.sh
+source "${SLURM_SUBMIT_DIR:-.}/jobs/launcher.sh"
 
+# srun: no hostfile, and Slurm's own process binding. mpiexec (LAUNCHER=mpiexec): MPICH's
+# Hydra and Open MPI's mpirun both read the Slurm allocation themselves; the tasks per node
+# are spelled out (MPICH -ppn N, Open MPI --map-by ppr:N:node) to make the placement explicit.
+mpidl_slurm_launch --cpu-bind=cores -- "$PYTHON" "${train_args[@]}"
 # exec: no shell between Slurm and the launcher, so SIGTERM at the time limit reaches the
 # ranks, which checkpoint and exit 0 (see README, "Resuming, failures, signals").
-if [[ "${LAUNCHER:-srun}" == srun ]]; then
-    # srun wires the ranks through PMIx: no hostfile, and Slurm's own process binding.
-    exec srun --mpi=pmix --cpu-bind=cores "$PYTHON" "${train_args[@]}"
-else
-    # The alternative where srun's PMIx does not match the MPI library: MPICH's Hydra and
-    # Open MPI's mpirun both read the Slurm allocation themselves (nodes, tasks per node).
-    # -n / -ppn spelled out make the placement explicit (Open MPI: --map-by ppr:N:node).
-    exec "${MPIEXEC:-mpiexec}" -n "$SLURM_NTASKS" -ppn "$SLURM_NTASKS_PER_NODE" \
-        "$PYTHON" "${train_args[@]}"
-fi
+exec "${MPIDL_CMD[@]}"

@@ -3,6 +3,10 @@
 #
 # One CPU node, one MPI rank per Slurm task. Options after the script name go to
 # `python -m mpidl.train` (sbatch passes them on); run from the repository root.
+# LAUNCHER=mpiexec sbatch ... starts the ranks with mpiexec instead of srun (see below).
+# Stop it with a checkpoint: `scancel --signal=TERM JOBID` (srun passes SIGTERM to every rank;
+# with LAUNCHER=mpiexec under Open MPI use `scancel --batch --signal=USR1 JOBID`, since Open
+# MPI's mpiexec aborts the job on SIGTERM); tests/slurm_stage.sh does this on a real Slurm.
 #
 # (A comment on an #SBATCH line itself is not safe on every Slurm version, so each one is
 # explained on the line above it.)
@@ -31,11 +35,20 @@ PYTHON=${PYTHON:-python}
 export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1} NUMBA_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
 
 mkdir -p runs
-# srun starts the ranks itself and hands them their MPI wiring through PMIx (`srun --mpi=list`
-# shows what the site supports; mpi4py's MPI must be built with PMIx/Slurm support).
-# --cpu-bind=cores pins each rank to its own cores so the speeds it measures stay stable.
-# The metrics file is named after the job; a --metrics in "$@" comes later and wins.
+# The launch line for this MPI (jobs/launcher.sh, read from the submission directory: sbatch
+# runs a copy of this script from its spool directory). LAUNCHER=srun (default) starts the
+# ranks with `srun --mpi=pmi2` under MPICH and `srun --mpi=pmix` under Open MPI (mpi4py's
+# library decides; SRUN_MPI=... overrides); LAUNCHER=mpiexec uses the MPI's own launcher
+# inside the allocation instead.
+# shellcheck source=jobs/launcher.sh
+source "${SLURM_SUBMIT_DIR:-.}/jobs/launcher.sh"
+
+# srun starts the ranks itself and hands them their MPI wiring (PMI-2 or PMIx: `srun
+# --mpi=list` shows what the site supports). --cpu-bind=cores pins each rank to its own cores
+# so the speeds it measures stay stable. The metrics file is named after the job; a --metrics
+# in "$@" comes later and wins.
+mpidl_slurm_launch --cpu-bind=cores -- \
+    "$PYTHON" -m mpidl.train --metrics "runs/${SLURM_JOB_ID}.jsonl" "$@"
 # exec: no shell between Slurm and the launcher, so SIGTERM at the time limit reaches the
 # ranks, which checkpoint and exit 0 (see README, "Resuming, failures, signals").
-exec srun --mpi=pmix --cpu-bind=cores \
-    "$PYTHON" -m mpidl.train --metrics "runs/${SLURM_JOB_ID}.jsonl" "$@"
+exec "${MPIDL_CMD[@]}"

@@ -25,6 +25,13 @@ set -euo pipefail
 PYTHON=${PYTHON:-python}
 export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1} NUMBA_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
 mkdir -p runs
+# The launch line for this MPI (jobs/launcher.sh, read from the submission directory: sbatch
+# runs a copy of this script from its spool directory). LAUNCHER=srun (default) starts the
+# ranks with `srun --mpi=pmi2` under MPICH and `srun --mpi=pmix` under Open MPI (mpi4py's
+# library decides; SRUN_MPI=... overrides); LAUNCHER=mpiexec uses the MPI's own launcher
+# inside the allocation instead.
+# shellcheck source=jobs/launcher.sh
+source "${SLURM_SUBMIT_DIR:-.}/jobs/launcher.sh"
 
 # Sites whose Slurm does not bind GPUs per task (all ranks see every GPU, and would all use
 # device 0) set GPU_BIND=localid: a tiny wrapper then gives rank k of the node GPU k by
@@ -41,5 +48,6 @@ fi
 # before a GPU buffer is handed to MPI. The metrics file is named after the job id.
 # exec: no shell between Slurm and the launcher, so SIGTERM at the time limit reaches the
 # ranks, which checkpoint and exit 0 (see README, "Resuming, failures, signals").
-exec srun --mpi=pmix "${wrapper[@]}" \
+mpidl_slurm_launch -- "${wrapper[@]}" \
     "$PYTHON" -m mpidl.train --device gpu --metrics "runs/${SLURM_JOB_ID}.jsonl" "$@"
+exec "${MPIDL_CMD[@]}"

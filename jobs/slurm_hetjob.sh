@@ -31,6 +31,11 @@ set -euo pipefail
 
 PYTHON=${PYTHON:-python}
 mkdir -p runs
+# The srun --mpi type for this MPI (jobs/launcher.sh, from the submission directory): pmi2
+# for MPICH, pmix for Open MPI; SRUN_MPI=... overrides.
+# shellcheck source=jobs/launcher.sh
+source "${SLURM_SUBMIT_DIR:-.}/jobs/launcher.sh"
+mpi=$(mpidl_srun_mpi)
 
 # Options every rank must get alike. Each rank parses its own command line, so the two
 # components may differ in --device, but --dtype, --batch-size, --strategy, --seed, --model
@@ -44,12 +49,12 @@ common=(-m mpidl.train --speeds auto --strategy hierarchical --dtype float32
 # One MPMD step across both components: the part before ` : ` runs in component 0 (CPU
 # ranks 0-3 of MPI_COMM_WORLD), the part after it in component 1 (GPU ranks 4-5).
 # Each part sets its own threads: CPU ranks use their cores for BLAS, GPU ranks need few.
-# --mpi=pmix is repeated after the colon: harmless where the first block's value propagates.
+# --mpi is repeated after the colon: harmless where the first block's value propagates.
 # exec: no shell between Slurm and the launcher, so SIGTERM at the time limit reaches the
 # ranks, which checkpoint and exit 0 (see README, "Resuming, failures, signals").
-exec srun --mpi=pmix --cpu-bind=cores \
+exec srun --mpi="$mpi" --cpu-bind=cores \
         env OMP_NUM_THREADS="${SLURM_CPUS_PER_TASK_HET_GROUP_0:-8}" \
         "$PYTHON" "${common[@]}" --device cpu \
-    : --mpi=pmix \
+    : --mpi="$mpi" \
         env OMP_NUM_THREADS=1 \
         "$PYTHON" "${common[@]}" --device gpu

@@ -165,13 +165,16 @@ class Trainer:
         return self.dp.steps
 
     def install_signal_handler(self) -> None:
-        """SIGTERM (what Slurm sends before the time limit): finish the current step, stop
-        with every rank after the same step, checkpoint, exit 0.
+        """SIGTERM (what Slurm sends before the time limit) or SIGUSR1: finish the current
+        step, stop with every rank after the same step, checkpoint, exit 0.
 
         The handler only sets a flag (``dp.request_stop``): Python runs it between bytecodes,
         never inside an MPI call. One rank receiving the signal is enough: the flag travels
         with the next step's message. MPICH's ``mpiexec`` (hydra) forwards a SIGTERM it
-        receives to every rank; Slurm signals every task of the step itself."""
+        receives to every rank; Slurm signals every task of the step itself. Open MPI's
+        ``mpiexec`` (prterun) treats SIGTERM as "abort the job" (it kills the ranks about a
+        second later and exits 1), but forwards SIGUSR1, which both launchers and ``srun`` pass on:
+        that is the signal to send to a launcher (``#SBATCH --signal=B:USR1@120``)."""
 
         def on_term(signum, frame):
             if getattr(self, "dp", None) is None:
@@ -180,6 +183,7 @@ class Trainer:
                 self.dp.request_stop()
 
         signal.signal(signal.SIGTERM, on_term)
+        signal.signal(signal.SIGUSR1, on_term)
 
     # ------------------------------------------------------------------ one step
     def compute(self, indices: np.ndarray) -> float:

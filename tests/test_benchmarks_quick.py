@@ -12,11 +12,13 @@ from pathlib import Path
 
 import pytest
 
+import launcher
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
-MPIEXEC = os.environ.get("MPIEXEC") or str(Path(sys.executable).parent / "mpiexec")
+MPIEXEC = launcher.default_mpiexec()
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.launcher]
 
 
 def _env():
@@ -51,7 +53,8 @@ def test_experiments_quick_writes_every_table(tmp_path):
     _run([sys.executable, str(BENCH / "experiments.py"), "--quick", "--no-samson", "--out", str(tmp_path),
           "--work", str(tmp_path / "work"), "--only", "hdp", "balanced", "node"])
     hdp = (tmp_path / "hdp_quick.md").read_text()
-    assert "| machine |" in hdp and "MPICH" in hdp and "EMULATION" in hdp
+    mpi_name = "MPICH" if launcher.flavor(MPIEXEC) == launcher.MPICH else "Open MPI"
+    assert "| machine |" in hdp and mpi_name in hdp and "EMULATION" in hdp
     rows = _table_rows(hdp, "| slowdown (relative)")
     assert len(rows) >= 3 and all("n/a" not in r.split("|")[5] for r in rows), rows  # epoch s measured
     balanced = (tmp_path / "balanced_quick.md").read_text()
@@ -65,8 +68,8 @@ def test_experiments_quick_writes_every_table(tmp_path):
 
 
 def test_comm_quick_writes_its_table(tmp_path):
-    _run([MPIEXEC, "-n", "2", "-launcher", "fork", sys.executable, str(BENCH / "comm.py"), "--quick",
-          "--no-torch", "--out", str(tmp_path)])
+    _run(launcher.mpiexec(2, [sys.executable, str(BENCH / "comm.py"), "--quick", "--no-torch",
+                              "--out", str(tmp_path)], exe=MPIEXEC))
     text = (tmp_path / "comm_quick.md").read_text()
     rows = _table_rows(text, "| buffer |")
     assert [r.split("|")[1].strip() for r in rows] == ["4 KiB", "64 KiB", "256 KiB"]

@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+import launcher
+
 import mpidl.checkpoint as ck
 from mpidl.backend import get_backend
 from mpidl.config import parse_config
@@ -27,7 +29,7 @@ from mpidl.models import build_model
 from mpidl.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
-MPIEXEC = os.environ.get("MPIEXEC") or str(Path(sys.executable).parent / "mpiexec")
+MPIEXEC = launcher.default_mpiexec()
 META = {"epoch": 1, "step_in_epoch": 0, "build_args": {"name": "x"}, "model": "x"}
 
 
@@ -230,7 +232,7 @@ def test_one_rank_interrupted_and_resumed_is_bitwise_identical(tmp_path, how):
 def launch(args, np_=2, timeout=120):
     if not Path(MPIEXEC).exists():
         pytest.skip(f"no mpiexec at {MPIEXEC}")
-    cmd = [MPIEXEC, "-n", str(np_), "-launcher", "fork", sys.executable, "-m", "mpidl.train", *args]
+    cmd = launcher.mpiexec(np_, [sys.executable, "-m", "mpidl.train", *args], exe=MPIEXEC)
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     proc.seconds = time.perf_counter() - start
@@ -249,6 +251,7 @@ def foreign_checkpoint(folder):
     ("corrupt", "is not a readable mpidl checkpoint"),
     ("other-model", "holds model hsicnn {'channels': [2, 2]"),
 ])
+@pytest.mark.launcher
 def test_bad_resume_ends_cleanly_with_exit_2(tmp_path, case, message):
     if case == "corrupt":
         (tmp_path / ck.CHECKPOINT_NAME).write_bytes(b"\x89HDF\r\n" + b"\0" * 100)

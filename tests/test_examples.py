@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
+import launcher
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "mpidl" / "examples" / "custom_loop.py"
-MPIEXEC = os.environ.get("MPIEXEC") or str(Path(sys.executable).parent / "mpiexec")
+MPIEXEC = launcher.default_mpiexec()
 
 
 def test_the_readme_prints_the_example_file():
@@ -24,13 +26,14 @@ def test_the_example_is_short():
     assert len(EXAMPLE.read_text().splitlines()) <= 40
 
 
+@pytest.mark.launcher
 def test_the_example_runs_as_printed_on_two_emulated_nodes():
     if not Path(MPIEXEC).exists():
         pytest.skip(f"no mpiexec at {MPIEXEC}")
     env = dict(os.environ, MPIDL_RANKS_PER_NODE="2", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
                NUMBA_NUM_THREADS="1")
-    proc = subprocess.run([MPIEXEC, "-n", "4", "-launcher", "fork", sys.executable, "-m",
-                           "mpidl.examples.custom_loop"], cwd=ROOT, env=env, capture_output=True,
+    proc = subprocess.run(launcher.mpiexec(4, [sys.executable, "-m", "mpidl.examples.custom_loop"],
+                                           exe=MPIEXEC), cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()

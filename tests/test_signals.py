@@ -1,14 +1,17 @@
 """SIGTERM (what Slurm sends before the time limit) stops a job cleanly, and --resume finishes it.
 
-Each test launches ``python -m mpidl.train`` under ``mpiexec -n 2 -launcher fork`` (or alone),
-waits until training has started (the metrics file has its ``start`` record, written after the
-signal handler is installed), sends SIGTERM, and checks: exit code 0, an ``end`` record with
-``stopped: signal``, a checkpoint. The resumed run must reach the configured epochs and, in
-float64 with fixed speeds, end with bitwise the parameters of an uninterrupted run.
+Each test launches ``python -m mpidl.train`` under ``mpiexec -n 2`` (tests/launcher.py: MPICH
+or Open MPI) or alone, waits until training has started (the metrics file has its ``start``
+record, written after the signal handler is installed), sends the signal, and checks: exit code
+0, an ``end`` record with ``stopped: signal``, a checkpoint. The resumed run must reach the
+configured epochs and, in float64 with fixed speeds, end with bitwise the parameters of an
+uninterrupted run.
 
-MPICH's ``mpiexec`` (hydra) forwards a SIGTERM it receives to every rank. Under Slurm the
-signal goes to every task of the step (srun) or, with ``mpiexec`` inside a batch script, to
-every process of the job; one rank receiving it is enough, which the ``one-rank`` case checks.
+MPICH's ``mpiexec`` (hydra) forwards SIGTERM and SIGUSR1 to every rank. Open MPI's (prterun)
+forwards SIGUSR1, but takes SIGTERM as "abort the job": it kills the ranks about a second later
+and exits non-zero, checkpoint or not (the ``launcher-TERM`` case checks that too, since the
+README tells Open MPI users to send SIGUSR1 instead). Under Slurm the signal goes to every task
+of the step (srun); one rank receiving it is enough, which the ``one-rank`` case checks.
 """
 
 import json
@@ -23,11 +26,14 @@ import h5py
 import numpy as np
 import pytest
 
+import launcher
 from mpidl.checkpoint import CHECKPOINT_NAME, read_checkpoint_meta
 
 ROOT = Path(__file__).resolve().parents[1]
-MPIEXEC = os.environ.get("MPIEXEC") or str(Path(sys.executable).parent / "mpiexec")
+MPIEXEC = launcher.default_mpiexec()
 EPOCHS, STEPS_PER_EPOCH = 3, 15  # 240 samples, global batch 16
+
+pytestmark = pytest.mark.launcher
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +60,7 @@ def command(data, *extra, ranks=2):
         return args
     if not Path(MPIEXEC).exists():
         pytest.skip(f"no mpiexec at {MPIEXEC}")
-    return [MPIEXEC, "-n", str(ranks), "-launcher", "fork", *args]
+    return launcher.mpiexec(ranks, args, exe=MPIEXEC)
 
 
 def records(path):
@@ -76,8 +82,8 @@ def wait_for_start(proc, metrics, timeout=60.0):
 
 
 def rank_pids(mpiexec_pid):
-    """``{rank: pid}`` of the ranks under an mpiexec (hydra: mpiexec -> proxy -> ranks), from
-    each process's ``PMI_RANK``."""
+    """``{rank: pid}`` of the ranks under an mpiexec (hydra: mpiexec -> proxy -> ranks; prterun:
+    mpiexec -> ranks), from each process's environment (``PMI_RANK``, ``OMPI_COMM_WORLD_RANK``)."""
     found, todo = {}, [mpiexec_pid]
     while todo:
         pid = todo.pop()
@@ -86,9 +92,9 @@ def rank_pids(mpiexec_pid):
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        for entry in env:
-            if entry.startswith(b"PMI_RANK="):
-                found[int(entry.split(b"=")[1])] = pid
+        rank = launcher.rank_of_environ(dict(e.split(b"=", 1) for e in env if b"=" in e))
+        if rank is not None:
+            found[rank] = pid
         todo += [int(c) for c in children]
     return found
 
@@ -98,16 +104,24 @@ def params_of(saved_model):
         return [f[name][()] for name in json.loads(f.attrs["param_order"])]
 
 
-@pytest.mark.parametrize("target", ["mpiexec", "one-rank", "serial"])
-def test_sigterm_checkpoints_exits_0_and_resume_completes(tmp_path, tiny_data, target):
+@pytest.mark.parametrize("target", ["launcher-TERM", "launcher-USR1", "one-rank", "serial"])
+def test_signal_checkpoints_exits_0_and_resume_completes(tmp_path, tiny_data, target):
     ranks = None if target == "serial" else 2
     folder, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
-    # SIGTERM is sent as soon as the run loop starts: every rank stops after the step that
+    # The signal is sent as soon as the run loop starts: every rank stops after the step that
     # carries the flag (the next one), well before the last step (45).
     first = subprocess.Popen(
         command(tiny_data, "--checkpoint", str(folder), "--metrics", str(metrics), ranks=ranks),
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_start(first, metrics)
+    if target == "launcher-TERM" and launcher.flavor(MPIEXEC) == launcher.OPENMPI:
+        # prterun aborts on SIGTERM whatever the ranks do: it exits non-zero and kills the
+        # ranks about a second later, so a checkpoint is written only when the ranks happen to
+        # get there first. This is why the README and jobs/ send SIGUSR1 to an Open MPI launcher.
+        first.send_signal(signal.SIGTERM)
+        out, err = first.communicate(timeout=60)
+        assert first.returncode != 0, (out, err)
+        return
     if target == "one-rank":
         pids = {}
         for _ in range(100):  # the ranks are running: their PMI_RANK is there to read
@@ -118,7 +132,7 @@ def test_sigterm_checkpoints_exits_0_and_resume_completes(tmp_path, tiny_data, t
         assert 1 in pids, pids
         os.kill(pids[1], signal.SIGTERM)  # rank 1 alone: its next gradient message tells rank 0
     else:
-        first.send_signal(signal.SIGTERM)
+        first.send_signal(signal.SIGUSR1 if target == "launcher-USR1" else signal.SIGTERM)
     out, err = first.communicate(timeout=60)
     assert first.returncode == 0, (out, err)
     end = records(metrics)[-1]
@@ -139,7 +153,7 @@ def test_sigterm_checkpoints_exits_0_and_resume_completes(tmp_path, tiny_data, t
     assert end["stopped"] == "completed" and end["step"] == EPOCHS * STEPS_PER_EPOCH
     assert records(metrics)[-2]["epoch"] == EPOCHS
 
-    if target == "mpiexec":  # the same job without interruption: bitwise the same model
+    if target == "launcher-USR1":  # the same job without interruption: bitwise the same model
         whole = subprocess.run(command(tiny_data, "--save", str(tmp_path / "whole.h5"), ranks=ranks),
                                cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert whole.returncode == 0, whole.stderr

@@ -11,10 +11,11 @@ import h5py
 import numpy as np
 import pytest
 
+import launcher
 from mpidl.checkpoint import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
-MPIEXEC = os.environ.get("MPIEXEC") or str(Path(sys.executable).parent / "mpiexec")
+MPIEXEC = launcher.default_mpiexec()
 FAST = ["--epochs", "1", "--max-steps", "3", "--speeds", "auto"]
 
 
@@ -23,7 +24,7 @@ def train(args, np_=None, timeout=120):
     if np_ is not None:
         if not Path(MPIEXEC).exists():
             pytest.skip(f"no mpiexec at {MPIEXEC}")
-        cmd = [MPIEXEC, "-n", str(np_), "-launcher", "fork", *cmd]
+        cmd = launcher.mpiexec(np_, cmd, exe=MPIEXEC)
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     proc.seconds = time.perf_counter() - start
@@ -54,6 +55,7 @@ def test_serial_run_writes_metrics_and_model(tmp_path):
             np.testing.assert_array_equal(f[p.name][()], model.params[p.name].data)
 
 
+@pytest.mark.launcher
 def test_four_ranks_metrics_have_per_rank_fields(tmp_path):
     metrics = tmp_path / "m.jsonl"
     proc = train(FAST + ["--metrics", str(metrics), "--speeds", "1,2,3,4"], np_=4)
@@ -80,6 +82,7 @@ def test_four_ranks_metrics_have_per_rank_fields(tmp_path):
         (["--model", "vit", "--model-args", "patch=2"], "--model-args must be a JSON object"),
     ],
 )
+@pytest.mark.launcher
 def test_setup_errors_are_printed_once_and_exit_2(args, message):
     proc = train(args, np_=2)
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
@@ -105,12 +108,14 @@ def test_data_file_without_layout_is_refused(tmp_path):
     assert proc.returncode == 2 and str(bad) in proc.stderr, proc.stderr
 
 
+@pytest.mark.launcher
 def test_batch_smaller_than_world_is_refused_on_every_rank():
     proc = train(["--batch-size", "3"], np_=4)
     assert proc.returncode == 2
     assert "smaller than the number of ranks 4" in proc.stderr and proc.stderr.count("error") == 1
 
 
+@pytest.mark.launcher
 def test_exception_on_one_rank_ends_the_job_promptly():
     proc = train(["--epochs", "50", "--speeds", "1,1,1,1", "--inject-fault", "1:5"], np_=4)
     assert proc.returncode != 0
@@ -119,6 +124,7 @@ def test_exception_on_one_rank_ends_the_job_promptly():
     assert proc.seconds < 30  # start-up included; the abort itself takes well under a second
 
 
+@pytest.mark.launcher
 @pytest.mark.parametrize("strategy", ["flat", "node"])
 def test_nan_on_one_rank_stops_every_rank(tmp_path, strategy):
     metrics = tmp_path / "m.jsonl"
@@ -133,6 +139,7 @@ def test_nan_on_one_rank_stops_every_rank(tmp_path, strategy):
     assert end["step"] == (3 if strategy == "flat" else 5)  # steps completed
 
 
+@pytest.mark.launcher
 def test_nan_skip_keeps_training(tmp_path):
     metrics = tmp_path / "m.jsonl"
     proc = train(["--epochs", "1", "--max-steps", "6", "--speeds", "1,1", "--on-nan", "skip",

@@ -1,6 +1,8 @@
 """MPI tests of the gradient reducers against NumPy references; any world size.
 
-mpiexec -n 4 -ppn 2 -hosts localhost,127.0.0.1 -launcher fork python -m pytest --with-mpi -q tests/mpi
+mpiexec -n 4 -hosts localhost:2,127.0.0.1:2 -launcher fork python -m pytest --with-mpi -q tests/mpi   (MPICH)
+MPIDL_RANKS_PER_NODE=2 mpiexec -n 4 --oversubscribe python -m pytest --with-mpi -q tests/mpi  (Open MPI)
+(bash tests/run_all.sh mpi runs every launch of these tests, for the MPI of mpi4py.)
 
 Rank r's local mean gradient and its sample count are deterministic functions of r, so every
 rank can compute the expected reduced result itself. Each rank hands the reducer only its

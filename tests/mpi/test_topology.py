@@ -1,6 +1,8 @@
 """MPI tests of mpidl.distributed.topology; any world size.
 
-mpiexec -n 4 -ppn 2 -hosts localhost,127.0.0.1 -launcher fork python -m pytest --with-mpi -q tests/mpi
+mpiexec -n 4 -hosts localhost:2,127.0.0.1:2 -launcher fork python -m pytest --with-mpi -q tests/mpi   (MPICH)
+MPIDL_RANKS_PER_NODE=2 mpiexec -n 4 --oversubscribe python -m pytest --with-mpi -q tests/mpi  (Open MPI)
+(bash tests/run_all.sh mpi runs every launch of these tests, for the MPI of mpi4py.)
 
 Every check is computed on every rank, gathered, and only then asserted, so a failure on one
 rank never leaves the others waiting in a collective.

@@ -1,0 +1,163 @@
+# source jobs/launcher.sh   (sourced by tests/run_all.sh, tests/slurm_stage.sh and jobs/local*.sh)
+#
+# How to start N MPI ranks, and N ranks as emulated nodes on one machine, with MPICH's or
+# Open MPI's mpiexec: the shell twin of tests/launcher.py (tests/test_launcher.py checks that
+# both give the same command lines). It only defines functions:
+#
+#   mpidl_mpi_flavor [MPIEXEC]        prints mpich or openmpi: $MPIDL_MPI_FLAVOR if set, else
+#                                     what `MPIEXEC --version` (default $MPIEXEC, mpiexec) says
+#   mpidl_mpiexec RANKS NODES PROG... sets the array MPIDL_CMD to the command line that starts
+#                                     PROG... as RANKS ranks cut into NODES: 1 (one node), K
+#                                     (K equal nodes) or sizes "2,1" (in rank order)
+#   e.g.  mpidl_mpiexec 4 2 python -m mpidl.train --strategy node && exec "${MPIDL_CMD[@]}"
+#   mpidl_library_flavor [PYTHON]     prints mpich or openmpi: the MPI library that mpi4py of
+#                                     PYTHON (default $PYTHON, python) loads
+#                                     (MPI.Get_library_version(), without MPI_Init)
+#   mpidl_srun_mpi                    prints the srun --mpi type: $SRUN_MPI, else pmi2 for
+#                                     MPICH, pmix for Open MPI (mpidl_library_flavor)
+#   mpidl_slurm_launch [SRUN_OPTION...] -- PROG...
+#                                     inside a Slurm allocation: sets MPIDL_CMD to
+#                                     LAUNCHER=srun (default): srun --mpi=$(mpidl_srun_mpi)
+#                                       (Open MPI 5 has no PMI-2; the MPICH wheel's PMI
+#                                       client speaks PMI-1/2, not PMIx), SRUN_OPTION... PROG...;
+#                                     LAUNCHER=mpiexec: $MPIEXEC -n $SLURM_NTASKS with the
+#                                       tasks per node (MPICH -ppn, Open MPI --map-by ppr:N:node);
+#                                       both launchers read the allocation themselves.
+#
+# MPICH (hydra) treats every -hosts entry as a node, and -launcher fork starts the ranks
+# locally: `-hosts localhost:2,127.0.0.1:2` gives two real MPI_COMM_TYPE_SHARED nodes.
+# Open MPI's launcher sees one node whatever the host names, so the nodes are emulated by
+# MPIDL_RANKS_PER_NODE=K (consecutive ranks; sizes K..K,r with r <= K), set through `env`,
+# which execs mpiexec in its own process (a signal sent to it reaches mpiexec). Open MPI also
+# gets --oversubscribe (more ranks than cores), --bind-to none (no pinning to busy cores),
+# --mca mpi_yield_when_idle 1 (waiting ranks yield the core instead of spinning: the cores
+# are shared) and, as root, --allow-run-as-root.
+
+# Host names of the emulated nodes under MPICH: distinct strings, all this machine.
+MPIDL_HOSTS=(localhost 127.0.0.1 127.0.0.2 127.0.0.3 127.0.0.4 127.0.0.5 127.0.0.6 127.0.0.7)
+
+mpidl_mpi_flavor() {
+    local exe=${1:-${MPIEXEC:-mpiexec}} text
+    if [[ -n "${MPIDL_MPI_FLAVOR:-}" ]]; then
+        case "${MPIDL_MPI_FLAVOR,,}" in
+            mpich|openmpi) echo "${MPIDL_MPI_FLAVOR,,}"; return 0 ;;
+            *) echo "launcher.sh: MPIDL_MPI_FLAVOR must be mpich or openmpi, got '$MPIDL_MPI_FLAVOR'" >&2
+               return 2 ;;
+        esac
+    fi
+    if ! text=$("$exe" --version 2>&1); then
+        echo "launcher.sh: cannot run $exe --version" >&2
+        return 2
+    fi
+    case "$text" in
+        *HYDRA*|*"Intel(R) MPI"*) echo mpich ;;
+        *"Open MPI"*|*OpenRTE*|*PRRTE*|*prterun*) echo openmpi ;;
+        *) echo "launcher.sh: $exe --version names neither MPICH (HYDRA) nor Open MPI;" \
+                "set MPIDL_MPI_FLAVOR=mpich or openmpi" >&2
+           return 2 ;;
+    esac
+}
+
+mpidl_mpiexec() {
+    local ranks=$1 nodes=$2 exe=${MPIEXEC:-mpiexec} kind i sum=0 hosts=""
+    shift 2
+    kind=$(mpidl_mpi_flavor "$exe") || return 2
+    local -a sizes
+    if [[ -z "$nodes" || "$nodes" == 1 ]]; then
+        sizes=("$ranks")
+    elif [[ "$nodes" == *,* ]]; then
+        IFS=, read -r -a sizes <<< "$nodes"
+    else
+        if (( nodes < 1 || ranks % nodes )); then
+            echo "launcher.sh: $ranks ranks do not make $nodes equal nodes" >&2
+            return 2
+        fi
+        for ((i = 0; i < nodes; i++)); do sizes+=($((ranks / nodes))); done
+    fi
+    for i in "${sizes[@]}"; do
+        (( i >= 1 )) || { echo "launcher.sh: node sizes $nodes must be >= 1" >&2; return 2; }
+        sum=$((sum + i))
+    done
+    if (( sum != ranks )); then
+        echo "launcher.sh: node sizes $nodes do not add up to $ranks ranks" >&2
+        return 2
+    fi
+    if [[ "$kind" == mpich ]]; then
+        MPIDL_CMD=("$exe" -n "$ranks")
+        if (( ${#sizes[@]} > 1 )); then
+            if (( ${#sizes[@]} > ${#MPIDL_HOSTS[@]} )); then
+                echo "launcher.sh: at most ${#MPIDL_HOSTS[@]} emulated nodes" >&2
+                return 2
+            fi
+            for i in "${!sizes[@]}"; do hosts+="${hosts:+,}${MPIDL_HOSTS[i]}:${sizes[i]}"; done
+            MPIDL_CMD+=(-hosts "$hosts")
+        fi
+        MPIDL_CMD+=(-launcher fork "$@")
+    else
+        MPIDL_CMD=()
+        if (( ${#sizes[@]} > 1 )); then
+            local k=${sizes[0]} last=${sizes[${#sizes[@]} - 1]}
+            for i in "${sizes[@]:0:${#sizes[@]}-1}"; do
+                if (( i != k )); then last=$((k + 1)); fi
+            done
+            if (( last > k )); then
+                echo "launcher.sh: Open MPI emulates nodes by MPIDL_RANKS_PER_NODE=K" \
+                     "(sizes K..K,r with r <= K), which cannot give $nodes" >&2
+                return 2
+            fi
+            MPIDL_CMD=(env "MPIDL_RANKS_PER_NODE=$k")
+        fi
+        MPIDL_CMD+=("$exe" -n "$ranks" --oversubscribe --bind-to none --mca mpi_yield_when_idle 1)
+        if (( EUID == 0 )); then MPIDL_CMD+=(--allow-run-as-root); fi
+        MPIDL_CMD+=("$@")
+    fi
+}
+
+mpidl_library_flavor() {
+    local py=${1:-${PYTHON:-python}} text
+    if ! text=$("$py" -c 'import mpi4py; mpi4py.rc.initialize = False
+from mpi4py import MPI; print(MPI.Get_library_version().replace(chr(0), ""))' 2>&1); then
+        echo "launcher.sh: $py cannot load mpi4py: $text" >&2
+        return 2
+    fi
+    case "$text" in
+        *"Open MPI"*) echo openmpi ;;
+        *MPICH*|*"Intel(R) MPI"*) echo mpich ;;
+        *) echo "launcher.sh: unknown MPI library: ${text:0:200}" >&2; return 2 ;;
+    esac
+}
+
+mpidl_srun_mpi() {
+    local kind
+    if [[ -n "${SRUN_MPI:-}" ]]; then echo "$SRUN_MPI"; return 0; fi
+    kind=$(mpidl_library_flavor) || return 2
+    if [[ "$kind" == openmpi ]]; then echo pmix; else echo pmi2; fi
+}
+
+mpidl_slurm_launch() {
+    local -a opts=()
+    while (( $# )) && [[ "$1" != -- ]]; do opts+=("$1"); shift; done
+    [[ "${1:-}" == -- ]] && shift
+    local kind
+    kind=$(mpidl_library_flavor) || return 2
+    if [[ "${LAUNCHER:-srun}" == srun ]]; then
+        local type
+        type=$(mpidl_srun_mpi) || return 2
+        MPIDL_CMD=(srun "--mpi=$type" "${opts[@]}" "$@")
+    elif [[ "$LAUNCHER" == mpiexec ]]; then
+        local exe=${MPIEXEC:-mpiexec} per=${SLURM_NTASKS_PER_NODE:-}
+        # SLURM_NTASKS_PER_NODE is set only with --ntasks-per-node; "8(x4)" forms are cut to 8.
+        per=${per%%(*}
+        MPIDL_CMD=("$exe" -n "${SLURM_NTASKS:?not inside a Slurm allocation}")
+        if [[ "$kind" == openmpi ]]; then
+            if [[ -n "$per" ]]; then MPIDL_CMD+=(--map-by "ppr:$per:node"); fi
+            if (( EUID == 0 )); then MPIDL_CMD+=(--allow-run-as-root); fi
+        elif [[ -n "$per" ]]; then
+            MPIDL_CMD+=(-ppn "$per")
+        fi
+        MPIDL_CMD+=("$@")
+    else
+        echo "launcher.sh: LAUNCHER must be srun or mpiexec, got '$LAUNCHER'" >&2
+        return 2
+    fi
+}

@@ -1,0 +1,167 @@
+#!/usr/bin/env bash
+# bash jobs/local_slurm.sh [start|stop|status]
+#
+# A one-machine Slurm on localhost, to run the sbatch scripts of jobs/ for real (the test
+# stage tests/slurm_stage.sh uses it). `start` (the default):
+#   1. installs what is missing, from Debian's packages: munge, slurmctld, slurmd,
+#      slurm-client (`apt-get update` once, then `apt-get install`; root needed);
+#   2. writes /etc/slurm/slurm.conf for this machine (its CPUs and memory, one node, one
+#      partition `debug`), unless a slurm.conf that this script did not write is there;
+#   3. starts munged, slurmctld and slurmd (no systemd needed) and waits until the node is idle.
+# `stop` ends the daemons it started; `status` shows sinfo. If a slurmctld already answers
+# (`scontrol ping`), `start` uses that Slurm and changes nothing.
+#
+# The configuration is the smallest that works inside a container without cgroups:
+# proctrack/linuxproc (processes found by parentage), task/none, no accounting. The node
+# declares Slurm's default `--cpus-per-task=1` CPUs = the machine's, with
+# SlurmdParameters=config_overrides so a sandbox that misreports its hardware still starts.
+# Debian's Slurm (22.05 in bookworm) has the pmi2 and pmix MPI plugins; pmix needs libpmix at
+# run time (libpmix-dev, for the unversioned libpmix.so), which this script installs too.
+
+# Stop at the first failing command and at unset variables.
+set -euo pipefail
+
+ACTION=${1:-start}
+CONF=/etc/slurm/slurm.conf
+MARK="# written by mpidl jobs/local_slurm.sh"
+STATE=/var/spool/mpidl-slurm
+RUN=/run/mpidl-slurm
+LOG=/var/log/mpidl-slurm
+
+say() { echo "local_slurm: $*"; }
+# Whether a daemon of that name is alive (zombies, left until their parent reaps them, are not).
+alive() { pgrep -x -r D,R,S,I "$1" >/dev/null; }
+
+# Whether a slurmctld answers (ours or the site's).
+ctld_up() { command -v scontrol >/dev/null 2>&1 && scontrol ping 2>/dev/null | grep -q "is UP"; }
+
+install_packages() {
+    local missing=()
+    command -v munged >/dev/null 2>&1 || missing+=(munge)
+    command -v slurmctld >/dev/null 2>&1 || missing+=(slurmctld)
+    command -v slurmd >/dev/null 2>&1 || missing+=(slurmd)
+    command -v sbatch >/dev/null 2>&1 || missing+=(slurm-client)
+    # The pmix MPI plugin of Debian's Slurm dlopen()s pmix2/lib/libpmix.so, the unversioned
+    # name that only the -dev package installs: without it `srun --mpi=pmix` fails.
+    [[ -e /usr/lib/x86_64-linux-gnu/pmix2/lib/libpmix.so ]] || missing+=(libpmix-dev)
+    if (( ${#missing[@]} == 0 )); then
+        return 0
+    fi
+    if (( EUID != 0 )) || ! command -v apt-get >/dev/null 2>&1; then
+        say "missing ${missing[*]}, and no root + apt-get to install them" >&2
+        return 1
+    fi
+    say "installing ${missing[*]} (Debian packages)"
+    # `apt-get update` once per machine: a fresh one has no package lists.
+    if [[ ! -f /var/lib/apt/periodic/mpidl-slurm-updated ]]; then
+        apt-get update -q >/dev/null
+        mkdir -p /var/lib/apt/periodic && touch /var/lib/apt/periodic/mpidl-slurm-updated
+    fi
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+write_conf() {
+    local host cpus mem
+    host=$(hostname -s)
+    cpus=$(nproc)
+    # RealMemory in MiB, a little below the total so slurmd's own check passes.
+    mem=$(awk '/^MemTotal:/ { printf "%d", $2 / 1024 * 0.9 }' /proc/meminfo)
+    if [[ -f "$CONF" ]] && ! grep -qF "$MARK" "$CONF"; then
+        say "$CONF exists and was not written by this script: left as it is" >&2
+        return 1
+    fi
+    mkdir -p /etc/slurm "$STATE/ctld" "$STATE/d" "$RUN" "$LOG"
+    cat > "$CONF.tmp" <<EOF
+$MARK for $host ($cpus CPUs, $mem MiB)
+ClusterName=mpidl-local
+SlurmctldHost=$host
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+StateSaveLocation=$STATE/ctld
+SlurmdSpoolDir=$STATE/d
+SlurmctldPidFile=$RUN/slurmctld.pid
+SlurmdPidFile=$RUN/slurmd.pid
+SlurmctldLogFile=$LOG/slurmctld.log
+SlurmdLogFile=$LOG/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SwitchType=switch/none
+MpiDefault=none
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SlurmdParameters=config_overrides
+ReturnToService=2
+KillWait=30
+InactiveLimit=0
+MinJobAge=300
+NodeName=$host NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem State=UNKNOWN
+PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP
+EOF
+    mv "$CONF.tmp" "$CONF"
+}
+
+start_daemons() {
+    mkdir -p /run/munge && chown munge:munge /run/munge
+    if ! alive munged; then
+        if [[ ! -s /etc/munge/munge.key ]]; then
+            mungekey --create --keyfile /etc/munge/munge.key
+            chown munge:munge /etc/munge/munge.key && chmod 600 /etc/munge/munge.key
+        fi
+        runuser -u munge -- /usr/sbin/munged
+    fi
+    # Until the node is idle (slurmd registered); a node left DOWN by an earlier run is resumed,
+    # and a daemon that was still shutting down when this started is started again.
+    local host i state
+    host=$(hostname -s)
+    for ((i = 0; i < 90; i++)); do
+        alive slurmctld || slurmctld
+        alive slurmd || slurmd
+        state=$(sinfo -h -n "$host" -o %T 2>/dev/null || true)
+        case "$state" in
+            idle*|mixed*|allocated*) say "Slurm is up: node $host $state"; return 0 ;;
+            down*|drain*) scontrol update nodename="$host" state=resume 2>/dev/null || true ;;
+        esac
+        sleep 1
+    done
+    say "the node did not become idle; logs in $LOG" >&2
+    tail -n 20 "$LOG/slurmctld.log" "$LOG/slurmd.log" >&2 || true
+    return 1
+}
+
+case "$ACTION" in
+    start)
+        if ctld_up && ! { [[ -f "$CONF" ]] && grep -qF "$MARK" "$CONF"; }; then
+            say "a slurmctld of this site already answers: using it"
+            sinfo
+            exit 0
+        fi
+        install_packages
+        write_conf
+        start_daemons
+        ;;
+    stop)
+        # Only the daemons of a configuration this script wrote.
+        if [[ -f "$CONF" ]] && grep -qF "$MARK" "$CONF"; then
+            for pidfile in "$RUN/slurmd.pid" "$RUN/slurmctld.pid"; do
+                if [[ -f "$pidfile" ]]; then
+                    pid=$(cat "$pidfile")
+                    kill "$pid" 2>/dev/null || true
+                    # Until it is gone, so that a `start` right after starts a fresh one.
+                    for ((i = 0; i < 60; i++)); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+                fi
+            done
+            say "stopped slurmd and slurmctld"
+        fi
+        ;;
+    status)
+        sinfo
+        ;;
+    *)
+        echo "usage: bash jobs/local_slurm.sh [start|stop|status]" >&2
+        exit 2
+        ;;
+esac

