@@ -300,6 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model-args", default=d.model_args, metavar="JSON",
                    help="the model's width arguments as a JSON object, e.g. '{\"patch\": 1, \"depth\": 2}' "
                         "for vit (see mpidl/models.py; default: the model's defaults)")
+    g.add_argument("--augment", action="store_true",
+                   help="random flips / 90-degree rotations of training patches (default off)")
 
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int, default=d.epochs, help="passes over the training split")

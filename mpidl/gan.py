@@ -477,9 +477,9 @@ def plot_spectra(quality: dict, class_names, path: str, title: str) -> str | Non
 
 # ---------------------------------------------------------------------------- command line
 def main(argv=None) -> int:
-    from mpidl.train import _limit_threads_per_rank  # noqa: PLC0415
+    from mpidl import threads  # noqa: PLC0415
 
-    _limit_threads_per_rank()
+    threads.apply()  # the thread policy, before NumPy and Numba start their pools
     from mpidl.distributed import Topology  # noqa: PLC0415
     from mpidl.distributed.launch import abort_on_uncaught_exception, agree_on_error, world  # noqa: PLC0415
     from mpidl.log import MetricsWriter, Printer  # noqa: PLC0415

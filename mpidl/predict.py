@@ -294,9 +294,9 @@ def draw_map(path: str, pred, truth, class_names, title: str) -> None:
 
 
 def main(argv=None) -> int:
-    from mpidl.train import _limit_threads_per_rank  # noqa: PLC0415
+    from mpidl import threads  # noqa: PLC0415
 
-    _limit_threads_per_rank()
+    threads.apply()  # the thread policy, before NumPy and Numba start their pools
     import numpy as np  # noqa: PLC0415
 
     from mpidl.distributed.launch import (abort_on_uncaught_exception, agree_on_error,  # noqa: PLC0415
