@@ -6,7 +6,9 @@ non-blocking collective (run by tests/test_faults_hiding.py under mpiexec).
 Rank 1 fails at step 2: in the ``shm`` modes before its step (rank 0 is then certainly
 waiting in the window's first barrier: it cannot pass it without rank 1), in the
 ``overlap`` modes after its backward has started the buckets (rank 0 waits in the final wait
-for buckets rank 1 never sends). Rank 1 writes the time of its failure into STAMP first.
+for buckets rank 1 never sends). Rank 1 first writes ``TIME PID`` into STAMP: the time of its
+failure, and its PID (a killed process says nothing and the launcher names it by its PID only;
+a file, unlike a printed line, is certainly complete before the kill).
 """
 
 import os
@@ -28,8 +30,6 @@ def main(mode: str, stamp: str) -> None:
     model = build_model("hsicnn", (4, 5, 5), 3, seed=0, channels=(4, 4), hidden=8)
     kwargs = {"intra": "shm"} if mode.startswith("shm") else {"overlap": True, "bucket_mb": 1e-4}
     dp = DataParallel(model, SGD(model.params, lr=0.1), batch_size=4, **kwargs)
-    # A killed process says nothing: the launcher names its PID, this line maps it to the rank.
-    print(f"rank {dp.rank} pid {os.getpid()}", flush=True)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((4, 4, 5, 5)).astype(np.float32)
     y = rng.integers(0, 3, 4)
@@ -49,7 +49,7 @@ def main(mode: str, stamp: str) -> None:
 
 def fail(mode: str, stamp: str) -> None:
     with open(stamp, "w") as f:
-        f.write(repr(time.time()))
+        f.write(f"{time.time()!r} {os.getpid()}")
     if mode.endswith("kill"):
         os.kill(os.getpid(), signal.SIGKILL)
     raise RuntimeError(f"injected failure ({mode})")
