@@ -63,7 +63,8 @@ install_packages() {
 write_conf() {
     local host cpus mem
     host=$(hostname -s)
-    cpus=$(nproc)
+    # nproc honours OMP_NUM_THREADS (CI exports 1): the node's CPUs are the machine's.
+    cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
     # RealMemory in MiB, a little below the total so slurmd's own check passes.
     mem=$(awk '/^MemTotal:/ { printf "%d", $2 / 1024 * 0.9 }' /proc/meminfo)
     if [[ -f "$CONF" ]] && ! grep -qF "$MARK" "$CONF"; then

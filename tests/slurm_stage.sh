@@ -3,7 +3,7 @@
 #
 # Starts (or finds) a one-machine Slurm (jobs/local_slurm.sh: Debian's munge, slurmctld,
 # slurmd), then, on a tiny data file:
-#   1. sbatch --wait a short job: exit code 0, the "done: completed" summary with its test OA
+#   1. a short job to its end: exit code 0, the "done: completed" summary with its test OA
 #      in the job's output, and an `end` record `stopped: completed` in its metrics;
 #   2. a longer job, stopped by `scancel --signal=TERM` as soon as it trains: it must end
 #      with exit code 0 (scontrol's ExitCode=0:0), `stopped: signal` and a checkpoint;
@@ -58,19 +58,34 @@ print(json.dumps(ends[-1]) if ends else "{}")' "$1" "$2"
 field() { "$PY" -c 'import json, sys; print(json.loads(sys.argv[1]).get(sys.argv[2]))' "$1" "$2"; }
 exit_code() { scontrol show job "$1" | grep -o 'ExitCode=[0-9:]*' | head -n 1 | cut -d= -f2; }
 wait_gone() {  # until the job has left the queue (completed, failed or cancelled)
-    local i
+    local i reason
     for ((i = 0; i < 600; i++)); do
         if [[ -z "$(squeue -h -j "$1" -o %i 2>/dev/null)" ]]; then return 0; fi
+        # A job this Slurm can never start (more CPUs or nodes than the partition has) would
+        # wait for ever: fail at once, with the reason.
+        reason=$(squeue -h -j "$1" -o %r 2>/dev/null || true)
+        case "$reason" in
+            PartitionConfig|PartitionNodeLimit|BadConstraints|ReqNodeNotAvail*)
+                scancel "$1" || true
+                fail "job $1 cannot start here (reason $reason): $(scontrol show node | grep -E 'NodeName|CPUTot')" ;;
+        esac
         sleep 1
     done
     scancel "$1" || true
     fail "job $1 still in the queue after 10 minutes"
 }
+run_to_end() {  # submit, wait until the job leaves the queue, fail unless ExitCode=0:0; prints the job id
+    local job code
+    job=$(submit "$@")
+    wait_gone "$job" >&2
+    code=$(exit_code "$job")
+    [[ "$code" == 0:0 ]] || { cat "$WORK"/*-"$job".out >&2 || true; fail "job $job ended with ExitCode=$code"; }
+    echo "$job"
+}
 
 # ---- 1. one job to its end
-say "1. sbatch --wait jobs/slurm_cpu_single_node.sh (2 tasks, 2 epochs)"
-job=$(submit --job-name=mpidl-stage-run --wait "$SCRIPT" "${common[@]}" --epochs 2 \
-      --metrics "$WORK/run.jsonl") || fail "the job failed: $(cat "$WORK"/mpidl-stage-run-*.out)"
+say "1. sbatch jobs/slurm_cpu_single_node.sh (2 tasks, 2 epochs) to its end"
+job=$(run_to_end --job-name=mpidl-stage-run "$SCRIPT" "${common[@]}" --epochs 2 --metrics "$WORK/run.jsonl")
 out="$WORK/mpidl-stage-run-$job.out"
 cat "$out"
 grep -q "mpidl: 2 rank(s)" "$out" || fail "job $job did not run 2 ranks"
@@ -103,10 +118,9 @@ grep -q "checkpoint:" "$out" || fail "job $job did not report its checkpoint"
 say "job $job: stopped by SIGTERM after step $stopped_at, checkpoint written, exit code 0"
 
 # ---- 3. a job that resumes it
-say "3. sbatch --wait ... --resume: continues from the checkpoint and completes"
-job=$(submit --job-name=mpidl-stage-resume --wait "$SCRIPT" "${common[@]}" --epochs 12 \
-      --checkpoint "$WORK/ck" --resume --metrics "$WORK/term.jsonl") \
-    || fail "the resumed job failed: $(cat "$WORK"/mpidl-stage-resume-*.out)"
+say "3. sbatch ... --resume: continues from the checkpoint and completes"
+job=$(run_to_end --job-name=mpidl-stage-resume "$SCRIPT" "${common[@]}" --epochs 12 \
+      --checkpoint "$WORK/ck" --resume --metrics "$WORK/term.jsonl")
 out="$WORK/mpidl-stage-resume-$job.out"
 tail -n 3 "$out"
 grep -q "resumed from" "$out" || fail "job $job did not resume"
