@@ -7,36 +7,32 @@ module          runs on                    role
 ==============  =========================  ===========================================
 ``reference``   NumPy (or CuPy) arrays     the definition: clear, vectorized array code
 ``cpu``         NumPy arrays               Numba ``@njit(parallel=True)`` kernels
-``cuda``        CuPy arrays                Numba CUDA kernels (``numba.cuda.jit``)
+``cuda``        device arrays              Numba CUDA kernels (``numba.cuda.jit``)
 ==============  =========================  ===========================================
 
-The functions below pick the implementation from the array (CuPy array -> ``cuda``, NumPy
-array -> ``cpu``). Setting the environment variable ``MPIDL_KERNELS=reference`` forces the
-reference everywhere (for debugging a suspected kernel bug); ``MPIDL_KERNELS=cpu`` or
-``cuda`` forces one of the others. The choice is read at each call, so tests can flip it.
+The Winograd transforms have their own three files (``winograd_reference`` / ``winograd_cpu`` /
+``winograd_cuda``), batch normalization (+ ReLU) its own two (``batchnorm_reference``, which
+also serves CuPy arrays, and ``batchnorm_cpu``); both are chosen by the same rule. The math and
+the layouts are written once, in the reference files: :mod:`mpidl.kernels.reference`,
+:mod:`mpidl.kernels.winograd_reference` and :mod:`mpidl.kernels.batchnorm_reference`.
 
-Layouts (NCHW everywhere)
--------------------------
-``im2col(x, kh, kw, stride, pad)`` with ``x : (N, C, H, W)`` returns
-``cols : (C*kh*kw, N*OH*OW)``; row ``(c*kh + i)*kw + j`` holds input channel ``c`` at kernel
-offset ``(i, j)``, column ``(n*OH + oh)*OW + ow`` is output pixel ``(oh, ow)`` of sample
-``n``, and ``cols[r, col] = x[n, c, oh*stride + i - pad, ow*stride + j - pad]`` (0 outside).
-``OH = (H + 2*pad - kh)//stride + 1`` (same for ``OW``). ``col2im`` is its adjoint: it
-scatter-adds ``cols`` back into an ``(N, C, H, W)`` array.
+Callers go through the functions below. Each checks its arguments once, whichever
+implementation runs, and then calls the implementation picked from the array: a device array
+(CuPy, or a Numba device array) goes to ``cuda``, a NumPy array to ``cpu``. Setting the
+environment variable ``MPIDL_KERNELS=reference`` forces the reference everywhere (to debug a
+suspected kernel bug); ``MPIDL_KERNELS=cpu`` or ``cuda`` forces one of the others. The choice
+is read at each call, so tests can flip it.
 
-``winograd_input / winograd_output`` and their adjoints are the transforms around the batched
-GEMMs of a stride-1 convolution by Winograd's F(m x m, r x r) algorithm. They have their own
-three files, ``winograd_reference`` / ``winograd_cpu`` / ``winograd_cuda``, chosen by the same
-rule; their layout ``(C, alpha, alpha, TH*TW*N)`` and math are in
-:mod:`mpidl.kernels.winograd_reference`.
+The implementation modules are internal: they take arguments these functions have checked
+(Python ints, shapes that fit) and check only what is their own: ``cpu`` refuses ``argmax``
+indices outside their plane (its scatter-add would race), ``cuda`` takes float32 and float64
+only. Calling them directly, as the tests comparing them do, is for valid arguments only.
 
-Batch normalization (+ ReLU) has its own pair of files, ``batchnorm_reference`` (the
-definition, any ``xp``: it also serves CuPy arrays) and ``batchnorm_cpu`` (Numba), chosen the
-same way; the math is in :mod:`mpidl.kernels.batchnorm_reference`.
-
-Pooling takes ``(k, stride, pad)``; max pooling pads with -inf and returns ``argmax``, int32,
-the index ``h*W + w`` of the winning input pixel in its ``(H, W)`` plane; average pooling pads
-with zeros and always divides by ``k*k`` (PyTorch's ``count_include_pad=True``).
+Every function here raises ``ValueError`` for an argument it cannot take: an array that is
+not 4-D or whose shape does not fit the geometry, ``k < 1``, ``stride < 1``, ``pad < 0``, a
+window larger than the padded input (an empty output), max pooling's ``pad > k // 2``, an
+``argmax`` that is not an integer array, Winograd's ``m < 1`` or ``r < 1``, or an ``out``
+workspace that is not an array of the input's kind, shape and dtype, or not C-contiguous.
 """
 
 from __future__ import annotations
@@ -69,6 +65,11 @@ winograd_matrices = winograd_reference.winograd_matrices
 winograd_geometry = winograd_reference.winograd_geometry
 
 _FORCE_VALUES = ("", "reference", "cpu", "cuda")
+
+
+# --------------------------------------------------------------------------------------------
+# choosing the implementation
+# --------------------------------------------------------------------------------------------
 
 
 def _load(name: str):
@@ -113,6 +114,16 @@ def _cuda_or_reference():
     return _CUDA_MODULE
 
 
+def _on_device(x) -> bool:
+    """Whether ``x`` lives on a GPU: a CuPy array, or a Numba device array (``cuda.to_device``,
+    also under the simulator) or another object exposing ``__cuda_array_interface__``."""
+    return (
+        type(x).__module__.startswith("cupy")
+        or hasattr(x, "__cuda_array_interface__")
+        or bool(getattr(x, "__cuda_ndarray__", False))
+    )
+
+
 def implementation_for(x):
     """The kernel module that will run for array ``x`` (see the module docstring)."""
     forced = os.environ.get("MPIDL_KERNELS", "").strip().lower()
@@ -120,45 +131,15 @@ def implementation_for(x):
         raise ValueError(
             f"MPIDL_KERNELS={forced!r} is not one of reference, cpu, cuda (or unset)"
         )
-    on_gpu = type(x).__module__.startswith("cupy")
+    on_gpu = _on_device(x)
     if forced:
         if forced == "cuda" and not on_gpu:
-            raise ValueError("MPIDL_KERNELS=cuda needs CuPy arrays")
+            raise ValueError("MPIDL_KERNELS=cuda needs device arrays (CuPy or Numba)")
         if forced == "cpu" and on_gpu:
             raise ValueError("MPIDL_KERNELS=cpu needs NumPy arrays")
         return _load(forced)
     module = _load("cuda") if on_gpu else _load("cpu")
     return module if module is not None else reference
-
-
-def im2col(x, kh, kw, stride=1, pad=0, out=None):
-    """``x : (N, C, H, W)`` -> ``cols : (C*kh*kw, N*OH*OW)``; ``out`` is an optional workspace."""
-    return implementation_for(x).im2col(x, kh, kw, stride, pad, out=out)
-
-
-def col2im(cols, x_shape, kh, kw, stride=1, pad=0, out=None):
-    """Adjoint of :func:`im2col`: ``cols : (C*kh*kw, N*OH*OW)`` -> ``dx : x_shape``."""
-    return implementation_for(cols).col2im(cols, x_shape, kh, kw, stride, pad, out=out)
-
-
-def maxpool2d_forward(x, k, stride, pad=0):
-    """``x : (N, C, H, W)`` -> ``(y : (N, C, OH, OW), argmax : int32 (N, C, OH, OW))``."""
-    return implementation_for(x).maxpool2d_forward(x, k, stride, pad)
-
-
-def maxpool2d_backward(dy, argmax, x_shape, k, stride, pad=0):
-    """Route each ``dy`` to its window's winner: ``dx[n, c].flat[argmax] += dy``."""
-    return implementation_for(dy).maxpool2d_backward(dy, argmax, x_shape, k, stride, pad)
-
-
-def avgpool2d_forward(x, k, stride, pad=0):
-    """``y[n, c, oh, ow] = sum of the k*k window / (k*k)``."""
-    return implementation_for(x).avgpool2d_forward(x, k, stride, pad)
-
-
-def avgpool2d_backward(dy, x_shape, k, stride, pad=0):
-    """Spread each ``dy / (k*k)`` over its window."""
-    return implementation_for(dy).avgpool2d_backward(dy, x_shape, k, stride, pad)
 
 
 def _winograd_module(x):
@@ -175,29 +156,9 @@ def _winograd_module(x):
     return winograd_cuda
 
 
-def winograd_input(x, m, r, pad=0, out=None):
-    """``x : (N, C, H, W)`` -> ``V : (C, alpha, alpha, TH*TW*N)``, ``B^T d B`` per input tile."""
-    return _winograd_module(x).winograd_input(x, m, r, pad, out=out)
-
-
-def winograd_input_adjoint(dv, x_shape, m, r, pad=0, out=None):
-    """Adjoint of :func:`winograd_input`: ``dV -> dx : x_shape``."""
-    return _winograd_module(dv).winograd_input_adjoint(dv, x_shape, m, r, pad, out=out)
-
-
-def winograd_output(mt, y_shape, m, r, bias=None, out=None):
-    """``M : (F, alpha, alpha, TH*TW*N)`` -> ``y : y_shape``, ``A^T M A`` per tile plus ``bias``."""
-    return _winograd_module(mt).winograd_output(mt, y_shape, m, r, bias=bias, out=out)
-
-
-def winograd_output_adjoint(dy, m, r, out=None):
-    """Adjoint of :func:`winograd_output` (bias aside): ``dy -> dM``."""
-    return _winograd_module(dy).winograd_output_adjoint(dy, m, r, out=out)
-
-
 def _batchnorm_module(x):
     """``batchnorm_cpu`` for NumPy arrays (unless ``MPIDL_KERNELS=reference``), else the reference."""
-    if implementation_for(x) is reference or type(x).__module__.startswith("cupy"):
+    if implementation_for(x) is reference or _on_device(x):
         from . import batchnorm_reference  # noqa: PLC0415
 
         return batchnorm_reference
@@ -208,9 +169,179 @@ def _batchnorm_module(x):
     return batchnorm_cpu
 
 
+# --------------------------------------------------------------------------------------------
+# the argument checks, done here once for every implementation
+# --------------------------------------------------------------------------------------------
+
+
+def _ints(*values) -> tuple[int, ...]:
+    """Geometry arguments as Python ints: a NumPy integer would otherwise make Numba compile a
+    second version of a kernel for another integer type."""
+    return tuple(int(v) for v in values)
+
+
+def _check_4d(x, what: str = "x") -> tuple[int, int, int, int]:
+    if len(x.shape) != 4:
+        raise ValueError(f"{what} must be 4-D (N, C, H, W); got shape {tuple(x.shape)}")
+    return _ints(*x.shape)
+
+
+def _check_shape(array, expected: tuple, what: str, context: str = "") -> None:
+    if tuple(array.shape) != tuple(expected):
+        raise ValueError(f"{what} has shape {tuple(array.shape)}, expected {tuple(expected)}{context}")
+
+
+def _array_kind(a) -> str:
+    return type(a).__module__.split(".")[0]
+
+
+def _check_out(out, like, shape: tuple, what: str) -> None:
+    """A caller's result buffer (or None): an array of ``like``'s kind and dtype and of the exact
+    ``shape``, written in place. It must be C-contiguous: the implementations reshape it, and
+    the reshape of a strided buffer is a copy, so the result would land in the copy."""
+    if out is None:
+        return
+    if _array_kind(out) != _array_kind(like) or not hasattr(out, "shape"):
+        raise ValueError(f"{what}: out must be a {_array_kind(like)} array like the input, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{what}: out has shape {tuple(out.shape)}, expected {tuple(shape)}")
+    if out.dtype != like.dtype:
+        raise ValueError(f"{what}: out has dtype {out.dtype}, expected {like.dtype}")
+    if not out.flags["C_CONTIGUOUS"]:  # NumPy, CuPy and Numba flags all take this key
+        raise ValueError(f"{what}: out must be C-contiguous")
+
+
+def _pool_geometry(x_shape: tuple, k, stride, pad):
+    """``(k, stride, pad)`` as ints and the pooled shape ``(N, C, OH, OW)`` of ``x_shape``
+    (a tuple of ints; checked)."""
+    k, stride, pad = _ints(k, stride, pad)
+    n, c, h, w = x_shape
+    return (k, stride, pad), (n, c, conv_output_size(h, k, stride, pad), conv_output_size(w, k, stride, pad))
+
+
+def _winograd_args(m, r, pad):
+    m, r, pad = _ints(m, r, pad)
+    if m < 1 or r < 1 or pad < 0:
+        raise ValueError(f"winograd: need m >= 1, r >= 1, pad >= 0; got m={m}, r={r}, pad={pad}")
+    return m, r, pad
+
+
+def _transformed_shape(channels: int, m: int, r: int, oh: int, ow: int, n: int) -> tuple[int, int, int, int]:
+    """``(channels, alpha, alpha, TH*TW*N)``: the Winograd layout of an ``OH x OW`` output."""
+    alpha = m + r - 1
+    return channels, alpha, alpha, -(-oh // m) * -(-ow // m) * n
+
+
+# --------------------------------------------------------------------------------------------
+# the entry points: check, then run the chosen implementation (the math: the reference files)
+# --------------------------------------------------------------------------------------------
+
+
+def im2col(x, kh, kw, stride=1, pad=0, out=None):
+    """``x : (N, C, H, W)`` -> ``cols : (C*kh*kw, N*OH*OW)``; ``out`` is an optional workspace.
+    The math: :func:`mpidl.kernels.reference.im2col`."""
+    n, c, h, w = _check_4d(x)
+    kh, kw, stride, pad = _ints(kh, kw, stride, pad)
+    oh, ow = conv_output_size(h, kh, stride, pad), conv_output_size(w, kw, stride, pad)
+    _check_out(out, x, (c * kh * kw, n * oh * ow), "im2col")
+    return implementation_for(x).im2col(x, kh, kw, stride, pad, out=out)
+
+
+def col2im(cols, x_shape, kh, kw, stride=1, pad=0, out=None):
+    """Adjoint of :func:`im2col`: ``cols : (C*kh*kw, N*OH*OW)`` -> ``dx : x_shape``.
+    The math: :func:`mpidl.kernels.reference.col2im`."""
+    x_shape = n, c, h, w = _ints(*x_shape)
+    kh, kw, stride, pad = _ints(kh, kw, stride, pad)
+    oh, ow = conv_output_size(h, kh, stride, pad), conv_output_size(w, kw, stride, pad)
+    _check_shape(cols, (c * kh * kw, n * oh * ow), "col2im: cols", f" for x_shape {x_shape}")
+    _check_out(out, cols, x_shape, "col2im")
+    return implementation_for(cols).col2im(cols, x_shape, kh, kw, stride, pad, out=out)
+
+
+def maxpool2d_forward(x, k, stride, pad=0):
+    """``x : (N, C, H, W)`` -> ``(y : (N, C, OH, OW), argmax : int32 (N, C, OH, OW))``.
+    The math: :func:`mpidl.kernels.reference.maxpool2d_forward`."""
+    (k, stride, pad), _ = _pool_geometry(_check_4d(x), k, stride, pad)
+    if pad > k // 2:
+        raise ValueError(f"max pooling needs pad <= k // 2 (k={k}), got pad={pad}")
+    return implementation_for(x).maxpool2d_forward(x, k, stride, pad)
+
+
+def maxpool2d_backward(dy, argmax, x_shape, k, stride, pad=0):
+    """Route each ``dy`` to its window's winner: ``dx[n, c].flat[argmax] += dy``.
+    The math: :func:`mpidl.kernels.reference.maxpool2d_backward`."""
+    x_shape = _ints(*x_shape)
+    (k, stride, pad), y_shape = _pool_geometry(x_shape, k, stride, pad)
+    if tuple(dy.shape) != y_shape or tuple(argmax.shape) != y_shape:
+        raise ValueError(
+            f"maxpool2d_backward: dy {tuple(dy.shape)} and argmax {tuple(argmax.shape)} "
+            f"must both be {y_shape} for x_shape {x_shape}"
+        )
+    if argmax.dtype.kind not in "iu":
+        raise ValueError(f"maxpool2d_backward: argmax must be an integer array, got {argmax.dtype}")
+    return implementation_for(dy).maxpool2d_backward(dy, argmax, x_shape, k, stride, pad)
+
+
+def avgpool2d_forward(x, k, stride, pad=0):
+    """``y[n, c, oh, ow] = sum of the k*k window / (k*k)``.
+    The math: :func:`mpidl.kernels.reference.avgpool2d_forward`."""
+    (k, stride, pad), _ = _pool_geometry(_check_4d(x), k, stride, pad)
+    return implementation_for(x).avgpool2d_forward(x, k, stride, pad)
+
+
+def avgpool2d_backward(dy, x_shape, k, stride, pad=0):
+    """Spread each ``dy / (k*k)`` over its window.
+    The math: :func:`mpidl.kernels.reference.avgpool2d_backward`."""
+    x_shape = _ints(*x_shape)
+    (k, stride, pad), y_shape = _pool_geometry(x_shape, k, stride, pad)
+    _check_shape(dy, y_shape, "avgpool2d_backward: dy")
+    return implementation_for(dy).avgpool2d_backward(dy, x_shape, k, stride, pad)
+
+
+def winograd_input(x, m, r, pad=0, out=None):
+    """``x : (N, C, H, W)`` -> ``V : (C, alpha, alpha, TH*TW*N)``, ``B^T d B`` per input tile.
+    The math: :func:`mpidl.kernels.winograd_reference.winograd_input`."""
+    n, c, h, w = _check_4d(x)
+    m, r, pad = _winograd_args(m, r, pad)
+    oh, ow, _, _ = winograd_geometry(x.shape, m, r, pad)
+    _check_out(out, x, _transformed_shape(c, m, r, oh, ow, n), "winograd_input")
+    return _winograd_module(x).winograd_input(x, m, r, pad, out=out)
+
+
+def winograd_input_adjoint(dv, x_shape, m, r, pad=0, out=None):
+    """Adjoint of :func:`winograd_input`: ``dV -> dx : x_shape``.
+    The math: :func:`mpidl.kernels.winograd_reference.winograd_input_adjoint`."""
+    x_shape = n, c, _, _ = _ints(*x_shape)
+    m, r, pad = _winograd_args(m, r, pad)
+    oh, ow, _, _ = winograd_geometry(x_shape, m, r, pad)
+    _check_shape(dv, _transformed_shape(c, m, r, oh, ow, n), "winograd_input_adjoint: dv")
+    _check_out(out, dv, x_shape, "winograd_input_adjoint")
+    return _winograd_module(dv).winograd_input_adjoint(dv, x_shape, m, r, pad, out=out)
+
+
+def winograd_output(mt, y_shape, m, r, bias=None, out=None):
+    """``M : (F, alpha, alpha, TH*TW*N)`` -> ``y : y_shape``, ``A^T M A`` per tile plus ``bias``.
+    The math: :func:`mpidl.kernels.winograd_reference.winograd_output`."""
+    y_shape = n, f, oh, ow = _ints(*y_shape)
+    m, r, _ = _winograd_args(m, r, 0)
+    _check_shape(mt, _transformed_shape(f, m, r, oh, ow, n), "winograd_output: M")
+    _check_out(out, mt, y_shape, "winograd_output")
+    return _winograd_module(mt).winograd_output(mt, y_shape, m, r, bias=bias, out=out)
+
+
+def winograd_output_adjoint(dy, m, r, out=None):
+    """Adjoint of :func:`winograd_output` (bias aside): ``dy -> dM``.
+    The math: :func:`mpidl.kernels.winograd_reference.winograd_output_adjoint`."""
+    n, f, oh, ow = _check_4d(dy, "dy")
+    m, r, _ = _winograd_args(m, r, 0)
+    _check_out(out, dy, _transformed_shape(f, m, r, oh, ow, n), "winograd_output_adjoint")
+    return _winograd_module(dy).winograd_output_adjoint(dy, m, r, out=out)
+
+
 def batchnorm_forward(x, gamma, beta, eps, relu=False, stats=None):
     """``x : (N, C, H, W)`` -> ``(y, mean, var)`` (float64 statistics); ``stats=(mean, var)``
-    normalizes with those (evaluation); ``relu`` applies ``max(y, 0)``."""
+    normalizes with those (evaluation); ``relu`` applies ``max(y, 0)``.
+    The math: :mod:`mpidl.kernels.batchnorm_reference`."""
     if x.ndim != 4 or gamma.shape != (x.shape[1],) or beta.shape != (x.shape[1],):
         raise ValueError(f"batchnorm_forward: x must be (N, C, H, W) with gamma, beta of shape (C,); "
                          f"got {tuple(x.shape)}, {tuple(gamma.shape)}, {tuple(beta.shape)}")

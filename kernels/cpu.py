@@ -1,12 +1,14 @@
 """Numba CPU kernels: im2col / col2im, pooling and the Winograd transforms, ``@njit(parallel=True)``.
 
-Same functions, signatures and layouts as :mod:`mpidl.kernels.reference` (read the layout
-contract in :mod:`mpidl.kernels`); the tests compare the two on every shape they try.
+Same functions, signatures and layouts as :mod:`mpidl.kernels.reference` (the math and the
+layouts are there); the tests compare the two on every shape they try. The arguments are
+checked by the dispatcher, :mod:`mpidl.kernels`: the functions here take NumPy arrays and
+checked arguments, and check only what is theirs (``argmax`` indices in their plane).
 
 How the work is split between threads
 -------------------------------------
-Every kernel is a thin Python wrapper (check the arguments, allocate or check the result,
-make the inputs C-contiguous) around one jitted function whose outer loop is a ``prange``.
+Every kernel is a thin Python wrapper (allocate the result unless given a workspace, make the
+inputs C-contiguous) around one jitted function whose outer loop is a ``prange``.
 Each ``prange`` iteration owns a disjoint part of the result, so no two threads ever write
 the same element and no locks or atomics are needed:
 
@@ -52,7 +54,7 @@ import numpy as np
 from numba import njit, prange, uint64
 
 from . import reference
-from .reference import as_ints, conv_output_size, pool_args
+from .reference import conv_output_size
 
 __all__ = [
     "conv_output_size",
@@ -164,83 +166,33 @@ def _col2im_kernel(cols, kh, kw, stride, pad, out_h, out_w, dx):
                         dst_row[_u(ow * stride + j - pad)] += row[_u(start + ow)]
 
 
-
 def _as_compiled(a):
     """A C-contiguous view (or copy) of ``a`` that the jitted kernels take."""
     return np.ascontiguousarray(a)
 
 
-def _check_out(out, shape, dtype, what):
-    if not isinstance(out, np.ndarray):
-        raise ValueError(f"{what}: out must be a NumPy array, got {type(out).__name__}")
-    return reference._check_out(out, shape, dtype, what)
-
-
 def im2col(x, kh: int, kw: int, stride: int = 1, pad: int = 0, out=None):
-    """Unfold every receptive field of ``x`` into one column (parallel over rows of ``cols``).
-
-    Parameters
-    ----------
-    x : (N, C, H, W), float32 or float64 (other dtypes go to the reference)
-    kh, kw, stride, pad : kernel height / width, stride and zero padding
-    out : optional C-contiguous (C*kh*kw, N*OH*OW) buffer of x's dtype, filled and returned
-
-    Returns
-    -------
-    cols : (C*kh*kw, N*OH*OW)
-
-    Notes
-    -----
-    ``cols[(c*kh + i)*kw + j, (n*OH + oh)*OW + ow] = x[n, c, oh*stride + i - pad, ow*stride + j - pad]``,
-    zero in the padding.
-    """
-    x = np.asarray(x)
-    n, c, h, w = reference._check_4d(x)
-    kh, kw, stride, pad = as_ints(kh, kw, stride, pad)
+    """:func:`mpidl.kernels.reference.im2col`, parallel over the rows of ``cols``."""
     if x.dtype not in _COMPILED_DTYPES:
         return reference.im2col(x, kh, kw, stride, pad, out=out)
+    n, c, h, w = x.shape
     out_h = conv_output_size(h, kh, stride, pad)
     out_w = conv_output_size(w, kw, stride, pad)
-    shape = (c * kh * kw, n * out_h * out_w)
-    cols = np.empty(shape, dtype=x.dtype) if out is None else _check_out(out, shape, x.dtype, "im2col")
+    cols = np.empty((c * kh * kw, n * out_h * out_w), dtype=x.dtype) if out is None else out
     _im2col_kernel(_as_compiled(x), kh, kw, stride, pad, out_h, out_w, cols)
     return cols
 
 
 def col2im(cols, x_shape, kh: int, kw: int, stride: int = 1, pad: int = 0, out=None):
-    """Adjoint of :func:`im2col`: scatter-add the columns back (parallel over ``(n, c)`` planes).
-
-    Parameters
-    ----------
-    cols : (C*kh*kw, N*OH*OW)
-    x_shape : (N, C, H, W)
-    out : optional C-contiguous ``x_shape`` buffer of cols' dtype, overwritten and returned
-
-    Returns
-    -------
-    dx : (N, C, H, W)
-
-    Notes
-    -----
-    ``dx[n, c, h, w] = sum over (i, j, oh, ow) with oh*stride + i - pad = h and
-    ow*stride + j - pad = w of cols[(c*kh + i)*kw + j, (n*OH + oh)*OW + ow]``.
-    """
-    cols = np.asarray(cols)
-    kh, kw, stride, pad = as_ints(kh, kw, stride, pad)
+    """:func:`mpidl.kernels.reference.col2im`, a scatter-add parallel over the ``(n, c)`` planes."""
     if cols.dtype not in _COMPILED_DTYPES:
         return reference.col2im(cols, x_shape, kh, kw, stride, pad, out=out)
-    n, c, h, w = (int(s) for s in x_shape)
+    n, c, h, w = x_shape
     out_h = conv_output_size(h, kh, stride, pad)
     out_w = conv_output_size(w, kw, stride, pad)
-    expected = (c * kh * kw, n * out_h * out_w)
-    if tuple(cols.shape) != expected:
-        raise ValueError(
-            f"col2im: cols has shape {tuple(cols.shape)}, expected {expected} for x_shape {tuple(x_shape)}"
-        )
-    shape = (n, c, h, w)
     # The kernel zeroes each plane itself (inside the parallel loop, while the plane is hot in
     # cache), so np.empty is enough and a reused `out` needs no separate fill.
-    dx = np.empty(shape, dtype=cols.dtype) if out is None else _check_out(out, shape, cols.dtype, "col2im")
+    dx = np.empty((n, c, h, w), dtype=cols.dtype) if out is None else out
     _col2im_kernel(_as_compiled(cols), kh, kw, stride, pad, out_h, out_w, dx)
     return dx
 
@@ -305,32 +257,12 @@ def _maxpool_backward_kernel(dy, argmax, dx):
 
 
 def maxpool2d_forward(x, k: int, stride: int, pad: int = 0):
-    """Max over each ``k x k`` window and the plane index of its winner (parallel over planes).
-
-    Parameters
-    ----------
-    x : (N, C, H, W)
-    k, stride, pad : window size, stride, padding (with -inf; ``pad <= k // 2``)
-
-    Returns
-    -------
-    y : (N, C, OH, OW), x's dtype
-    argmax : (N, C, OH, OW) int32, index ``h*W + w`` of the winner in its input plane
-
-    Notes
-    -----
-    ``y[n, c, oh, ow] = max_{i,j < k} x[n, c, oh*stride + i - pad, ow*stride + j - pad]``;
-    ties go to the first maximum in row-major window order.
-    """
-    x = np.asarray(x)
-    n, c, h, w = reference._check_4d(x)
+    """:func:`mpidl.kernels.reference.maxpool2d_forward`, parallel over the planes."""
     if x.dtype not in _COMPILED_DTYPES:
         return reference.maxpool2d_forward(x, k, stride, pad)
-    k, stride, pad = pool_args(k, stride, pad)
+    n, c, h, w = x.shape
     out_h = conv_output_size(h, k, stride, pad)
     out_w = conv_output_size(w, k, stride, pad)
-    if pad > k // 2:
-        raise ValueError(f"max pooling needs pad <= k // 2 (k={k}), got pad={pad}")
     y = np.empty((n, c, out_h, out_w), dtype=x.dtype)
     argmax = np.empty((n, c, out_h, out_w), dtype=np.int32)
     _maxpool_forward_kernel(_as_compiled(x), k, stride, pad, y, argmax)
@@ -338,37 +270,11 @@ def maxpool2d_forward(x, k: int, stride: int, pad: int = 0):
 
 
 def maxpool2d_backward(dy, argmax, x_shape, k: int, stride: int, pad: int = 0):
-    """Route each output gradient to the input pixel that won its window (parallel over planes).
-
-    Parameters
-    ----------
-    dy : (N, C, OH, OW)
-    argmax : (N, C, OH, OW) int32, from :func:`maxpool2d_forward`
-    x_shape : (N, C, H, W)
-
-    Returns
-    -------
-    dx : (N, C, H, W), dy's dtype
-
-    Notes
-    -----
-    ``dx[n, c].flat[argmax[n, c, oh, ow]] += dy[n, c, oh, ow]`` (overlapping windows add up).
-    """
-    dy = np.asarray(dy)
-    argmax = np.asarray(argmax)
+    """:func:`mpidl.kernels.reference.maxpool2d_backward`, a scatter-add parallel over the
+    planes; the range of the ``argmax`` indices is checked here."""
     if dy.dtype not in _COMPILED_DTYPES:
         return reference.maxpool2d_backward(dy, argmax, x_shape, k, stride, pad)
-    k, stride, pad = pool_args(k, stride, pad)
-    n, c, h, w = (int(s) for s in x_shape)
-    out_h = conv_output_size(h, k, stride, pad)
-    out_w = conv_output_size(w, k, stride, pad)
-    if tuple(dy.shape) != (n, c, out_h, out_w) or tuple(argmax.shape) != (n, c, out_h, out_w):
-        raise ValueError(
-            f"maxpool2d_backward: dy {tuple(dy.shape)} and argmax {tuple(argmax.shape)} "
-            f"must both be {(n, c, out_h, out_w)} for x_shape {tuple(x_shape)}"
-        )
-    if argmax.dtype.kind not in "iu":
-        raise ValueError(f"maxpool2d_backward: argmax must be an integer array, got {argmax.dtype}")
+    n, c, h, w = x_shape
     # An index outside its plane would write into a neighbouring plane (another thread's):
     # refuse it rather than race. One pass over a small int array; cheap next to the kernel.
     if argmax.size and (int(argmax.min()) < 0 or int(argmax.max()) >= h * w):
@@ -445,25 +351,10 @@ def _window_size(k, dtype):
 
 
 def avgpool2d_forward(x, k: int, stride: int, pad: int = 0):
-    """Mean over each ``k x k`` window, zero padding counted (parallel over planes).
-
-    Parameters
-    ----------
-    x : (N, C, H, W)
-
-    Returns
-    -------
-    y : (N, C, OH, OW)
-
-    Notes
-    -----
-    ``y[n, c, oh, ow] = (1 / k^2) * sum_{i,j < k} x[n, c, oh*stride + i - pad, ow*stride + j - pad]``.
-    """
-    x = np.asarray(x)
-    n, c, h, w = reference._check_4d(x)
+    """:func:`mpidl.kernels.reference.avgpool2d_forward`, parallel over the planes."""
     if x.dtype not in _COMPILED_DTYPES:
         return reference.avgpool2d_forward(x, k, stride, pad)
-    k, stride, pad = pool_args(k, stride, pad)
+    n, c, h, w = x.shape
     out_h = conv_output_size(h, k, stride, pad)
     out_w = conv_output_size(w, k, stride, pad)
     y = np.empty((n, c, out_h, out_w), dtype=x.dtype)
@@ -472,33 +363,10 @@ def avgpool2d_forward(x, k: int, stride: int, pad: int = 0):
 
 
 def avgpool2d_backward(dy, x_shape, k: int, stride: int, pad: int = 0):
-    """Spread each output gradient evenly over its window (parallel over planes).
-
-    Parameters
-    ----------
-    dy : (N, C, OH, OW)
-    x_shape : (N, C, H, W)
-
-    Returns
-    -------
-    dx : (N, C, H, W)
-
-    Notes
-    -----
-    ``dx[n, c, oh*stride + i - pad, ow*stride + j - pad] += dy[n, c, oh, ow] / k^2``; the share
-    that lands in the padding is dropped.
-    """
-    dy = np.asarray(dy)
+    """:func:`mpidl.kernels.reference.avgpool2d_backward`, a scatter-add parallel over the planes."""
     if dy.dtype not in _COMPILED_DTYPES:
         return reference.avgpool2d_backward(dy, x_shape, k, stride, pad)
-    k, stride, pad = pool_args(k, stride, pad)
-    n, c, h, w = (int(s) for s in x_shape)
-    out_h = conv_output_size(h, k, stride, pad)
-    out_w = conv_output_size(w, k, stride, pad)
-    if tuple(dy.shape) != (n, c, out_h, out_w):
-        raise ValueError(
-            f"avgpool2d_backward: dy has shape {tuple(dy.shape)}, expected {(n, c, out_h, out_w)}"
-        )
+    n, c, h, w = x_shape
     dx = np.empty((n, c, h, w), dtype=dy.dtype)
     _avgpool_backward_kernel(_as_compiled(dy), k, stride, pad, _window_size(k, dy.dtype), dx)
     return dx

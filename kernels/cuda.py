@@ -1,8 +1,10 @@
 """Numba CUDA kernels: im2col / col2im and pooling on the GPU (``numba.cuda.jit``).
 
-Same functions, signatures and layouts as :mod:`mpidl.kernels.reference` (the layout contract
-is in :mod:`mpidl.kernels`). Every kernel runs one thread per element of its result, on a 1-D
-grid of ``ceil(total / 256)`` blocks of 256 threads, each thread checking ``t < total``.
+Same functions, signatures and layouts as :mod:`mpidl.kernels.reference` (the math and the
+layouts are there). The arguments are checked by the dispatcher, :mod:`mpidl.kernels`; the
+functions here check only what is theirs: the dtype (float32 or float64) and the kind of
+array (below). Every kernel runs one thread per element of its result, on a 1-D grid of
+``ceil(total / 256)`` blocks of 256 threads, each thread checking ``t < total``.
 
 Every kernel is a gather
 ------------------------
@@ -18,13 +20,15 @@ window covering it whose ``argmax`` equals ``h*W + w``.
 
 Arrays this module takes
 ------------------------
-* CuPy arrays (the normal case, dispatched here by :mod:`mpidl.kernels`): results are CuPy
-  arrays. Numba sees them zero-copy through ``__cuda_array_interface__`` and the kernels are
-  launched on CuPy's current stream, so they are ordered with the CuPy work around them.
+* CuPy arrays (the normal case): results are CuPy arrays. Numba sees them zero-copy through
+  ``__cuda_array_interface__`` and the kernels are launched on CuPy's current stream, so they
+  are ordered with the CuPy work around them.
 * Numba device arrays (``cuda.to_device``) or any other object exposing
-  ``__cuda_array_interface__``: results are Numba device arrays.
-* NumPy arrays, only under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``): results are
-  NumPy arrays. That is how the tests run these kernels on a machine without a GPU.
+  ``__cuda_array_interface__``: results are Numba device arrays. :mod:`mpidl.kernels` sends
+  these here too.
+* NumPy arrays, only under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``), called directly
+  (the dispatcher sends NumPy arrays to ``cpu``): results are NumPy arrays. That is how the
+  tests run these kernels on a machine without a GPU.
 
 Nothing here touches CUDA or imports CuPy at import time: the kernels compile at their first
 launch, and CuPy is imported only when a CuPy array comes in, so this module imports cleanly
@@ -37,8 +41,7 @@ import numpy as np
 from numba import config as numba_config
 from numba import cuda
 
-from .reference import _check_out as _reference_check_out
-from .reference import as_ints, conv_output_size, pool_args
+from .reference import conv_output_size
 
 __all__ = [
     "THREADS_PER_BLOCK",
@@ -262,7 +265,7 @@ class _Device:
             if not _simulating():
                 raise ValueError(
                     "the CUDA kernels take device arrays (CuPy, or Numba device arrays); got a "
-                    "NumPy array (use mpidl.kernels.cpu, or set NUMBA_ENABLE_CUDASIM=1 to simulate)"
+                    "NumPy array (mpidl.kernels sends those to the cpu kernels; NUMBA_ENABLE_CUDASIM=1 simulates)"
                 )
             self.kind = "numpy"
         elif getattr(like, "__cuda_ndarray__", False) or hasattr(like, "__cuda_array_interface__"):
@@ -323,20 +326,6 @@ def _check_float(dtype, what):
         raise ValueError(f"{what}: the CUDA kernels take float32 or float64, got {np.dtype(dtype)}")
 
 
-def _check_4d(x, what="x"):
-    if len(x.shape) != 4:
-        raise ValueError(f"{what} must be 4-D (N, C, H, W); got shape {tuple(x.shape)}")
-    return tuple(int(s) for s in x.shape)
-
-
-def _check_out(device, out, shape, dtype, what):
-    if device.kind == "numba":
-        if tuple(out.shape) != tuple(shape) or out.dtype != dtype or not out.is_c_contiguous():
-            raise ValueError(f"{what}: out must be a C-contiguous {tuple(shape)} array of {dtype}")
-        return out
-    return _reference_check_out(out, shape, dtype, what)
-
-
 
 # --------------------------------------------------------------------------------------------
 # the public functions
@@ -344,67 +333,28 @@ def _check_out(device, out, shape, dtype, what):
 
 
 def im2col(x, kh: int, kw: int, stride: int = 1, pad: int = 0, out=None):
-    """Unfold every receptive field of ``x`` into one column, one thread per element of ``cols``.
-
-    Parameters
-    ----------
-    x : (N, C, H, W) device array, float32 or float64
-    kh, kw, stride, pad : kernel height / width, stride and zero padding
-    out : optional C-contiguous (C*kh*kw, N*OH*OW) device buffer of x's dtype, filled and returned
-
-    Returns
-    -------
-    cols : (C*kh*kw, N*OH*OW)
-
-    Notes
-    -----
-    ``cols[(c*kh + i)*kw + j, (n*OH + oh)*OW + ow] = x[n, c, oh*stride + i - pad, ow*stride + j - pad]``,
-    zero in the padding.
-    """
+    """:func:`mpidl.kernels.reference.im2col`, one thread per element of ``cols``."""
     device = _Device(x)
-    n, c, h, w = _check_4d(x)
     _check_float(x.dtype, "im2col")
-    kh, kw, stride, pad = as_ints(kh, kw, stride, pad)
+    n, c, h, w = x.shape
     out_h = conv_output_size(h, kh, stride, pad)
     out_w = conv_output_size(w, kw, stride, pad)
     shape = (c * kh * kw, n * out_h * out_w)
-    cols = device.empty(shape, x.dtype) if out is None else _check_out(device, out, shape, x.dtype, "im2col")
+    cols = device.empty(shape, x.dtype) if out is None else out
     device.launch(_im2col_kernel, shape[0] * shape[1], device.contiguous(x), kh, kw, stride, pad, out_h, out_w, cols)
     return cols
 
 
 def col2im(cols, x_shape, kh: int, kw: int, stride: int = 1, pad: int = 0, out=None):
-    """Adjoint of :func:`im2col` as a gather: one thread per pixel of ``dx``, no atomics.
-
-    Parameters
-    ----------
-    cols : (C*kh*kw, N*OH*OW) device array
-    x_shape : (N, C, H, W)
-    out : optional C-contiguous ``x_shape`` device buffer of cols' dtype, overwritten and returned
-
-    Returns
-    -------
-    dx : (N, C, H, W)
-
-    Notes
-    -----
-    ``dx[n, c, h, w] = sum_{i, j} cols[(c*kh + i)*kw + j, (n*OH + oh)*OW + ow]`` over the offsets
-    for which ``oh = (h + pad - i) / stride`` and ``ow = (w + pad - j) / stride`` are exact and
-    inside the output.
-    """
+    """:func:`mpidl.kernels.reference.col2im` as a gather: one thread per pixel of ``dx`` sums
+    the columns for which ``oh = (h + pad - i) / stride`` and ``ow = (w + pad - j) / stride`` are
+    exact and inside the output; no atomics."""
     device = _Device(cols)
     _check_float(cols.dtype, "col2im")
-    kh, kw, stride, pad = as_ints(kh, kw, stride, pad)
-    n, c, h, w = (int(s) for s in x_shape)
+    n, c, h, w = x_shape
     out_h = conv_output_size(h, kh, stride, pad)
     out_w = conv_output_size(w, kw, stride, pad)
-    expected = (c * kh * kw, n * out_h * out_w)
-    if tuple(cols.shape) != expected:
-        raise ValueError(
-            f"col2im: cols has shape {tuple(cols.shape)}, expected {expected} for x_shape {tuple(x_shape)}"
-        )
-    shape = (n, c, h, w)
-    dx = device.empty(shape, cols.dtype) if out is None else _check_out(device, out, shape, cols.dtype, "col2im")
+    dx = device.empty((n, c, h, w), cols.dtype) if out is None else out
     zero = cols.dtype.type(0)
     device.launch(_col2im_kernel, n * c * h * w, device.contiguous(cols), kh, kw, stride, pad, out_h, out_w, zero, dx)
     return dx
@@ -412,31 +362,12 @@ def col2im(cols, x_shape, kh: int, kw: int, stride: int = 1, pad: int = 0, out=N
 
 
 def maxpool2d_forward(x, k: int, stride: int, pad: int = 0):
-    """Max over each ``k x k`` window and where it was, one thread per output pixel.
-
-    Parameters
-    ----------
-    x : (N, C, H, W) device array
-    k, stride, pad : window size, stride, padding (with -inf; ``pad <= k // 2``)
-
-    Returns
-    -------
-    y : (N, C, OH, OW), x's dtype
-    argmax : (N, C, OH, OW) int32, index ``h*W + w`` of the winner in its input plane
-
-    Notes
-    -----
-    ``y[n, c, oh, ow] = max_{i,j < k} x[n, c, oh*stride + i - pad, ow*stride + j - pad]``;
-    ties go to the first maximum in row-major window order.
-    """
+    """:func:`mpidl.kernels.reference.maxpool2d_forward`, one thread per output pixel."""
     device = _Device(x)
-    n, c, h, w = _check_4d(x)
     _check_float(x.dtype, "maxpool2d_forward")
-    k, stride, pad = pool_args(k, stride, pad)
+    n, c, h, w = x.shape
     out_h = conv_output_size(h, k, stride, pad)
     out_w = conv_output_size(w, k, stride, pad)
-    if pad > k // 2:
-        raise ValueError(f"max pooling needs pad <= k // 2 (k={k}), got pad={pad}")
     y = device.empty((n, c, out_h, out_w), x.dtype)
     argmax = device.empty((n, c, out_h, out_w), np.int32)
     device.launch(_maxpool_forward_kernel, n * c * out_h * out_w, device.contiguous(x), k, stride, pad, y, argmax)
@@ -444,35 +375,13 @@ def maxpool2d_forward(x, k: int, stride: int, pad: int = 0):
 
 
 def maxpool2d_backward(dy, argmax, x_shape, k: int, stride: int, pad: int = 0):
-    """Route each output gradient to its window's winner, as a gather over input pixels.
-
-    Parameters
-    ----------
-    dy : (N, C, OH, OW) device array
-    argmax : (N, C, OH, OW) int32, from :func:`maxpool2d_forward`
-    x_shape : (N, C, H, W)
-
-    Returns
-    -------
-    dx : (N, C, H, W), dy's dtype
-
-    Notes
-    -----
-    ``dx[n, c, h, w] = sum of dy[n, c, oh, ow]`` over the windows ``(oh, ow)`` covering
-    ``(h, w)`` with ``argmax[n, c, oh, ow] == h*W + w``. An index outside the window can match
-    no thread, so a corrupt ``argmax`` loses gradient but never writes out of bounds.
-    """
+    """:func:`mpidl.kernels.reference.maxpool2d_backward` as a gather: the thread for input
+    pixel ``(h, w)`` adds ``dy`` of each covering window with ``argmax == h*W + w``. An index
+    outside the window can match no thread, so a corrupt ``argmax`` loses gradient but never
+    writes out of bounds."""
     device = _Device(dy)
     _check_float(dy.dtype, "maxpool2d_backward")
-    k, stride, pad = pool_args(k, stride, pad)
-    n, c, h, w = (int(s) for s in x_shape)
-    out_h = conv_output_size(h, k, stride, pad)
-    out_w = conv_output_size(w, k, stride, pad)
-    if tuple(dy.shape) != (n, c, out_h, out_w) or tuple(argmax.shape) != (n, c, out_h, out_w):
-        raise ValueError(
-            f"maxpool2d_backward: dy {tuple(dy.shape)} and argmax {tuple(argmax.shape)} "
-            f"must both be {(n, c, out_h, out_w)} for x_shape {tuple(x_shape)}"
-        )
+    n, c, h, w = x_shape
     dx = device.empty((n, c, h, w), dy.dtype)
     zero = dy.dtype.type(0)
     device.launch(
@@ -483,24 +392,10 @@ def maxpool2d_backward(dy, argmax, x_shape, k: int, stride: int, pad: int = 0):
 
 
 def avgpool2d_forward(x, k: int, stride: int, pad: int = 0):
-    """Mean over each ``k x k`` window (zero padding counted), one thread per output pixel.
-
-    Parameters
-    ----------
-    x : (N, C, H, W) device array
-
-    Returns
-    -------
-    y : (N, C, OH, OW)
-
-    Notes
-    -----
-    ``y[n, c, oh, ow] = (1 / k^2) * sum_{i,j < k} x[n, c, oh*stride + i - pad, ow*stride + j - pad]``.
-    """
+    """:func:`mpidl.kernels.reference.avgpool2d_forward`, one thread per output pixel."""
     device = _Device(x)
-    n, c, h, w = _check_4d(x)
     _check_float(x.dtype, "avgpool2d_forward")
-    k, stride, pad = pool_args(k, stride, pad)
+    n, c, h, w = x.shape
     out_h = conv_output_size(h, k, stride, pad)
     out_w = conv_output_size(w, k, stride, pad)
     y = device.empty((n, c, out_h, out_w), x.dtype)
@@ -511,31 +406,11 @@ def avgpool2d_forward(x, k: int, stride: int, pad: int = 0):
 
 
 def avgpool2d_backward(dy, x_shape, k: int, stride: int, pad: int = 0):
-    """Spread each output gradient evenly over its window, as a gather over input pixels.
-
-    Parameters
-    ----------
-    dy : (N, C, OH, OW) device array
-    x_shape : (N, C, H, W)
-
-    Returns
-    -------
-    dx : (N, C, H, W)
-
-    Notes
-    -----
-    ``dx[n, c, h, w] = sum of dy[n, c, oh, ow] / k^2`` over the windows covering ``(h, w)``.
-    """
+    """:func:`mpidl.kernels.reference.avgpool2d_backward` as a gather: one thread per input
+    pixel sums ``dy / k^2`` of every window covering it."""
     device = _Device(dy)
     _check_float(dy.dtype, "avgpool2d_backward")
-    k, stride, pad = pool_args(k, stride, pad)
-    n, c, h, w = (int(s) for s in x_shape)
-    out_h = conv_output_size(h, k, stride, pad)
-    out_w = conv_output_size(w, k, stride, pad)
-    if tuple(dy.shape) != (n, c, out_h, out_w):
-        raise ValueError(
-            f"avgpool2d_backward: dy has shape {tuple(dy.shape)}, expected {(n, c, out_h, out_w)}"
-        )
+    n, c, h, w = x_shape
     dx = device.empty((n, c, h, w), dy.dtype)
     window, zero = dy.dtype.type(k * k), dy.dtype.type(0)
     device.launch(_avgpool_backward_kernel, n * c * h * w, device.contiguous(dy), k, stride, pad, window, zero, dx)

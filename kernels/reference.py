@@ -7,13 +7,14 @@ one strided slice of the (padded) input,
 
     x_padded[:, :, i : i + stride*OH : stride, j : j + stride*OW : stride]   # (N, C, OH, OW)
 
-so every kernel is "for each offset: one slice, one array operation". The layouts are the ones
-fixed in :mod:`mpidl.kernels` (read its docstring): ``cols : (C*kh*kw, N*OH*OW)`` with row
-``(c*kh + i)*kw + j`` and column ``(n*OH + oh)*OW + ow``.
+so every kernel is "for each offset: one slice, one array operation". The arguments are
+checked by the dispatcher, :mod:`mpidl.kernels`; the functions here take checked ones.
 
-Conventions shared by all three implementations
------------------------------------------------
-* ``OH = (H + 2*pad - kh) // stride + 1``; an empty output is a ``ValueError``.
+Layouts and conventions, shared by all three implementations (NCHW everywhere)
+------------------------------------------------------------------------------
+* ``OH = (H + 2*pad - kh) // stride + 1`` (same for ``OW``, :func:`conv_output_size`).
+* ``cols : (C*kh*kw, N*OH*OW)``: row ``(c*kh + i)*kw + j`` holds input channel ``c`` at kernel
+  offset ``(i, j)``, column ``(n*OH + oh)*OW + ow`` is output pixel ``(oh, ow)`` of sample ``n``.
 * Max pooling pads with ``-inf`` and returns ``argmax`` (int32), the index ``h*W + w`` of the
   winner in its unpadded ``(H, W)`` input plane. Ties go to the first maximum in row-major
   window order (offset ``(i, j)`` before ``(i, j+1)`` before ``(i+1, 0)``). ``pad`` may be at
@@ -39,7 +40,7 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------------------------
-# geometry and argument checks
+# geometry and helpers
 # --------------------------------------------------------------------------------------------
 
 
@@ -54,7 +55,7 @@ def conv_output_size(size: int, k: int, stride: int = 1, pad: int = 0) -> int:
     ------
     ValueError
         For ``k < 1``, ``stride < 1``, ``pad < 0`` or when the output would be empty
-        (the window is larger than the padded input).
+        (the window is larger than the padded input): the dispatcher's geometry check.
     """
     if k < 1 or stride < 1 or pad < 0:
         raise ValueError(f"need k >= 1, stride >= 1, pad >= 0; got k={k}, stride={stride}, pad={pad}")
@@ -64,39 +65,6 @@ def conv_output_size(size: int, k: int, stride: int = 1, pad: int = 0) -> int:
             f"window k={k} (stride={stride}, pad={pad}) does not fit in an input of size {size}: "
             f"the output would be empty"
         )
-    return out
-
-
-def as_ints(*values) -> tuple[int, ...]:
-    """Geometry arguments as Python ints: a NumPy integer would otherwise make Numba compile a
-    second version of a kernel for another integer type. Shared by the cpu and cuda kernels."""
-    return tuple(int(v) for v in values)
-
-
-def pool_args(k, stride, pad) -> tuple[int, int, int]:
-    """Check and normalize pooling arguments (shared by the cpu and cuda kernels)."""
-    k, stride, pad = as_ints(k, stride, pad)
-    if k < 1 or stride < 1 or pad < 0:
-        raise ValueError(f"need k >= 1, stride >= 1, pad >= 0; got k={k}, stride={stride}, pad={pad}")
-    return k, stride, pad
-
-
-def _check_4d(x, what: str = "x") -> tuple[int, int, int, int]:
-    if x.ndim != 4:
-        raise ValueError(f"{what} must be 4-D (N, C, H, W); got shape {tuple(x.shape)}")
-    return tuple(int(s) for s in x.shape)
-
-
-def _check_out(out, shape: tuple, dtype, what: str):
-    """Validate a caller-provided result buffer (it must be writable in place as ``shape``)."""
-    if tuple(out.shape) != tuple(shape):
-        raise ValueError(f"{what}: out has shape {tuple(out.shape)}, expected {tuple(shape)}")
-    if out.dtype != dtype:
-        raise ValueError(f"{what}: out has dtype {out.dtype}, expected {dtype}")
-    # A non-contiguous buffer would make the reshapes below copies, and the result would be
-    # written into the copy instead of the caller's buffer.
-    if not out.flags.c_contiguous:
-        raise ValueError(f"{what}: out must be C-contiguous")
     return out
 
 
@@ -144,11 +112,10 @@ def im2col(x, kh: int, kw: int, stride: int = 1, pad: int = 0, out=None):
     input with its ``N`` and ``C`` axes swapped.
     """
     xp = get_array_module(x)
-    n, c, h, w = _check_4d(x)
+    n, c, h, w = x.shape
     oh = conv_output_size(h, kh, stride, pad)
     ow = conv_output_size(w, kw, stride, pad)
-    shape = (c * kh * kw, n * oh * ow)
-    cols = xp.empty(shape, dtype=x.dtype) if out is None else _check_out(out, shape, x.dtype, "im2col")
+    cols = xp.empty((c * kh * kw, n * oh * ow), dtype=x.dtype) if out is None else out
 
     x_padded = _pad_planes(x, pad)
     cols6 = cols.reshape(c, kh, kw, n, oh, ow)  # a view: writes land in `cols`
@@ -181,15 +148,9 @@ def col2im(cols, x_shape, kh: int, kw: int, stride: int = 1, pad: int = 0, out=N
     ``+=`` per offset is a correct scatter-add.
     """
     xp = get_array_module(cols)
-    n, c, h, w = (int(s) for s in x_shape)
+    n, c, h, w = x_shape
     oh = conv_output_size(h, kh, stride, pad)
     ow = conv_output_size(w, kw, stride, pad)
-    expected = (c * kh * kw, n * oh * ow)
-    if tuple(cols.shape) != expected:
-        raise ValueError(f"col2im: cols has shape {tuple(cols.shape)}, expected {expected} for x_shape {tuple(x_shape)}")
-    if out is not None:
-        _check_out(out, (n, c, h, w), cols.dtype, "col2im")
-
     dx_padded = xp.zeros((n, c, h + 2 * pad, w + 2 * pad), dtype=cols.dtype)
     cols6 = cols.reshape(c, kh, kw, n, oh, ow)
     for i in range(kh):
@@ -208,7 +169,7 @@ def col2im(cols, x_shape, kh: int, kw: int, stride: int = 1, pad: int = 0, out=N
 
 
 def _pool_geometry(x_shape, k: int, stride: int, pad: int):
-    n, c, h, w = (int(s) for s in x_shape)
+    n, c, h, w = x_shape
     return n, c, h, w, conv_output_size(h, k, stride, pad), conv_output_size(w, k, stride, pad)
 
 
@@ -240,9 +201,7 @@ def maxpool2d_forward(x, k: int, stride: int, pad: int = 0):
     so ties go to the first maximum.
     """
     xp = get_array_module(x)
-    n, c, h, w, oh, ow = _pool_geometry(_check_4d(x), k, stride, pad)
-    if pad > k // 2:
-        raise ValueError(f"max pooling needs pad <= k // 2 (k={k}), got pad={pad}")
+    n, c, h, w, oh, ow = _pool_geometry(x.shape, k, stride, pad)
 
     x_padded = _pad_planes(x, pad, value=-xp.inf)
     best = xp.full((n, c, oh, ow), -xp.inf, dtype=x.dtype)
@@ -282,11 +241,6 @@ def maxpool2d_backward(dy, argmax, x_shape, k: int, stride: int, pad: int = 0):
     """
     xp = get_array_module(dy)
     n, c, h, w, oh, ow = _pool_geometry(x_shape, k, stride, pad)
-    if tuple(dy.shape) != (n, c, oh, ow) or tuple(argmax.shape) != (n, c, oh, ow):
-        raise ValueError(
-            f"maxpool2d_backward: dy {tuple(dy.shape)} and argmax {tuple(argmax.shape)} "
-            f"must both be {(n, c, oh, ow)} for x_shape {tuple(x_shape)}"
-        )
     dx_padded = xp.zeros((n, c, h + 2 * pad, w + 2 * pad), dtype=dy.dtype)
     for i in range(k):
         for j in range(k):
@@ -316,7 +270,7 @@ def avgpool2d_forward(x, k: int, stride: int, pad: int = 0):
     ``y[n, c, oh, ow] = (1 / k^2) * sum_{i,j < k} x[n, c, oh*stride + i - pad, ow*stride + j - pad]``.
     """
     xp = get_array_module(x)
-    n, c, h, w, oh, ow = _pool_geometry(_check_4d(x), k, stride, pad)
+    n, c, h, w, oh, ow = _pool_geometry(x.shape, k, stride, pad)
     x_padded = _pad_planes(x, pad)
     total = xp.zeros((n, c, oh, ow), dtype=x.dtype)
     for i in range(k):
@@ -345,8 +299,6 @@ def avgpool2d_backward(dy, x_shape, k: int, stride: int, pad: int = 0):
     """
     xp = get_array_module(dy)
     n, c, h, w, oh, ow = _pool_geometry(x_shape, k, stride, pad)
-    if tuple(dy.shape) != (n, c, oh, ow):
-        raise ValueError(f"avgpool2d_backward: dy has shape {tuple(dy.shape)}, expected {(n, c, oh, ow)}")
     share = dy / (k * k)
     dx_padded = xp.zeros((n, c, h + 2 * pad, w + 2 * pad), dtype=dy.dtype)
     for i in range(k):

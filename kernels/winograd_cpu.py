@@ -1,5 +1,6 @@
 """Winograd F(m x m, r x r) transforms as Numba CPU kernels, ``@njit(parallel=True)``: the same
-functions as :mod:`mpidl.kernels.winograd_reference` (math and layout there).
+functions as :mod:`mpidl.kernels.winograd_reference` (math and layout there), taking NumPy
+arrays and the arguments checked by the dispatcher, :mod:`mpidl.kernels`.
 """
 
 from __future__ import annotations
@@ -8,14 +9,13 @@ import numpy as np
 from numba import njit, prange
 
 from . import winograd_reference as reference
-from .cpu import _COMPILED_DTYPES, _as_compiled, _check_out, _u
-from .reference import as_ints
+from .cpu import _COMPILED_DTYPES, _as_compiled, _u
 
 __all__ = ["winograd_input", "winograd_input_adjoint", "winograd_output", "winograd_output_adjoint"]
 
 
 # --------------------------------------------------------------------------------------------
-# Winograd F(m x m, r x r) transforms (the math and the layout: mpidl.kernels.reference)
+# Winograd F(m x m, r x r) transforms (the math and the layout: mpidl.kernels.winograd_reference)
 # --------------------------------------------------------------------------------------------
 #
 # One prange iteration per channel (input side) or filter (output side): it gathers that
@@ -223,13 +223,6 @@ def _winograd_output_adjoint_kernel(dy, at_t, m, tiles_h, tiles_w, dm):
                     _combine_tiles(at_t, b, rows[_u(th * alpha + a)], tiles_w, m, n_size, dst, th * tiles_w * n_size)
 
 
-def _winograd_args(m, r, pad):
-    m, r, pad = as_ints(m, r, pad)
-    if m < 1 or r < 1 or pad < 0:
-        raise ValueError(f"winograd: need m >= 1, r >= 1, pad >= 0; got m={m}, r={r}, pad={pad}")
-    return m, r, pad
-
-
 def _transform_shape(channels, tiles_h, tiles_w, n, m, r):
     alpha = m + r - 1
     return (channels, alpha, alpha, tiles_h * tiles_w * n)
@@ -242,54 +235,37 @@ def _blocks(transformed):
     return transformed.reshape(c, alpha * alpha, columns)
 
 
-def _check_shape(array, shape, what):
-    if tuple(array.shape) != tuple(shape):
-        raise ValueError(f"{what} has shape {tuple(array.shape)}, expected {tuple(shape)}")
-
-
 def winograd_input(x, m: int, r: int, pad: int = 0, out=None):
-    """``x : (N, C, H, W)`` -> ``V : (C, alpha, alpha, TH*TW*N)``, ``V = B^T d B`` per tile
-    (see :func:`mpidl.kernels.reference.winograd_input`). Parallel over channels."""
-    x = np.asarray(x)
-    m, r, pad = _winograd_args(m, r, pad)
-    n, c, _, _ = reference._check_4d(x)
+    """:func:`mpidl.kernels.winograd_reference.winograd_input`, parallel over channels."""
     if x.dtype not in _COMPILED_DTYPES:
         return reference.winograd_input(x, m, r, pad, out=out)
+    n, c, _, _ = x.shape
     _, _, tiles_h, tiles_w = reference.winograd_geometry(x.shape, m, r, pad)
-    shape = _transform_shape(c, tiles_h, tiles_w, n, m, r)
-    v = np.empty(shape, dtype=x.dtype) if out is None else _check_out(out, shape, x.dtype, "winograd_input")
+    v = np.empty(_transform_shape(c, tiles_h, tiles_w, n, m, r), dtype=x.dtype) if out is None else out
     bt = reference.winograd_matrices(m, r)[2].astype(x.dtype)
     _winograd_input_kernel(_as_compiled(x), bt, m, pad, tiles_h, tiles_w, _blocks(v))
     return v
 
 
 def winograd_input_adjoint(dv, x_shape, m: int, r: int, pad: int = 0, out=None):
-    """Adjoint of :func:`winograd_input`: ``dV -> dx : x_shape`` (overlapping patches add up).
-    Parallel over channels."""
-    dv = np.asarray(dv)
-    m, r, pad = _winograd_args(m, r, pad)
+    """:func:`mpidl.kernels.winograd_reference.winograd_input_adjoint`, parallel over channels."""
     if dv.dtype not in _COMPILED_DTYPES:
         return reference.winograd_input_adjoint(dv, x_shape, m, r, pad, out=out)
-    n, c, h, w = (int(s) for s in x_shape)
     _, _, tiles_h, tiles_w = reference.winograd_geometry(x_shape, m, r, pad)
-    _check_shape(dv, _transform_shape(c, tiles_h, tiles_w, n, m, r), "winograd_input_adjoint: dv")
-    dx = np.empty((n, c, h, w), dtype=dv.dtype) if out is None else _check_out(out, (n, c, h, w), dv.dtype, "winograd_input_adjoint")
+    dx = np.empty(x_shape, dtype=dv.dtype) if out is None else out
     bt_t = np.ascontiguousarray(reference.winograd_matrices(m, r)[2].T, dtype=dv.dtype)
     _winograd_input_adjoint_kernel(_blocks(_as_compiled(dv)), bt_t, m, pad, tiles_h, tiles_w, dx)
     return dx
 
 
 def winograd_output(mt, y_shape, m: int, r: int, bias=None, out=None):
-    """``M : (F, alpha, alpha, TH*TW*N)`` -> ``y : y_shape = (N, F, OH, OW)``, ``A^T M A`` per
-    tile plus ``bias[f]``. Parallel over filters."""
-    mt = np.asarray(mt)
-    m, r, _ = _winograd_args(m, r, 0)
+    """:func:`mpidl.kernels.winograd_reference.winograd_output`, the bias added on the way;
+    parallel over filters."""
     if mt.dtype not in _COMPILED_DTYPES:
         return reference.winograd_output(mt, y_shape, m, r, bias=bias, out=out)
-    n, f, out_h, out_w = (int(s) for s in y_shape)
+    n, f, out_h, out_w = y_shape
     tiles_h, tiles_w = -(-out_h // m), -(-out_w // m)
-    _check_shape(mt, _transform_shape(f, tiles_h, tiles_w, n, m, r), "winograd_output: M")
-    y = np.empty((n, f, out_h, out_w), dtype=mt.dtype) if out is None else _check_out(out, (n, f, out_h, out_w), mt.dtype, "winograd_output")
+    y = np.empty(y_shape, dtype=mt.dtype) if out is None else out
     bias = np.zeros(f, mt.dtype) if bias is None else np.ascontiguousarray(bias, dtype=mt.dtype).reshape(f)
     at = reference.winograd_matrices(m, r)[0].astype(mt.dtype)
     _winograd_output_kernel(_blocks(_as_compiled(mt)), at, bias, m, tiles_h, tiles_w, y)
@@ -297,16 +273,12 @@ def winograd_output(mt, y_shape, m: int, r: int, bias=None, out=None):
 
 
 def winograd_output_adjoint(dy, m: int, r: int, out=None):
-    """Adjoint of :func:`winograd_output` (bias aside): ``dy -> dM``, ``A dY A^T`` per tile.
-    Parallel over filters."""
-    dy = np.asarray(dy)
-    m, r, _ = _winograd_args(m, r, 0)
-    n, f, out_h, out_w = reference._check_4d(dy, "dy")
+    """:func:`mpidl.kernels.winograd_reference.winograd_output_adjoint`, parallel over filters."""
     if dy.dtype not in _COMPILED_DTYPES:
         return reference.winograd_output_adjoint(dy, m, r, out=out)
+    n, f, out_h, out_w = dy.shape
     tiles_h, tiles_w = -(-out_h // m), -(-out_w // m)
-    shape = _transform_shape(f, tiles_h, tiles_w, n, m, r)
-    dm = np.empty(shape, dtype=dy.dtype) if out is None else _check_out(out, shape, dy.dtype, "winograd_output_adjoint")
+    dm = np.empty(_transform_shape(f, tiles_h, tiles_w, n, m, r), dtype=dy.dtype) if out is None else out
     at_t = np.ascontiguousarray(reference.winograd_matrices(m, r)[0].T, dtype=dy.dtype)
     _winograd_output_adjoint_kernel(_as_compiled(dy), at_t, m, tiles_h, tiles_w, _blocks(dm))
     return dm

@@ -1,6 +1,7 @@
 """Winograd F(m x m, r x r) transforms as Numba CUDA kernels: the same functions as
 :mod:`mpidl.kernels.winograd_reference` (math and layout there), on the launch helpers of
-:mod:`mpidl.kernels.cuda`.
+:mod:`mpidl.kernels.cuda`. The arguments are checked by the dispatcher, :mod:`mpidl.kernels`;
+the functions here check only what is theirs: float32 / float64 and ``m + r - 1 <= 8``.
 """
 
 from __future__ import annotations
@@ -9,15 +10,14 @@ import numpy as np
 from numba import cuda
 from numba import float64 as numba_float64
 
-from .cuda import _Device, _check_4d, _check_float, _check_out, _nchw
-from .reference import as_ints
+from .cuda import _Device, _check_float, _nchw
 from .winograd_reference import winograd_geometry, winograd_matrices
 
 __all__ = ["winograd_input", "winograd_input_adjoint", "winograd_output", "winograd_output_adjoint"]
 
 
 # --------------------------------------------------------------------------------------------
-# Winograd F(m x m, r x r) transforms (math and layout: mpidl.kernels.reference)
+# Winograd F(m x m, r x r) transforms (math and layout: mpidl.kernels.winograd_reference)
 # --------------------------------------------------------------------------------------------
 # One thread per (channel, column q = tile*N + n): consecutive threads take consecutive
 # samples of one tile, so the transformed arrays (C, alpha, alpha, P) are read and written
@@ -150,11 +150,10 @@ def _winograd_input_adjoint_kernel(dv, bt, m, pad, tiles_h, tiles_w, zero, dx):
 # --------------------------------------------------------------------------------------------
 
 
-def _winograd_check(m, r, pad=0):
-    m, r, pad = as_ints(m, r, pad)
-    if m < 1 or r < 1 or pad < 0 or m + r - 1 > _MAX_ALPHA:
-        raise ValueError(f"winograd: need m, r >= 1, pad >= 0 and m + r - 1 <= {_MAX_ALPHA}; got m={m}, r={r}, pad={pad}")
-    return m, r, pad
+def _check_alpha(m, r):
+    """The tile lives in a per-thread local array of ``_MAX_ALPHA``^2 values."""
+    if m + r - 1 > _MAX_ALPHA:
+        raise ValueError(f"winograd: the CUDA kernels need m + r - 1 <= {_MAX_ALPHA}; got m={m}, r={r}")
 
 
 def _matrix(device, matrix, dtype):
@@ -168,34 +167,28 @@ def _matrix(device, matrix, dtype):
 
 
 def winograd_input(x, m: int, r: int, pad: int = 0, out=None):
-    """``x : (N, C, H, W)`` -> ``V : (C, alpha, alpha, TH*TW*N)``, ``B^T d B`` per tile; one
-    thread per (channel, column)."""
+    """:func:`mpidl.kernels.winograd_reference.winograd_input`, one thread per (channel, column)."""
     device = _Device(x)
-    n, c, _, _ = _check_4d(x)
     _check_float(x.dtype, "winograd_input")
-    m, r, pad = _winograd_check(m, r, pad)
+    _check_alpha(m, r)
+    n, c, _, _ = x.shape
     _, _, tiles_h, tiles_w = winograd_geometry(x.shape, m, r, pad)
     alpha, columns = m + r - 1, tiles_h * tiles_w * n
-    shape = (c, alpha, alpha, columns)
-    v = device.empty(shape, x.dtype) if out is None else _check_out(device, out, shape, x.dtype, "winograd_input")
+    v = device.empty((c, alpha, alpha, columns), x.dtype) if out is None else out
     bt = _matrix(device, winograd_matrices(m, r)[2], x.dtype)
     device.launch(_winograd_input_kernel, c * columns, device.contiguous(x), bt, m, pad, tiles_w, columns, v)
     return v
 
 
 def winograd_input_adjoint(dv, x_shape, m: int, r: int, pad: int = 0, out=None):
-    """Adjoint of :func:`winograd_input` as a gather: one thread per pixel of ``dx``."""
+    """:func:`mpidl.kernels.winograd_reference.winograd_input_adjoint` as a gather: one thread
+    per pixel of ``dx`` sums the tiles that overlap it."""
     device = _Device(dv)
     _check_float(dv.dtype, "winograd_input_adjoint")
-    m, r, pad = _winograd_check(m, r, pad)
-    n, c, h, w = (int(s) for s in x_shape)
+    _check_alpha(m, r)
+    n, c, h, w = x_shape
     _, _, tiles_h, tiles_w = winograd_geometry(x_shape, m, r, pad)
-    alpha = m + r - 1
-    expected = (c, alpha, alpha, tiles_h * tiles_w * n)
-    if tuple(dv.shape) != expected:
-        raise ValueError(f"winograd_input_adjoint: dv has shape {tuple(dv.shape)}, expected {expected}")
-    shape = (n, c, h, w)
-    dx = device.empty(shape, dv.dtype) if out is None else _check_out(device, out, shape, dv.dtype, "winograd_input_adjoint")
+    dx = device.empty((n, c, h, w), dv.dtype) if out is None else out
     bt = _matrix(device, winograd_matrices(m, r)[2], dv.dtype)
     device.launch(_winograd_input_adjoint_kernel, n * c * h * w, device.contiguous(dv), bt, m, pad, tiles_h, tiles_w,
                   dv.dtype.type(0), dx)
@@ -203,18 +196,14 @@ def winograd_input_adjoint(dv, x_shape, m: int, r: int, pad: int = 0, out=None):
 
 
 def winograd_output(mt, y_shape, m: int, r: int, bias=None, out=None):
-    """``M : (F, alpha, alpha, TH*TW*N)`` -> ``y : y_shape``, ``A^T M A`` per tile plus ``bias``;
-    one thread per (filter, column)."""
+    """:func:`mpidl.kernels.winograd_reference.winograd_output`, one thread per (filter, column)."""
     device = _Device(mt)
     _check_float(mt.dtype, "winograd_output")
-    m, r, _ = _winograd_check(m, r)
-    n, f, out_h, out_w = (int(s) for s in y_shape)
+    _check_alpha(m, r)
+    n, f, out_h, out_w = y_shape
     tiles_h, tiles_w = -(-out_h // m), -(-out_w // m)
-    alpha, columns = m + r - 1, tiles_h * tiles_w * n
-    if tuple(mt.shape) != (f, alpha, alpha, columns):
-        raise ValueError(f"winograd_output: M has shape {tuple(mt.shape)}, expected {(f, alpha, alpha, columns)}")
-    shape = (n, f, out_h, out_w)
-    y = device.empty(shape, mt.dtype) if out is None else _check_out(device, out, shape, mt.dtype, "winograd_output")
+    columns = tiles_h * tiles_w * n
+    y = device.empty((n, f, out_h, out_w), mt.dtype) if out is None else out
     bias = _matrix(device, np.zeros(f), mt.dtype) if bias is None else device.contiguous(bias.reshape(f), dtype=mt.dtype)
     at = _matrix(device, winograd_matrices(m, r)[0], mt.dtype)
     device.launch(_winograd_output_kernel, f * columns, device.contiguous(mt), at, bias, m, tiles_w, columns, y)
@@ -222,16 +211,15 @@ def winograd_output(mt, y_shape, m: int, r: int, bias=None, out=None):
 
 
 def winograd_output_adjoint(dy, m: int, r: int, out=None):
-    """Adjoint of :func:`winograd_output` (bias aside): ``dy -> dM``; one thread per
+    """:func:`mpidl.kernels.winograd_reference.winograd_output_adjoint`, one thread per
     (filter, column)."""
     device = _Device(dy)
-    n, f, out_h, out_w = _check_4d(dy, "dy")
     _check_float(dy.dtype, "winograd_output_adjoint")
-    m, r, _ = _winograd_check(m, r)
+    _check_alpha(m, r)
+    n, f, out_h, out_w = dy.shape
     tiles_h, tiles_w = -(-out_h // m), -(-out_w // m)
     alpha, columns = m + r - 1, tiles_h * tiles_w * n
-    shape = (f, alpha, alpha, columns)
-    dm = device.empty(shape, dy.dtype) if out is None else _check_out(device, out, shape, dy.dtype, "winograd_output_adjoint")
+    dm = device.empty((f, alpha, alpha, columns), dy.dtype) if out is None else out
     at = _matrix(device, winograd_matrices(m, r)[0], dy.dtype)
     device.launch(_winograd_output_adjoint_kernel, f * columns, device.contiguous(dy), at, m, tiles_w, columns, dm)
     return dm

@@ -111,10 +111,11 @@ def test_out_workspace_is_filled_and_reused():
         lambda: [[0.0] * 60] * 27,  # not an array
     ],
 )
-def test_bad_out_is_refused(make_out):
+def test_bad_out_is_refused(make_out, monkeypatch):
+    monkeypatch.setenv("MPIDL_KERNELS", "cpu")
     x = _random((2, 3, 6, 5), np.float32)
     with pytest.raises(ValueError):
-        cpu.im2col(x, 3, 3, 1, 1, out=make_out())
+        kernels.im2col(x, 3, 3, 1, 1, out=make_out())
 
 
 def test_non_contiguous_input():
@@ -127,18 +128,19 @@ def test_non_contiguous_input():
     np.testing.assert_array_equal(argmax, argmax_ref)
 
 
-def test_geometry_errors():
+def test_geometry_errors(monkeypatch):
+    monkeypatch.setenv("MPIDL_KERNELS", "cpu")
     x = _random((1, 2, 4, 4), np.float32)
     with pytest.raises(ValueError):
-        cpu.im2col(x, 7, 7, 1, 1)  # window larger than the padded input
+        kernels.im2col(x, 7, 7, 1, 1)  # window larger than the padded input
     with pytest.raises(ValueError):
-        cpu.im2col(x[0], 3, 3, 1, 1)  # not 4-D
+        kernels.im2col(x[0], 3, 3, 1, 1)  # not 4-D
     with pytest.raises(ValueError):
-        cpu.col2im(np.zeros((18, 5), np.float32), x.shape, 3, 3, 1, 1)  # cols does not fit x_shape
+        kernels.col2im(np.zeros((18, 5), np.float32), x.shape, 3, 3, 1, 1)  # cols does not fit x_shape
     with pytest.raises(ValueError):
-        cpu.maxpool2d_forward(x, 2, 2, 2)  # pad > k // 2
+        kernels.maxpool2d_forward(x, 2, 2, 2)  # pad > k // 2
     with pytest.raises(ValueError):
-        cpu.avgpool2d_forward(x, 2, 0, 0)  # stride 0
+        kernels.avgpool2d_forward(x, 2, 0, 0)  # stride 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -181,15 +183,16 @@ def test_maxpool_ties_go_to_the_first_maximum(fill):
         np.testing.assert_array_equal(y, y_ref)
 
 
-def test_maxpool_backward_checks_its_inputs():
+def test_maxpool_backward_checks_its_inputs(monkeypatch):
+    monkeypatch.setenv("MPIDL_KERNELS", "cpu")
     x = _random((1, 2, 4, 4), np.float32)
-    y, argmax = cpu.maxpool2d_forward(x, 2, 2, 0)
+    y, argmax = kernels.maxpool2d_forward(x, 2, 2, 0)
     with pytest.raises(ValueError):
-        cpu.maxpool2d_backward(y[:, :1], argmax, x.shape, 2, 2, 0)  # dy of the wrong shape
+        kernels.maxpool2d_backward(y[:, :1], argmax, x.shape, 2, 2, 0)  # dy of the wrong shape
+    with pytest.raises(ValueError, match="outside"):
+        kernels.maxpool2d_backward(y, argmax + 16, x.shape, 2, 2, 0)  # indices outside the plane (cpu's own check)
     with pytest.raises(ValueError):
-        cpu.maxpool2d_backward(y, argmax + 16, x.shape, 2, 2, 0)  # indices outside the plane
-    with pytest.raises(ValueError):
-        cpu.maxpool2d_backward(y, argmax.astype(np.float32), x.shape, 2, 2, 0)  # not integers
+        kernels.maxpool2d_backward(y, argmax.astype(np.float32), x.shape, 2, 2, 0)  # not integers
 
 
 @pytest.mark.parametrize("shape, k, stride, pad, dtype", _cases())
@@ -203,9 +206,10 @@ def test_avgpool_matches_reference(shape, k, stride, pad, dtype):
     )
 
 
-def test_avgpool_backward_checks_dy_shape():
+def test_avgpool_backward_checks_dy_shape(monkeypatch):
+    monkeypatch.setenv("MPIDL_KERNELS", "cpu")
     with pytest.raises(ValueError):
-        cpu.avgpool2d_backward(np.zeros((1, 2, 3, 3), np.float32), (1, 2, 4, 4), 2, 2, 0)
+        kernels.avgpool2d_backward(np.zeros((1, 2, 3, 3), np.float32), (1, 2, 4, 4), 2, 2, 0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -231,3 +235,39 @@ def test_dispatch_picks_the_cpu_kernels_for_numpy(monkeypatch):
     assert kernels.implementation_for(x) is reference
     monkeypatch.setenv("MPIDL_KERNELS", "cpu")
     np.testing.assert_array_equal(kernels.im2col(x, 3, 3, 1, 1), reference.im2col(x, 3, 3, 1, 1))
+
+
+# One bad call of each kind the dispatcher refuses, on x : (1, 2, 4, 4) float32.
+_X = np.zeros((1, 2, 4, 4), np.float32)
+_Y = np.zeros((1, 2, 2, 2), np.float32)
+_ARGMAX = np.zeros((1, 2, 2, 2), np.int32)
+BAD_CALLS = {
+    "not-4d": lambda: kernels.im2col(_X[0], 3, 3, 1, 1),
+    "window-larger-than-input": lambda: kernels.im2col(_X, 7, 7, 1, 1),
+    "stride-0": lambda: kernels.avgpool2d_forward(_X, 2, 0, 0),
+    "out-shape": lambda: kernels.im2col(_X, 3, 3, 1, 1, out=np.empty((18, 15), np.float32)),
+    "out-dtype": lambda: kernels.im2col(_X, 3, 3, 1, 1, out=np.empty((18, 16), np.float64)),
+    "out-not-contiguous": lambda: kernels.im2col(_X, 3, 3, 1, 1, out=np.empty((16, 18), np.float32).T),
+    "out-not-an-array": lambda: kernels.im2col(_X, 3, 3, 1, 1, out=[[0.0] * 16] * 18),
+    "cols-do-not-fit": lambda: kernels.col2im(np.zeros((18, 5), np.float32), _X.shape, 3, 3, 1, 1),
+    "maxpool-pad": lambda: kernels.maxpool2d_forward(_X, 2, 2, 2),
+    "maxpool-dy-shape": lambda: kernels.maxpool2d_backward(_Y[:, :1], _ARGMAX, _X.shape, 2, 2, 0),
+    "argmax-not-integers": lambda: kernels.maxpool2d_backward(_Y, _ARGMAX.astype(np.float32), _X.shape, 2, 2, 0),
+    "avgpool-dy-shape": lambda: kernels.avgpool2d_backward(np.zeros((1, 2, 3, 3), np.float32), _X.shape, 2, 2, 0),
+    "winograd-m-0": lambda: kernels.winograd_input(_X, 0, 3, 1),
+    "winograd-out-shape": lambda: kernels.winograd_input(_X, 2, 3, 1, out=np.empty((2, 4, 4, 3), np.float32)),
+    "winograd-M-for-another-m": lambda: kernels.winograd_output(np.zeros((2, 5, 5, 4), np.float32), (1, 2, 4, 4), 2, 3),
+}
+
+
+@pytest.mark.parametrize("call", BAD_CALLS.values(), ids=BAD_CALLS.keys())
+def test_a_bad_call_is_refused_with_one_message_by_every_backend(call, monkeypatch):
+    """The dispatcher checks the arguments once, before choosing an implementation: the
+    reference and the Numba kernels refuse the same call with the same message."""
+    messages = {}
+    for backend in ("reference", "cpu"):
+        monkeypatch.setenv("MPIDL_KERNELS", backend)
+        with pytest.raises(ValueError) as refused:
+            call()
+        messages[backend] = str(refused.value)
+    assert messages["reference"] == messages["cpu"]

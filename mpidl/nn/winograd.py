@@ -78,7 +78,7 @@ def forward(conv, x, m: int, y_shape: tuple):
     u = _filter_transform(conv, m, x)
     v = kernels.winograd_input(x, m, k, p, out=_workspace(conv._workspaces, "V", (c, alpha, alpha, columns), x))
     mt = _workspace(conv._workspaces, "M", (f, alpha, alpha, columns), x)
-    # The transforms keep the channel outermost (see mpidl.kernels.reference); the batched
+    # The transforms keep the channel outermost (see mpidl.kernels.winograd_reference); the batched
     # GEMM takes the (alpha^2, C, P) views with a row stride of alpha^2 * P.
     batched_matmul(u, _by_position(v), _by_position(mt))
     conv._x_shape, conv._winograd = tuple(x.shape), (m, u, v)

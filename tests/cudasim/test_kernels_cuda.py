@@ -28,6 +28,7 @@ if not SIMULATING and not cuda.is_available():
         allow_module_level=True,
     )
 
+from mpidl import kernels  # noqa: E402
 from mpidl.kernels import cuda as kcuda  # noqa: E402
 from mpidl.kernels import reference, winograd_cuda, winograd_reference  # noqa: E402
 
@@ -132,16 +133,22 @@ def test_out_workspaces_are_filled_and_reused():
         _assert_close(dx, reference.col2im(expected_cols, shape, k, k, stride, pad), np.float32)
 
 
-def test_bad_arguments_are_refused():
+def test_bad_arguments_are_refused(monkeypatch):
+    """Through the dispatcher, which sends Numba device arrays to these kernels: it checks the
+    arguments; the dtype is the CUDA kernels' own check."""
+    monkeypatch.delenv("MPIDL_KERNELS", raising=False)
     x = cuda.to_device(_random((1, 2, 4, 4), np.float32))
+    assert kernels.implementation_for(x) is kcuda
+    with pytest.raises(ValueError, match="out has shape"):
+        kernels.im2col(x, 3, 3, 1, 1, out=cuda.to_device(np.empty((18, 15), np.float32)))  # wrong shape
+    with pytest.raises(ValueError, match="C-contiguous"):
+        kernels.im2col(x, 3, 3, 1, 1, out=cuda.to_device(np.empty((16, 18), np.float32)).T)  # strided
     with pytest.raises(ValueError):
-        kcuda.im2col(x, 3, 3, 1, 1, out=cuda.to_device(np.empty((18, 15), np.float32)))  # wrong shape
+        kernels.maxpool2d_forward(x, 2, 2, 2)  # pad > k // 2
     with pytest.raises(ValueError):
-        kcuda.maxpool2d_forward(x, 2, 2, 2)  # pad > k // 2
-    with pytest.raises(ValueError):
-        kcuda.avgpool2d_forward(x, 5, 1, 0)  # empty output
-    with pytest.raises(ValueError):
-        kcuda.im2col(cuda.to_device(np.zeros((1, 1, 4, 4), np.int32)), 3, 3, 1, 1)  # not a float dtype
+        kernels.avgpool2d_forward(x, 5, 1, 0)  # empty output
+    with pytest.raises(ValueError, match="float32 or float64"):
+        kernels.im2col(cuda.to_device(np.zeros((1, 1, 4, 4), np.int32)), 3, 3, 1, 1)  # not a float dtype
 
 
 def test_launch_geometry():
@@ -186,9 +193,10 @@ def test_winograd_transforms(transfer, shape, m, r, pad, dtype):
                          winograd_reference.winograd_output_adjoint(dy, m, r), dtype)
 
 
-def test_winograd_refuses_bad_arguments():
+def test_winograd_refuses_bad_arguments(monkeypatch):
+    monkeypatch.delenv("MPIDL_KERNELS", raising=False)
     x = cuda.to_device(_random((1, 2, 5, 5), np.float32))
     with pytest.raises(ValueError, match="m \\+ r - 1 <= 8"):
-        winograd_cuda.winograd_input(x, 7, 3, 1)  # alpha = 9 > the kernels' local arrays
+        kernels.winograd_input(x, 7, 3, 1)  # alpha = 9 > the kernels' local arrays (their own check)
     with pytest.raises(ValueError, match="expected"):
-        winograd_cuda.winograd_output(cuda.to_device(np.zeros((2, 5, 5, 3), np.float32)), (1, 2, 5, 5), 3, 3)
+        kernels.winograd_output(cuda.to_device(np.zeros((2, 5, 5, 3), np.float32)), (1, 2, 5, 5), 3, 3)
