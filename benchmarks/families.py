@@ -1,4 +1,4 @@
-# python benchmarks/families.py [--quick] [--out benchmarks/results] [--work DIR]
+# python benchmarks/families.py [--quick] [--only FAMILY ...] [--out benchmarks/results] [--work DIR]
 """The model families and the optimizer study under ``flat`` vs ``node`` K'=50 (TNNLS 2023).
 
 2 emulated nodes x 2 ranks (MPICH ``-hosts``, so ``MPI_COMM_TYPE_SHARED`` really splits),
@@ -18,7 +18,8 @@ Rows: mean ± std over the seeds; ``node - flat`` is the difference of the means
 the mean of each run's epochs but the first. All runs of a kind execute inside one
 ``mpiexec`` (``benchmarks/train_batch.py``), seeds outermost so that load from other processes
 falls on every configuration alike. ``--quick`` (CI): 1 seed, a few steps, CNN + GAN + the
-optimizers only; its numbers mean nothing.
+optimizers only; its numbers mean nothing. ``--only LSTM ViT`` runs those families' rows alone
+(no optimizer table, no GAN) into ``families_lstm_vit.md``.
 """
 
 from __future__ import annotations
@@ -139,8 +140,12 @@ def main(argv=None) -> int:
     ap.add_argument("--reuse", action="store_true",
                     help="with --work: keep the finished runs of an earlier invocation whose arguments "
                          "are the same, run only the others (default off)")
+    ap.add_argument("--only", nargs="+", choices=[f for f in FAMILIES if f != "CNN"], default=None,
+                    help="run only these families' rows (no optimizer table, no GAN)")
     args = ap.parse_args(argv)
     p = plan(args.quick)
+    if args.only:
+        p["families"] = tuple(args.only)
     work = args.work or Path(tempfile.mkdtemp(prefix="mpidl-families-"))
     info = common.machine_info()
     started = time.perf_counter()
@@ -165,12 +170,14 @@ def main(argv=None) -> int:
                 name = f"{model}_{optimizer}_{tag}_s{seed}"
                 cls.add(name, classifier_argv(model, optimizer, lr, seed, p) + options)
                 runs.setdefault(("family", family, strategy), []).append(name)
-            for optimizer in OPTIMIZERS:
+            for optimizer in OPTIMIZERS if not args.only else ():
                 name = f"hsicnn_{optimizer}_{tag}_s{seed}"
                 cls.add(name, classifier_argv("hsicnn", optimizer, OPTIMIZER_LR.get(optimizer, 1e-3), seed, p) + options)
                 runs.setdefault(("optimizer", optimizer, strategy), []).append(name)
                 if optimizer == FAMILIES["CNN"][1]:
                     runs.setdefault(("family", "CNN", strategy), []).append(name)
+            if args.only:
+                continue
             name = f"gan_{tag}_s{seed}"
             gan.add(name, ["--epochs", p["gan_epochs"], "--batch-size", p["gan_batch"], "--seed", seed,
                            "--emulate-link", LINK] + options)
@@ -203,7 +210,7 @@ def main(argv=None) -> int:
 
     flat, node = STRATEGIES
     fam_rows = []
-    for family in [f for f in p["families"] if f in families or f == "CNN"] + ["GAN"]:
+    for family in [f for f in p["families"] if f in families or f == "CNN"] + ([] if args.only else ["GAN"]):
         is_gan = family == "GAN"
         metric = "gen_accuracy_mlp" if is_gan else "oa"
         if ("family", family, flat) not in runs:
@@ -221,17 +228,18 @@ def main(argv=None) -> int:
             row.append("")
         fam_rows.append(row)
     opt_rows = []
-    for optimizer in OPTIMIZERS:
+    for optimizer in OPTIMIZERS if not args.only else ():
         t = {s: column("optimizer", optimizer, s, "time") for s in (flat, node)}
         q = {s: column("optimizer", optimizer, s, "oa") for s in (flat, node)}
         opt_rows.append([optimizer, f"{OPTIMIZER_LR.get(optimizer, 1e-3):g}", mean_std(t[flat]), mean_std(t[node]),
                          mean_std(q[flat], 100), mean_std(q[node], 100), diff(q[flat], q[node], 100)])
 
-    example = next(r["name"] for r in cls.runs if r["name"].startswith("hsicnn_lamb_node"))
-    gan_example = gan.runs[-1]
-    gan_argv = [a for a in gan_example["argv"]]
-    gan_argv[gan_argv.index("--metrics") + 1] = "gan.jsonl"
-    gan_cmd = shown(common.mpiexec(4, [common.PYTHON, "-m", "mpidl.gan", *gan_argv], True))
+    example = next(r["name"] for r in cls.runs if r["name"] != "warmup" and "_node_" in r["name"])
+    commands = [cls.train_command(example)]
+    if gan.runs:
+        gan_argv = list(gan.runs[-1]["argv"])
+        gan_argv[gan_argv.index("--metrics") + 1] = "gan.jsonl"
+        commands.append(shown(common.mpiexec(4, [common.PYTHON, "-m", "mpidl.gan", *gan_argv], True)))
     seeds = len(p["seeds"])
     body = [
         "## Set-up", "",
@@ -252,22 +260,32 @@ def main(argv=None) -> int:
         md_table(["family", "model", "quality", "epoch s (flat)", "epoch s (node K'=50)",
                   "quality flat", "quality node K'=50", "node - flat (points)", "also"], fam_rows),
         "",
-        "Not on this branch (no such model in `mpidl.models.MODELS`; they join the table once merged): "
-        + (", ".join(absent) if absent else "none") + "."
-        + (" `--quick` runs the CNN and the GAN only." if args.quick else ""),
+        ("Not on this branch (no such model in `mpidl.models.MODELS`; they join the table once merged): "
+         + ", ".join(absent) + "." if absent else "")
+        + (" `--quick` runs the CNN and the GAN only." if args.quick and not args.only else "")
+        + (f"`--only {' '.join(args.only)}`: these rows alone; the CNN, GAN and optimizer rows are in "
+           "families.md." if args.only else ""),
         "",
-        "The GAN's quality is the share of generated spectra (256 per class) that a classifier trained on "
-        "the real training spectra (Linear-ReLU-Linear) assigns to their conditioning class (chance 25 %); "
-        "SAM is the spectral angle between generated and real class-mean spectra (real train vs test: "
-        "about 0.3 deg).",
-        "",
-        "## Optimizers on hsicnn", "",
-        md_table(["optimizer", "lr", "epoch s (flat)", "epoch s (node K'=50)", "OA flat (%)",
-                  "OA node K'=50 (%)", "node - flat (points)"], opt_rows),
-        "",
+    ]
+    if gan.runs:
+        body += [
+            "The GAN's quality is the share of generated spectra (256 per class) that a classifier trained on "
+            "the real training spectra (Linear-ReLU-Linear) assigns to their conditioning class (chance 25 %); "
+            "SAM is the spectral angle between generated and real class-mean spectra (real train vs test: "
+            "about 0.3 deg).",
+            "",
+        ]
+    if opt_rows:
+        body += [
+            "## Optimizers on hsicnn", "",
+            md_table(["optimizer", "lr", "epoch s (flat)", "epoch s (node K'=50)", "OA flat (%)",
+                      "OA node K'=50 (%)", "node - flat (points)"], opt_rows),
+            "",
+        ]
+    body += [
         "## Commands", "",
-        "One row's run alone (classifier, GAN):", "",
-        common.code_block([cls.train_command(example), gan_cmd]),
+        "One row's run alone" + (" (classifier, GAN)" if gan.runs else "") + ":", "",
+        common.code_block(commands),
         "",
         (f"Reused from an earlier invocation with the same arguments (`--reuse`): {len(reused)} of "
          f"{len(results)} runs; the others ran in this one." if reused else ""),
@@ -275,7 +293,8 @@ def main(argv=None) -> int:
         f"Failed runs: {', '.join(failed) if failed else 'none'}. This invocation took "
         f"{(time.perf_counter() - started) / 60:.1f} minutes.",
     ]
-    name = "families_quick.md" if args.quick else "families.md"
+    name = ("families_quick.md" if args.quick else
+            f"families_{'_'.join(f.lower() for f in args.only)}.md" if args.only else "families.md")
     me = "python benchmarks/families.py" + (" --quick" if args.quick else "")
     path = common.write_markdown(args.out / name, "Model families and optimizers: flat vs node K'=50",
                                  me, info, body)
