@@ -1016,6 +1016,12 @@ def write_index(ctx: Context, summary: dict) -> None:
              "| [scaling.md](scaling.md) | samples/s with 1, 2, 4 ranks, hsicnn and resnet8 |",
              "| [peers.md](peers.md) | mpidl vs PyTorch DDP (gloo) on the same model and data |",
              "| [families.md](families.md) | model families (CNN, LSTM, ViT, GAN) and every optimizer on hsicnn: flat vs node K'=50 on 2 EMULATED nodes |",
+             '| [families_lstm_vit.md](families_lstm_vit.md) | the LSTM and ViT rows of families.md alone: run on its own, `python benchmarks/families.py --only LSTM ViT` (not part of this command) |',
+             '| [comm_shm.md](comm_shm.md) | node-shared buffers (`--intra shm`) vs MPI Allreduce + replicated update, 4 KiB - 64 MiB, time and memory per node: run on its own, `python benchmarks/comm.py --shm` (not part of this command) |',
+             '| [overlap.md](overlap.md) | the gradient exchange overlapped with the backward pass (`--overlap`) under an EMULATED link: part of this command (section overlap) |',
+             '| [twins.md](twins.md) | mlp, spectral_lstm and vit trained on Samson vs PyTorch twins from the same initial weights: run on its own, `python benchmarks/twins_torch.py --data samson.h5 --seeds 0,1,2` (not part of this command) |',
+             '| [read.md](read.md) | read speed of the patch file vs the scene-backed file (Samson): run on its own, `python benchmarks/read.py --rounds 5 --samson-dir DIR` (not part of this command) |',
+             "| [plan.md](plan.md) | the strategies' cost model (`mpidl.plan`): validation against emulated runs, and modelled efficiency at scale: run on its own, `python benchmarks/plan.py` (not part of this command) |",
              "| [conv.txt](conv.txt) | convolution step and conv layers vs sgemm peak and PyTorch: run on its own, "
              "`python benchmarks/conv.py --repeats 5 > benchmarks/results/conv.txt` (not part of this command) |",
              "| [step.md](step.md), [step_threads1.md](step_threads1.md) | one training step of every model vs its PyTorch twin, fresh processes, nothing set (and one thread each): run on its own, `python benchmarks/step.py` (`--threads 1`) (not part of this command) |",
