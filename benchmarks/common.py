@@ -273,6 +273,26 @@ def epoch_samples(record: dict, previous_step: int, num_samples: int, global_bat
     return [full * b + extra for b, extra in zip(sizes, last)]
 
 
+def ideal_epoch_s(record: dict, factors) -> float:
+    """The ideal epoch time of ``record`` under EMULATED slowdowns ``F_i``: the total work the
+    ranks did, unslowed, over the sum of their speeds::
+
+        ideal = sum_i (comp_s_i / F_i) / sum_i (1 / F_i)
+
+    ``comp_s_i / F_i`` is rank ``i``'s compute time without its emulated sleep, so the numerator
+    is the epoch's compute (fixed per-step parts included) as one rank of speed 1 would do it,
+    and the whole is the epoch time of a split that kept every rank busy the whole epoch with
+    no communication. (A per-sample cost averaged over the ranks would not do: a rank with 1
+    sample per step has a per-sample cost equal to its fixed cost, and would inflate the ideal.)"""
+    return (sum(comp / f for comp, f in zip(record["comp_s"], factors))
+            / sum(1.0 / f for f in factors))
+
+
+def unslowed_cost_per_sample(record: dict, factors, samples) -> float:
+    """Seconds of unslowed compute per sample of the epoch: ``sum_i comp_s_i / F_i / sum_i n_i``."""
+    return sum(comp / f for comp, f in zip(record["comp_s"], factors)) / max(sum(samples), 1)
+
+
 def timed_epochs(epochs: list[dict], skip_first: bool = True) -> list[dict]:
     """The epochs whose time is reported: all but the first (speed probe effects, caches,
     allocation) when there are at least two."""

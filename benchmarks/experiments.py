@@ -43,8 +43,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from common import (PYTHON, TrainBatch, epoch_samples, fmt_bytes, md_table, mean_std,  # noqa: E402
-                    med_spread, median, shown, timed_epochs)
+from common import (PYTHON, TrainBatch, epoch_samples, fmt_bytes, ideal_epoch_s, md_table,  # noqa: E402
+                    mean_std, med_spread, median, shown, timed_epochs, unslowed_cost_per_sample)
 
 EXPERIMENTS = ("hdp", "balanced", "node")
 EXTERNAL = ("comm", "scaling", "peers", "overlap", "families")
@@ -301,10 +301,10 @@ def hdp(ctx: Context) -> dict:
              f"those of the experiment. The rows marked *unscaled* use the factors as given (x1) and "
              f"show what contention does.",
              "",
-             "**Ideal epoch time** = total work / sum of speeds = N c / sum_i (1 / F_i), with N the "
-             "training samples, F_i the applied factors and c the unslowed compute seconds per "
-             "sample measured in the same run (c_i = comp_s_i / (F_i n_i), n_i the samples rank i "
-             "computed in the epoch; c = mean over ranks). It counts compute only: communication, "
+             "**Ideal epoch time** = total work / sum of speeds = sum_i (comp_s_i / F_i) / sum_i (1 / F_i), "
+             "with F_i the applied factors and comp_s_i rank i's compute seconds in the epoch (so "
+             "comp_s_i / F_i is its work without the emulated sleep, the fixed per-step parts "
+             "included); *c* is that total work per sample. It counts compute only: communication, "
              "waiting and the rounding of batch sizes to whole samples are what the ratio shows. "
              "Epoch time is the metrics' `time_s` (training steps + epoch-end collectives, "
              "evaluation excluded).",
@@ -344,9 +344,8 @@ def hdp(ctx: Context) -> dict:
                 for e in timed_epochs(epochs):
                     prev = previous.get(e["epoch"] - 1, 0)
                     n_i = epoch_samples(e, prev, ds.num_train, 64)
-                    c_i = [comp / (f * n) for comp, f, n in zip(e["comp_s"], factors, n_i) if n > 0]
-                    c = statistics.mean(c_i)
-                    ideal = sum(n_i) * c / sum(1 / f for f in factors)
+                    c = unslowed_cost_per_sample(e, factors, n_i)
+                    ideal = ideal_epoch_s(e, factors)
                     times.append(e["time_s"])
                     ideals.append(ideal)
                     ratios.append(e["time_s"] / ideal)
@@ -391,7 +390,7 @@ def hdp(ctx: Context) -> dict:
             png = ctx.out / f"hdp_splits_{ds.name}.png"
             hdp_splits_figure([(HDP_CONFIGS[cfg][1].split(" (")[0], batch.work / batch.tag / f"{names[(SLOWDOWNS[1], cfg, k)][0]}.jsonl")
                                for cfg in HDP_CONFIGS], [k * float(f) for f in SLOWDOWNS[1].split(",")],
-                              ds.num_train, f"{ds.label}, EMULATED slowdowns {SLOWDOWNS[1]} (x{k:g})", png)
+                              f"{ds.label}, EMULATED slowdowns {SLOWDOWNS[1]} (x{k:g})", png)
             if png.exists():
                 body += ["", f"The three splits side by side (1,1,2,4, first repeat): ![{ds.label} splits]({png.name})"]
         body.append("")
@@ -452,11 +451,8 @@ def hdp_small_worlds(ctx: Context) -> tuple[dict, list[str]]:
             if loaded is None:
                 continue
             _, ep, _ = loaded
-            previous = {e["epoch"]: e["step"] for e in ep}
             for e in timed_epochs(ep):
-                n_i = epoch_samples(e, previous.get(e["epoch"] - 1, 0), ds.num_train, 64)
-                c = statistics.mean(comp / (f * n) for comp, f, n in zip(e["comp_s"], (1.0, 2.0), n_i) if n > 0)
-                ratios.append(e["time_s"] / (sum(n_i) * c / (1 + 1 / 2)))
+                ratios.append(e["time_s"] / ideal_epoch_s(e, (1.0, 2.0)))
             sizes.append(ep[-1]["batch_sizes"])
         out["pair"][cfg] = {"ratio": ratios, "batch_sizes": sizes}
         rows.append(["2 ranks x 1 thread (not oversubscribed)", "1,2", HDP_CONFIGS[cfg][1],
@@ -499,7 +495,7 @@ def hdp_small_worlds(ctx: Context) -> tuple[dict, list[str]]:
     return out, body
 
 
-def hdp_splits_figure(runs: list, factors: list, num_train: int, title: str, png: Path) -> None:
+def hdp_splits_figure(runs: list, factors: list, title: str, png: Path) -> None:
     """Where each rank's epoch goes, for several splits of one emulated slowdown: per rank, the
     mean over the timed epochs of computation / communication / idle seconds (stacked), one
     group of bars per split, with the epoch time (dashed) and the ideal epoch time (black)."""
@@ -526,13 +522,7 @@ def hdp_splits_figure(runs: list, factors: list, num_train: int, title: str, png
                    label=name if drawn == 0 else None)
             bottom = [b + v for b, v in zip(bottom, vals)]
         epoch_s = median([e["time_s"] for e in epochs])
-        ideals = []
-        previous = {e["epoch"]: e["step"] for e in load_run(path).epochs}
-        for e in epochs:
-            n_i = epoch_samples(e, previous.get(e["epoch"] - 1, 0), num_train, 64)
-            c = statistics.mean(comp / (f * n) for comp, f, n in zip(e["comp_s"], factors, n_i) if n > 0)
-            ideals.append(sum(n_i) * c / sum(1 / f for f in factors))
-        ideal = median(ideals)
+        ideal = median([ideal_epoch_s(e, factors) for e in epochs])
         ax.hlines(epoch_s, g - 0.45, g + 0.45, colors="#B22222", linestyles="--",
                   label="epoch time (median)" if drawn == 0 else None)
         ax.hlines(ideal, g - 0.45, g + 0.45, colors="black", linewidth=2,
