@@ -108,6 +108,19 @@ def test_families_quick_writes_its_tables(tmp_path):
         cells = [c.strip() for c in row.split("|")[1:-1]]
         assert "n/a" not in cells[2:8], row
     assert "EMULATED 50 us / 1 Gbit/s" in text and "Failed runs: none" in text
+def test_families_only_runs_just_those_rows(tmp_path):
+    # --only LSTM ViT: those two families under both strategies, no GAN, no optimizer table.
+    _run([sys.executable, str(BENCH / "families.py"), "--quick", "--only", "LSTM", "ViT",
+          "--out", str(tmp_path), "--work", str(tmp_path / "work")], timeout=300)
+    text = (tmp_path / "families_quick.md").read_text()
+    families = _table_rows(text, "| family | model")
+    assert [r.split("|")[1].strip() for r in families] == ["LSTM", "ViT"]
+    for row in families:
+        assert "n/a" not in [c.strip() for c in row.split("|")[1:-1]][3:8], row
+    assert "| optimizer | lr" not in text and "mpidl.gan" not in text
+    assert "`--only LSTM ViT`" in text and "Failed runs: none" in text
+
+
 def test_twins_quick_writes_its_table(tmp_path):
     pytest.importorskip("torch")  # the twins are PyTorch modules; nothing to compare without it
     _run([sys.executable, str(BENCH / "twins_torch.py"), "--quick", "--models", "mlp,spectral_lstm",
