@@ -1012,6 +1012,7 @@ def write_index(ctx: Context, summary: dict) -> None:
              '| [twins.md](twins.md) | mlp, spectral_lstm and vit trained on Samson vs PyTorch twins from the same initial weights: run on its own, `python benchmarks/twins_torch.py --data samson.h5 --seeds 0,1,2` (not part of this command) |',
              '| [read.md](read.md) | read speed of the patch file vs the scene-backed file (Samson): run on its own, `python benchmarks/read.py --rounds 5 --samson-dir DIR` (not part of this command) |',
              "| [plan.md](plan.md) | the strategies' cost model (`mpidl.plan`): validation against emulated runs, and modelled efficiency at scale: run on its own, `python benchmarks/plan.py` (not part of this command) |",
+             "| [node_variants.md](node_variants.md) | node K'=50 with the blocking sync vs `--sync-overlap 1` vs `--compress bf16`: OA over 3 seeds, synthetic and Samson: run on its own, `python benchmarks/node_variants.py` (not part of this command) |",
              "| [conv.txt](conv.txt) | convolution step and conv layers vs sgemm peak and PyTorch: run on its own, "
              "`python benchmarks/conv.py --repeats 5 > benchmarks/results/conv.txt` (not part of this command) |",
              "| [step.md](step.md), [step_threads1.md](step_threads1.md) | one training step of every model vs its PyTorch twin, fresh processes, nothing set (and one thread each): run on its own, `python benchmarks/step.py` (`--threads 1`) (not part of this command) |",
