@@ -180,7 +180,7 @@ def load_checkpoint(folder: str, dp, check) -> dict:
         check(meta, path)
     except (CheckpointError, OSError) as exc:
         problem = str(exc) if isinstance(exc, CheckpointError) else f"--resume: {exc}"
-    problems = dp.allgather(problem)
+    problems = dp.all_gather_object(problem)
     first = next((p for p in problems if p is not None), None)
     if first is not None:
         failing = [r for r, p in enumerate(problems) if p is not None]

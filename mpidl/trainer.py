@@ -240,7 +240,7 @@ class Trainer:
             x, _ = self.train_set.read(local)
             finite = np.isfinite(x.reshape(len(local), -1)).all(axis=1)
             bad = [int(i) for i in np.asarray(local)[~finite]]
-        found = sorted(i for part in self.dp.allgather(bad) for i in part)
+        found = sorted(i for part in self.dp.all_gather_object(bad) for i in part)
         if not found:
             return exc
         name = getattr(self.train_set, "name", "the training data")
@@ -270,7 +270,7 @@ class Trainer:
         """Epoch-end record (collective): timings, loss, evaluation."""
         wall = time.perf_counter() - totals.start
         timing = self.dp.timings()
-        per_rank = self.dp.allgather((totals.loss_sum, totals.samples))
+        per_rank = self.dp.all_gather_object((totals.loss_sum, totals.samples))
         samples = sum(n for _, n in per_rank)
         report = self.evaluate()
         record = {
@@ -331,7 +331,7 @@ class Trainer:
             write()
         except OSError as exc:
             problem = rescue_model(save_model, self.model, path, exc, what)
-        problem = next((p for p in self.dp.allgather(problem) if p is not None), None)
+        problem = next((p for p in self.dp.all_gather_object(problem) if p is not None), None)
         if problem is not None:
             raise OutputWriteError(problem)
 

@@ -536,7 +536,7 @@ class DataParallel:
         self.reducer._allreduce("control", self.topology.world, array)
         return array
 
-    def allgather(self, value) -> list:
+    def all_gather_object(self, value) -> list:
         """Every rank's ``value`` (any picklable object), in rank order, on every rank."""
         self.reducer.counters["control"]["calls"] += 1
         return self.topology.world.allgather(value)
@@ -581,7 +581,7 @@ class DataParallel:
             cost = balance.scale_cost(cost, usual, seconds)
             spread = balance.timing_noise(seconds)
         self._recent.clear()
-        gathered = self.allgather((cost.a, cost.c, spread))
+        gathered = self.all_gather_object((cost.a, cost.c, spread))
         self.costs = [balance.RankCost(a, c) for a, c, _ in gathered]
         self.noise = statistics.median(s for _, _, s in gathered)
         old = list(self.batch_sizes)
@@ -619,7 +619,7 @@ class DataParallel:
         rest of its time in the distributed step (collectives, syncs, GPU staging, EMULATED
         link time): ``comm_i = max(0, wait_i - idle_i)``. ``steps``: the period's steps.
         """
-        gathered = self.allgather((sum(self._step_compute), self._wait_seconds,
+        gathered = self.all_gather_object((sum(self._step_compute), self._wait_seconds,
                                    np.asarray(self._step_compute)))
         comp = [g[0] for g in gathered]
         lengths = {g[2].size for g in gathered}
@@ -664,7 +664,7 @@ class DataParallel:
                    "samples": int(self.reducer.pending_samples())}
             nodes = self._gather_from_leaders(own)
         buffers_own = self._buffers_host()
-        rank_buffers = self.allgather(buffers_own) if buffers_own else None
+        rank_buffers = self.all_gather_object(buffers_own) if buffers_own else None
         if self.rank != 0:
             return None
         averaged = ({name: sum(b[name] for b in rank_buffers) / len(rank_buffers) for name in buffers_own}
@@ -693,7 +693,7 @@ class DataParallel:
             parts = self._state_for_this_rank(state)
         except (KeyError, ValueError, TypeError) as exc:
             problem, parts = str(exc), None
-        problems = self.allgather(problem)
+        problems = self.all_gather_object(problem)
         first = next((p for p in problems if p is not None), None)
         if first is not None:
             failing = [r for r, p in enumerate(problems) if p is not None]
@@ -826,7 +826,7 @@ class DataParallel:
         spread = statistics.median(
             balance.timing_noise([t for b2, t in zip(measured_sizes, measured_times) if b2 == b])
             for b in sizes)
-        gathered = self.allgather((own.a, own.c, spread))
+        gathered = self.all_gather_object((own.a, own.c, spread))
         return ([balance.RankCost(a, c) for a, c, _ in gathered],
                 statistics.median(s for _, _, s in gathered))
 
@@ -839,7 +839,7 @@ class DataParallel:
 
     def _compare_replicas(self) -> None:
         digest = hashlib.sha1(np.ascontiguousarray(to_host(self.params.data)).tobytes()).hexdigest()
-        digests = self.allgather(digest)
+        digests = self.all_gather_object(digest)
         if len(set(digests)) != 1:
             raise RuntimeError(f"replicas diverged at step {self.steps}: checksums {digests}")
 

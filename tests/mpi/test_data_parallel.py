@@ -299,7 +299,7 @@ def test_sum_and_allgather():
     _, dp = make()
     total = dp.sum(np.array([RANK, 1], dtype=np.int64))
     assert all_agree(WORLD, total.tolist() == [P * (P - 1) // 2, P])
-    assert dp.allgather(RANK * 10) == [r * 10 for r in range(P)]
+    assert dp.all_gather_object(RANK * 10) == [r * 10 for r in range(P)]
 
 
 def test_measured_costs_split_away_from_a_slow_rank_identically_everywhere():
