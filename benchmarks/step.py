@@ -14,7 +14,8 @@ benchmark removes ``OMP_*``, ``OPENBLAS_*``, ``MKL_*``, ``NUMBA_*_THREADS``, ``G
            thread policy applied for them, and each step goes through
            ``DataParallel.step`` (the flat reducer's allreduce on one rank, then the optimizer),
            as the trainer does; the data reading of the trainer is not timed;
-``torch``  the twin, with mpidl's initial parameters and buffers (``load_state_dict``), same batch,
+``torch``  the twin, with mpidl's initial parameters and buffers (``torch_twins.load_weights``,
+           from a file an mpidl process wrote: this one never imports mpidl), same batch,
            ``torch.optim.SGD``, PyTorch's defaults (its own thread count).
 
 Rounds alternate the three (the order rotates each round), so every kind sees the same load;
@@ -180,18 +181,13 @@ def worker_torch(args) -> dict:
     import torch  # noqa: PLC0415 - first, with PyTorch's defaults
 
     import numpy as np  # noqa: PLC0415
-    from torch_twins import TWINS  # noqa: PLC0415
+    from torch_twins import TWINS, load_weights  # noqa: PLC0415
 
     twin = TWINS[args.model]
     saved = np.load(args.weights, allow_pickle=False)
-    build_args = json.loads(str(saved["__build_args__"]))
-    net = twin.build(build_args)
-    state = {name: torch.from_numpy(saved[name]) for name in saved.files if name != "__build_args__"}
-    own = net.state_dict()
-    for name, value in own.items():  # BatchNorm's num_batches_tracked has no mpidl counterpart
-        if name.endswith("num_batches_tracked"):
-            state[name] = value
-    net.load_state_dict(state, strict=True)
+    layout = json.loads(str(saved["__layout__"]))
+    net = load_weights(twin.build(layout["build_args"]), [(name, saved[name]) for name in layout["parameters"]],
+                       [(name, saved[name]) for name in layout["buffers"]])
     device = "cuda" if args.device == "gpu" else "cpu"
     net = net.to(device).train()
     opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM)
@@ -213,7 +209,9 @@ def worker_torch(args) -> dict:
 
 
 def worker_export(args) -> dict:
-    """mpidl's initial parameters and buffers of ``args.model`` by name, for the twin."""
+    """mpidl's initial parameters and buffers of ``args.model``, for the twin: the arrays by
+    name, and ``__layout__`` (JSON: the build arguments, the parameter and buffer names in
+    registration order, the order ``load_weights`` pairs them in)."""
     import numpy as np  # noqa: PLC0415
 
     from torch_twins import TWINS  # noqa: PLC0415
@@ -221,10 +219,10 @@ def worker_export(args) -> dict:
 
     twin = TWINS[args.model]
     model = build_model(args.model, twin.input_shape, twin.num_classes, seed=0, **twin.kwargs)
-    arrays = {name: np.asarray(p.data) for name, p in model.net.named_parameters()}
-    arrays.update({name: np.asarray(b) for name, b in model.net.named_buffers()})
-    arrays["__build_args__"] = np.array(json.dumps(model.build_args))
-    np.savez(args.weights, **arrays)
+    parameters = {name: np.asarray(p.data) for name, p in model.net.named_parameters()}
+    buffers = {name: np.asarray(b) for name, b in model.net.named_buffers()}
+    layout = {"build_args": model.build_args, "parameters": list(parameters), "buffers": list(buffers)}
+    np.savez(args.weights, **parameters, **buffers, __layout__=np.array(json.dumps(layout)))
     return {"parameters": int(model.params.size)}
 
 
