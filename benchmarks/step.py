@@ -364,7 +364,7 @@ def main(argv=None) -> int:
             for kind in order:
                 result = run_worker(kind, model, args, work / f"{model}.npz")
                 results[model][kind].append(result)
-                print(f"round {round_index + 1} {model:10s} {kind:5s} {1e3 * statistics.median(result['times']):8.1f} ms "
+                print(f"round {round_index + 1} {model:13s} {kind:5s} {1e3 * statistics.median(result['times']):8.1f} ms "
                       f"peak RSS {result['peak_rss'] / 1e6:6.0f} MB", flush=True)
     command = "python benchmarks/step.py " + " ".join(argv if argv is not None else sys.argv[1:])
     suffix = ("" if args.device == "cpu" else "_gpu") + ("" if args.threads is None else f"_threads{args.threads}")
