@@ -1,8 +1,8 @@
 # python benchmarks/step.py [--rounds 3] [--steps 10] [--models hsicnn,resnet8] [--device cpu|gpu]
 """One training step of every model, mpidl against its PyTorch twin, each in a fresh process.
 
-For every model of ``mpidl.models.MODELS`` that has an entry in ``benchmarks/torch_twins.py``
-(``TWINS``: input shape, classes, the PyTorch twin), the time of one training step (forward,
+For every model of ``mpidl.models.MODELS`` (each has an entry in ``benchmarks/torch_twins.py``,
+``TWINS``: sample shape, classes, the PyTorch twin), the time of one training step (forward,
 loss, backward, optimizer: SGD lr 0.01, momentum 0.9; batch 64 of random samples) in three
 kinds of fresh process, started with **no thread or wait-policy variable set** (the
 benchmark removes ``OMP_*``, ``OPENBLAS_*``, ``MKL_*``, ``NUMBA_*_THREADS``, ``GOMP_*`` and
@@ -14,7 +14,8 @@ benchmark removes ``OMP_*``, ``OPENBLAS_*``, ``MKL_*``, ``NUMBA_*_THREADS``, ``G
            thread policy applied for them, and each step goes through
            ``DataParallel.step`` (the flat reducer's allreduce on one rank, then the optimizer),
            as the trainer does; the data reading of the trainer is not timed;
-``torch``  the twin, with mpidl's initial parameters and buffers (``load_state_dict``), same batch,
+``torch``  the twin, with mpidl's initial parameters and buffers (``torch_twins.load_weights``,
+           from a file an mpidl process wrote: this one never imports mpidl), same batch,
            ``torch.optim.SGD``, PyTorch's defaults (its own thread count).
 
 Rounds alternate the three (the order rotates each round), so every kind sees the same load;
@@ -59,7 +60,7 @@ THREAD_VARIABLE_PREFIXES = ("OMP_", "OPENBLAS_", "MKL_", "GOMP_", "KMP_", "NUMBA
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default=None, help="comma-separated model names (default: every model with a twin)")
+    p.add_argument("--models", default=None, help="comma-separated model names (default: every model)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=10, help="timed steps per process (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per process (default 3)")
@@ -180,18 +181,13 @@ def worker_torch(args) -> dict:
     import torch  # noqa: PLC0415 - first, with PyTorch's defaults
 
     import numpy as np  # noqa: PLC0415
-    from torch_twins import TWINS  # noqa: PLC0415
+    from torch_twins import TWINS, load_weights  # noqa: PLC0415
 
     twin = TWINS[args.model]
     saved = np.load(args.weights, allow_pickle=False)
-    build_args = json.loads(str(saved["__build_args__"]))
-    net = twin.build(build_args)
-    state = {name: torch.from_numpy(saved[name]) for name in saved.files if name != "__build_args__"}
-    own = net.state_dict()
-    for name, value in own.items():  # BatchNorm's num_batches_tracked has no mpidl counterpart
-        if name.endswith("num_batches_tracked"):
-            state[name] = value
-    net.load_state_dict(state, strict=True)
+    layout = json.loads(str(saved["__layout__"]))
+    net = load_weights(twin.build(layout["build_args"]), [(name, saved[name]) for name in layout["parameters"]],
+                       [(name, saved[name]) for name in layout["buffers"]])
     device = "cuda" if args.device == "gpu" else "cpu"
     net = net.to(device).train()
     opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM)
@@ -213,7 +209,9 @@ def worker_torch(args) -> dict:
 
 
 def worker_export(args) -> dict:
-    """mpidl's initial parameters and buffers of ``args.model`` by name, for the twin."""
+    """mpidl's initial parameters and buffers of ``args.model``, for the twin: the arrays by
+    name, and ``__layout__`` (JSON: the build arguments, the parameter and buffer names in
+    registration order, the order ``load_weights`` pairs them in)."""
     import numpy as np  # noqa: PLC0415
 
     from torch_twins import TWINS  # noqa: PLC0415
@@ -221,10 +219,10 @@ def worker_export(args) -> dict:
 
     twin = TWINS[args.model]
     model = build_model(args.model, twin.input_shape, twin.num_classes, seed=0, **twin.kwargs)
-    arrays = {name: np.asarray(p.data) for name, p in model.net.named_parameters()}
-    arrays.update({name: np.asarray(b) for name, b in model.net.named_buffers()})
-    arrays["__build_args__"] = np.array(json.dumps(model.build_args))
-    np.savez(args.weights, **arrays)
+    parameters = {name: np.asarray(p.data) for name, p in model.net.named_parameters()}
+    buffers = {name: np.asarray(b) for name, b in model.net.named_buffers()}
+    layout = {"build_args": model.build_args, "parameters": list(parameters), "buffers": list(buffers)}
+    np.savez(args.weights, **parameters, **buffers, __layout__=np.array(json.dumps(layout)))
     return {"parameters": int(model.params.size)}
 
 
@@ -330,9 +328,6 @@ def report(results: dict, args, info: dict, command: str) -> list[str]:
         "",
         "Threads in force (first round): " + "; ".join(f"{k}: `{json.dumps(v)}`" for k, v in threads.items()),
     ]
-    missing = [m for m in args.model_list if m not in results]
-    if missing:
-        body += ["", "Not timed (no PyTorch twin in `benchmarks/torch_twins.py`): " + ", ".join(missing)]
     return body
 
 
@@ -353,21 +348,23 @@ def main(argv=None) -> int:
     unknown = [m for m in args.model_list if m not in all_models]
     if unknown:
         raise SystemExit(f"unknown model(s) {unknown}; MODELS has {all_models}")
-    twinned = [m for m in args.model_list if m in TWINS]
+    untwinned = [m for m in args.model_list if m not in TWINS]
+    if untwinned:  # the twin entry gives the benchmark's sample shape too
+        raise SystemExit(f"no entry in benchmarks/torch_twins.py for {untwinned}: add its twin there")
     info = common.machine_info()
     work = Path(tempfile.mkdtemp(prefix="mpidl-step-"))
     results: dict = {}
-    for model in twinned:
+    for model in args.model_list:
         weights = work / f"{model}.npz"
         run_worker("export", model, args, weights)
         results[model] = {"input_shape": list(TWINS[model].input_shape), **{k: [] for k in args.kind_list}}
     for round_index in range(args.rounds):
-        for model in twinned:
+        for model in args.model_list:
             order = args.kind_list[round_index % len(args.kind_list):] + args.kind_list[:round_index % len(args.kind_list)]
             for kind in order:
                 result = run_worker(kind, model, args, work / f"{model}.npz")
                 results[model][kind].append(result)
-                print(f"round {round_index + 1} {model:10s} {kind:5s} {1e3 * statistics.median(result['times']):8.1f} ms "
+                print(f"round {round_index + 1} {model:13s} {kind:5s} {1e3 * statistics.median(result['times']):8.1f} ms "
                       f"peak RSS {result['peak_rss'] / 1e6:6.0f} MB", flush=True)
     command = "python benchmarks/step.py " + " ".join(argv if argv is not None else sys.argv[1:])
     suffix = ("" if args.device == "cpu" else "_gpu") + ("" if args.threads is None else f"_threads{args.threads}")

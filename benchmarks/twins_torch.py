@@ -19,8 +19,9 @@ Without --data the Samson scene is converted first with the README's command
 (``python -m mpidl.data_tools hsi ... --patch 7 --train-fraction 0.2``). ``--quick`` runs one
 epoch on the built-in synthetic scene (a smoke test; its numbers mean nothing).
 
-The twin builders live in ``TWINS`` (name -> ``builder(mpidl_model) -> torch.nn.Module``) so
-that other benchmarks can reuse them. PyTorch is needed by this script only.
+The twins are those of ``benchmarks/torch_twins.py`` (``twin_of``: mpidl's weights paired in
+registration order), which ``benchmarks/step.py`` times too. PyTorch is needed by this script
+only.
 """
 
 from __future__ import annotations
@@ -33,139 +34,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from torch_twins import twin_of  # noqa: E402 - imports neither torch nor mpidl
 
 SAMSON = Path("/work/shared/data/samson")
-
-
-# --------------------------------------------------------------------------------------------
-# the twins: builder(mpidl Model) -> torch.nn.Module holding mpidl's parameters
-# --------------------------------------------------------------------------------------------
-
-
-def copy_parameters(model_mpidl, net):
-    """Copy mpidl's parameters into ``net``, pairing them in registration order (the twins
-    register theirs in mpidl's order); a different count or shape raises RuntimeError."""
-    import numpy as np
-    import torch
-
-    ours = [(p.name, p.data) for p in model_mpidl.params]
-    theirs = list(net.named_parameters())
-    if len(ours) != len(theirs) or any(tuple(a.shape) != tuple(b.shape) for (_, a), (_, b) in zip(ours, theirs)):
-        raise RuntimeError(f"{model_mpidl.name}: layouts differ: mpidl {[(n, tuple(a.shape)) for n, a in ours]}, "
-                           f"torch {[(n, tuple(b.shape)) for n, b in theirs]}")
-    with torch.no_grad():
-        for (_, a), (_, b) in zip(ours, theirs):
-            b.copy_(torch.from_numpy(np.asarray(a, dtype=np.float32)))
-    return net
-
-
-def _torch():
-    import torch
-
-    return torch
-
-
-def twin_mlp(model_mpidl):
-    """CenterPixel -> [Linear -> ReLU] per hidden width -> Linear."""
-    torch = _torch()
-    nn = torch.nn
-    bands = model_mpidl.input_shape[0]
-
-    class MLP(nn.Module):
-        def __init__(self):
-            super().__init__()
-            layers, width = [], bands
-            for h in model_mpidl.build_args["hidden"]:
-                layers += [nn.Linear(width, h), nn.ReLU()]
-                width = h
-            layers.append(nn.Linear(width, model_mpidl.num_classes))
-            self.body = nn.Sequential(*layers)
-
-        def forward(self, x):
-            return self.body(x[:, :, x.shape[2] // 2, x.shape[3] // 2])
-
-    return copy_parameters(model_mpidl, MLP())
-
-
-def twin_spectral_lstm(model_mpidl):
-    """CenterPixel -> zero-padded band groups -> nn.LSTM (batch_first) -> last hidden -> Linear."""
-    torch = _torch()
-    nn = torch.nn
-    bands = model_mpidl.input_shape[0]
-    group, hidden = model_mpidl.build_args["group"], model_mpidl.build_args["hidden"]
-    steps = -(-bands // group)
-
-    class SpectralLSTM(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lstm = nn.LSTM(group, hidden, batch_first=True)
-            self.head = nn.Linear(hidden, model_mpidl.num_classes)
-
-        def forward(self, x):
-            s = x[:, :, x.shape[2] // 2, x.shape[3] // 2]
-            s = nn.functional.pad(s, (0, steps * group - bands)).reshape(x.shape[0], steps, group)
-            out, _ = self.lstm(s)
-            return self.head(out[:, -1])
-
-    return copy_parameters(model_mpidl, SpectralLSTM())
-
-
-def twin_vit(model_mpidl):
-    """Sub-patch tokens -> Linear embedding -> class token + positional embedding -> pre-norm
-    blocks (nn.MultiheadAttention, GELU MLP) -> LayerNorm -> class token -> Linear."""
-    torch = _torch()
-    nn = torch.nn
-    c, h, w = model_mpidl.input_shape
-    a = model_mpidl.build_args
-    p, dim, heads, mlp_dim = a["patch"], a["dim"], a["heads"], a["mlp_dim"]
-    tokens = (h // p) * (w // p)
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.norm1 = nn.LayerNorm(dim)
-            self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
-            self.norm2 = nn.LayerNorm(dim)
-            self.fc1 = nn.Linear(dim, mlp_dim)
-            self.fc2 = nn.Linear(mlp_dim, dim)
-
-        def forward(self, x):
-            u = self.norm1(x)
-            x = x + self.attn(u, u, u, need_weights=False)[0]
-            return x + self.fc2(nn.functional.gelu(self.fc1(self.norm2(x))))
-
-    class Tokens(nn.Module):
-        """The class token and the positional embedding (a module of their own, so that they
-        come right after the embedding in registration order, as in mpidl)."""
-
-        def __init__(self):
-            super().__init__()
-            self.cls = nn.Parameter(torch.zeros(dim))
-            self.pos = nn.Parameter(torch.zeros(tokens + 1, dim))
-
-        def forward(self, t):
-            return torch.cat([self.cls.expand(t.shape[0], 1, dim), t], dim=1) + self.pos
-
-    class ViT(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = nn.Linear(c * p * p, dim)
-            self.tokens = Tokens()
-            self.blocks = nn.Sequential(*[Block() for _ in range(a["depth"])])
-            self.norm = nn.LayerNorm(dim)
-            self.head = nn.Linear(dim, model_mpidl.num_classes)
-
-        def forward(self, x):
-            n = x.shape[0]
-            t = x.reshape(n, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5).reshape(n, tokens, c * p * p)
-            t = self.tokens(self.embed(t))
-            return self.head(self.norm(self.blocks(t))[:, 0])
-
-    return copy_parameters(model_mpidl, ViT())
-
-
-#: model name -> builder(mpidl Model) -> torch.nn.Module with mpidl's parameters copied in
-TWINS = {"mlp": twin_mlp, "spectral_lstm": twin_spectral_lstm, "vit": twin_vit}
+#: the models this comparison trains (its report's text is written for them); step.py times
+#: one step of every model against its twin
+TRAINED = ("mlp", "spectral_lstm", "vit")
 
 
 # --------------------------------------------------------------------------------------------
@@ -185,7 +59,7 @@ def train_twin(name, train_set, test_set, *, epochs, seed, lr=0.02, batch=64, mo
 
     torch.manual_seed(seed)
     model = build_model(name, train_set.sample_shape, train_set.num_classes, seed=seed)
-    net = TWINS[name](model)
+    net = twin_of(model)
     opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     n = train_set.num_samples
     per_epoch = steps_per_epoch(n, batch, False)
@@ -221,7 +95,7 @@ def train_twin(name, train_set, test_set, *, epochs, seed, lr=0.02, batch=64, mo
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", type=Path, default=None, help="a layout file (default: Samson, converted here)")
-    p.add_argument("--models", default=",".join(TWINS), help="comma-separated (default: all twins)")
+    p.add_argument("--models", default=",".join(TRAINED), help=f"comma-separated, of {','.join(TRAINED)} (default all)")
     p.add_argument("--epochs", type=int, default=15)
     p.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
     p.add_argument("--ranks", type=int, default=4, help="mpidl's ranks (default 4)")
@@ -232,9 +106,9 @@ def parse_args(argv=None):
                    help="rewrite the report from a twins.json of an earlier run (no training)")
     args = p.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]
-    unknown = [m for m in args.models if m not in TWINS]
+    unknown = [m for m in args.models if m not in TRAINED]
     if unknown:
-        p.error(f"--models: no twin for {unknown}; twins: {', '.join(TWINS)}")
+        p.error(f"--models: {unknown} not among {', '.join(TRAINED)}")
     args.seeds = [int(s) for s in args.seeds.split(",")]
     if args.quick:
         args.epochs = 1
@@ -338,7 +212,7 @@ def write_report(args, info, data, results) -> None:
                      "yes" if all(abs(d) <= 1.0 for d in diffs) else "**no**",
                      common.med_spread([r["mpidl_s"] for r in mine], digits=0),
                      common.med_spread([r["torch_s"] for r in mine], digits=0)])
-    intro = __doc__.split("\n\n", 1)[1].split("The twin builders")[0].strip()
+    intro = __doc__.split("\n\n", 1)[1].split("The twins are those")[0].strip()
     body = [intro.replace("``", "`"), "",
             f"{args.epochs} epochs, seeds {', '.join(map(str, args.seeds))}, data `{Path(data).name if data else 'synthetic'}` "
             f"({'the built-in synthetic scene, a smoke test' if not data else 'Samson through the README converter command'}). OA in %, "
