@@ -51,7 +51,8 @@ timeout 150 "$PYTHON" benchmarks/gpu_step.py || status=$?
 # One training step of every twinned model, mpidl on CuPy against PyTorch CUDA (fresh process
 # each; one round to stay within the time limit): benchmarks/results/step_gpu.md.
 echo "gpu_check: python benchmarks/step.py --device gpu --rounds 1 --kinds api,torch"
-timeout 150 "$PYTHON" benchmarks/step.py --device gpu --rounds 1 --kinds api,torch --timeout 120 || status=$?
+# six models x two kinds, a fresh process each: about 2x what three models took
+timeout 300 "$PYTHON" benchmarks/step.py --device gpu --rounds 1 --kinds api,torch --timeout 120 || status=$?
 
 if [[ $status -ne 0 ]]; then
     echo "gpu_check: FAILED (exit code $status)" >&2
