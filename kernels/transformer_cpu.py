@@ -10,7 +10,12 @@ several broadcasting passes. Each kernel below reads its inputs once and writes 
 once, and a ``prange`` spreads the rows (or elements) over Numba's threads (the count
 :mod:`mpidl.threads` sets). Numba calls libm's ``erf`` and ``exp`` one element at a time (no
 vector math library is linked), so the element-wise work is not vectorized; the threads and
-the single pass are the gain.
+the single pass are the gain. Where ``exp`` is most of the work, the softmax, the kernels
+leave it to NumPy, whose ``exp`` is vectorized (AVX2 / AVX-512; about 5x faster than libm's
+one at a time): in the softmax one kernel shifts each row by its maximum, ``np.exp`` runs in
+place, a second kernel divides each row by its sum (0.5 ms instead of 1.9 ms for ``vit``'s
+256 x 50 x 50 scores); GELU's backward takes ``exp(-x^2 / 2)`` from NumPy the same way.
+``erf`` has no NumPy twin (SciPy's is a scalar loop too), so GELU's forward calls libm's.
 
 Who owns what, so that no two threads write the same element:
 
@@ -22,7 +27,7 @@ layernorm forward      one row of ``y``               that row of ``x``
 layernorm backward     a block of rows of ``dx`` and  those rows of ``dy, x``
                        the block's partial sums of
                        ``dgamma, dbeta``
-softmax forward/bwd    one row of ``a`` / ``ds``      that row of the inputs
+softmax (each kernel)  one row of ``a`` / ``ds``      that row of the inputs
 =====================  =============================  ===================================
 
 Layer norm's ``dgamma, dbeta`` are sums over every row: each block of ``_ROWS_PER_BLOCK`` rows
@@ -65,14 +70,11 @@ def _gelu_forward(x, y, cdf):
 
 
 @njit(parallel=True, cache=True, fastmath={"contract"})
-def _gelu_backward(dy, x, cdf, dx):
-    """``dx = dy * (cdf + x * exp(-x^2 / 2) / sqrt(2 pi))`` on flat arrays."""
-    minus_half = x.dtype.type(-0.5)
+def _gelu_backward(dy, x, cdf, gauss, dx):
+    """``dx = dy * (cdf + x * gauss / sqrt(2 pi))`` on flat arrays, ``gauss = exp(-x^2 / 2)``."""
     inv_sqrt_2pi = x.dtype.type(_INV_SQRT_2PI)
     for i in prange(x.size):
-        v = x[i]
-        pdf = math.exp(v * v * minus_half) * inv_sqrt_2pi
-        dx[i] = dy[i] * (cdf[i] + v * pdf)
+        dx[i] = dy[i] * (cdf[i] + x[i] * gauss[i] * inv_sqrt_2pi)
 
 
 @njit(parallel=True, cache=True, fastmath=_SUM)
@@ -126,23 +128,29 @@ def _layernorm_backward(dy, x, gamma, mean, inv_std, dx, dgamma_blocks, dbeta_bl
 
 
 @njit(parallel=True, cache=True, fastmath=_SUM)
-def _softmax_forward(s, scale, a):
-    """Rows of ``s : (R, K)``: ``a = exp(z - max z) / sum exp(z - max z)``, ``z = scale * s``
-    in s's dtype, the sum in float64."""
+def _shifted_scores(s, scale, z):
+    """Rows of ``s : (R, K)``: ``z = scale * s - max(scale * s)`` (each row's maximum becomes 0)."""
     rows, k = s.shape
     factor = s.dtype.type(scale)
     for r in prange(rows):
         top = s[r, 0] * factor
         for j in range(1, k):
             top = max(top, s[r, j] * factor)
+        for j in range(k):
+            z[r, j] = s[r, j] * factor - top
+
+
+@njit(parallel=True, cache=True, fastmath=_SUM)
+def _normalize_rows(e):
+    """Rows of ``e : (R, K)``, in place: ``e /= sum(e)``, the sum in float64."""
+    rows, k = e.shape
+    for r in prange(rows):
         total = 0.0
         for j in range(k):
-            e = math.exp(s[r, j] * factor - top)
-            a[r, j] = e
-            total += e
-        inv_total = s.dtype.type(1.0 / total)
+            total += e[r, j]
+        inv_total = e.dtype.type(1.0 / total)
         for j in range(k):
-            a[r, j] *= inv_total
+            e[r, j] *= inv_total
 
 
 @njit(parallel=True, cache=True, fastmath=_SUM)
@@ -177,8 +185,11 @@ def gelu_forward(x):
 
 def gelu_backward(dy, x, cdf):
     dy, x, cdf = _contiguous(dy), _contiguous(x), _contiguous(cdf)
+    gauss = np.square(x)
+    gauss *= x.dtype.type(-0.5)
+    np.exp(gauss, out=gauss)  # NumPy's vectorized exp (see above)
     dx = np.empty_like(dy)
-    _gelu_backward(dy.reshape(-1), x.reshape(-1), cdf.reshape(-1), dx.reshape(-1))
+    _gelu_backward(dy.reshape(-1), x.reshape(-1), cdf.reshape(-1), gauss.reshape(-1), dx.reshape(-1))
     return dx
 
 
@@ -206,7 +217,9 @@ def layernorm_backward(dy, x, gamma, mean, inv_std):
 def softmax_forward(s, scale: float = 1.0):
     rows = _rows(s)
     a = np.empty_like(rows)
-    _softmax_forward(rows, float(scale), a)
+    _shifted_scores(rows, float(scale), a)
+    np.exp(a, out=a)  # NumPy's vectorized exp, not libm's one element at a time (see above)
+    _normalize_rows(a)
     return a.reshape(s.shape)
 
 
