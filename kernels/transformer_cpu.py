@@ -15,7 +15,16 @@ leave it to NumPy, whose ``exp`` is vectorized (AVX2 / AVX-512; about 5x faster 
 one at a time): in the softmax one kernel shifts each row by its maximum, ``np.exp`` runs in
 place, a second kernel divides each row by its sum (0.5 ms instead of 1.9 ms for ``vit``'s
 256 x 50 x 50 scores); GELU's backward takes ``exp(-x^2 / 2)`` from NumPy the same way.
-``erf`` has no NumPy twin (SciPy's is a scalar loop too), so GELU's forward calls libm's.
+
+``erf`` has no NumPy twin (SciPy's is a scalar loop too). In float64 GELU's forward calls
+libm's ``erf`` (within an ulp or two; the float64 twins of PyTorch depend on it). In
+float32 it uses a fit of ``erfc`` instead, ``erfc(z) = t * exp(-z^2 + P(t))`` with
+``t = 1/(1 + z/2)`` and ``P`` of degree 9 (Numerical Recipes' ``erfcc``, fractional error below
+1.2e-7), evaluated in float64 by two call-free kernels around NumPy's ``exp``: ``Phi(x)`` comes
+out within 1.7e-7 relative and 7.1e-8 absolute of its exact value for every float32 ``x``
+(the reference's float32 ``(1 + erf(x/sqrt 2))/2`` is off by up to 6.0e-8 absolute, and by
+100 % relative in the left tail, where ``1 + erf`` cancels), at 0.46 ms instead of 2.75 ms for
+``vit``'s 64 x 50 x 128 activations on one thread.
 
 Who owns what, so that no two threads write the same element:
 
@@ -65,6 +74,38 @@ def _gelu_forward(x, y, cdf):
     for i in prange(x.size):
         v = x[i]
         p = (math.erf(v * inv_sqrt2) + one) * half
+        cdf[i] = p
+        y[i] = v * p
+
+
+# float32 GELU: erfc(z) = t * exp(-z^2 + P(t)), t = 1 / (1 + z/2) for z >= 0, with P the
+# degree-9 Chebyshev fit of Numerical Recipes' ``erfcc`` (Press et al., 2nd ed., section 6.2),
+# constant term first: fractional error below 1.2e-7 for every z >= 0 (1.06e-7 measured).
+_ERFC_FIT = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806,
+             0.27886807, -1.13520398, 1.48851587, -0.82215223, 0.17087277)
+
+
+@njit(parallel=True, cache=True, fastmath={"contract"})
+def _erfc_exponent(x, exponent):
+    """``exponent = -z^2 + P(t)`` for ``z = |x| / sqrt 2``, ``t = 1 / (1 + z/2)``, float64; no
+    function call, so the loop vectorizes."""
+    c0, c1, c2, c3, c4, c5, c6, c7, c8, c9 = _ERFC_FIT
+    for i in prange(x.size):
+        z = abs(np.float64(x[i])) * _INV_SQRT2
+        t = 1.0 / (1.0 + 0.5 * z)
+        p = c0 + t * (c1 + t * (c2 + t * (c3 + t * (c4 + t * (c5 + t * (c6 + t * (c7 + t * (c8 + t * c9))))))))
+        exponent[i] = p - z * z
+
+
+@njit(parallel=True, cache=True, fastmath={"contract"})
+def _gelu_from_erfc(x, exp_of_exponent, y, cdf):
+    """``Phi(x) = erfc(z)/2`` for ``x < 0``, ``1 - erfc(z)/2`` otherwise (``z = |x| / sqrt 2``,
+    ``erfc(z) = t * exp_of_exponent``); ``y = x * Phi(x)``."""
+    for i in prange(x.size):
+        v = np.float64(x[i])
+        t = 1.0 / (1.0 + 0.5 * abs(v) * _INV_SQRT2)
+        half_erfc = 0.5 * t * exp_of_exponent[i]
+        p = half_erfc if v < 0 else 1.0 - half_erfc
         cdf[i] = p
         y[i] = v * p
 
@@ -179,7 +220,13 @@ def _rows(a):
 def gelu_forward(x):
     x = _contiguous(x)
     y, cdf = np.empty_like(x), np.empty_like(x)
-    _gelu_forward(x.reshape(-1), y.reshape(-1), cdf.reshape(-1))
+    if x.dtype == np.float32:  # the erfc fit, NumPy's exp in between (see above)
+        exponent = np.empty(x.shape)
+        _erfc_exponent(x.reshape(-1), exponent.reshape(-1))
+        np.exp(exponent, out=exponent)
+        _gelu_from_erfc(x.reshape(-1), exponent.reshape(-1), y.reshape(-1), cdf.reshape(-1))
+    else:
+        _gelu_forward(x.reshape(-1), y.reshape(-1), cdf.reshape(-1))
     return y, cdf
 
 
