@@ -14,9 +14,9 @@ The Winograd transforms have their own three files (``winograd_reference`` / ``w
 ``winograd_cuda``), batch normalization (+ ReLU) its own two (``batchnorm_reference``, which
 also serves CuPy arrays, and ``batchnorm_cpu``), and so do the transformer layers' GELU, layer
 normalization and softmax (``transformer_reference``, ``transformer_cpu``); all are chosen by
-the same rule. The math and
-the layouts are written once, in the reference files: :mod:`mpidl.kernels.reference`,
-:mod:`mpidl.kernels.winograd_reference` and :mod:`mpidl.kernels.batchnorm_reference`.
+the same rule. The math and the layouts are written once, in the reference files:
+:mod:`mpidl.kernels.reference`, :mod:`mpidl.kernels.winograd_reference`,
+:mod:`mpidl.kernels.batchnorm_reference` and :mod:`mpidl.kernels.transformer_reference`.
 
 Callers go through the functions below. Each checks its arguments once, whichever
 implementation runs, and then calls the implementation picked from the array: a device array
@@ -33,8 +33,10 @@ only. Calling them directly, as the tests comparing them do, is for valid argume
 Every function here raises ``ValueError`` for an argument it cannot take: an array that is
 not 4-D or whose shape does not fit the geometry, ``k < 1``, ``stride < 1``, ``pad < 0``, a
 window larger than the padded input (an empty output), max pooling's ``pad > k // 2``, an
-``argmax`` that is not an integer array, Winograd's ``m < 1`` or ``r < 1``, or an ``out``
-workspace that is not an array of the input's kind, shape and dtype, or not C-contiguous.
+``argmax`` that is not an integer array, Winograd's ``m < 1`` or ``r < 1``, an ``out``
+workspace that is not an array of the input's kind, shape and dtype, or not C-contiguous,
+layer norm's ``gamma, beta`` not of shape ``(D,)`` (or statistics not of ``x.shape[:-1]``), a
+softmax ``scale <= 0``, or a backward pass's arrays whose shapes differ.
 """
 
 from __future__ import annotations
@@ -382,10 +384,11 @@ def _transformer_module(x):
     return transformer_cpu
 
 
-def _check_same_shape(reference_array, what: str, **arrays) -> None:
+def _check_same_shape(like, what: str, **arrays) -> None:
+    """Every array of ``arrays`` (named by its keyword) must have ``like``'s shape."""
     for name, array in arrays.items():
-        if tuple(array.shape) != tuple(reference_array.shape):
-            raise ValueError(f"{what}: {name} has shape {tuple(array.shape)}, expected {tuple(reference_array.shape)}")
+        if tuple(array.shape) != tuple(like.shape):
+            raise ValueError(f"{what}: {name} has shape {tuple(array.shape)}, expected {tuple(like.shape)}")
 
 
 def gelu_forward(x):

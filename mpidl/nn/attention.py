@@ -114,11 +114,12 @@ class MultiHeadSelfAttention(Module):
         xp = get_array_module(x)
         n, t, e = x.shape
         x_rows = x.reshape(n * t, e)
-        qkv = matmul(x_rows, self.in_proj_weight.data.T, out=xp.empty((n * t, 3 * e), dtype=x.dtype))
+        dtype = xp.result_type(x, self.in_proj_weight.data)  # as x @ W_in^T would give
+        qkv = matmul(x_rows, self.in_proj_weight.data.T, out=xp.empty((n * t, 3 * e), dtype=dtype))
         qkv += self.in_proj_bias.data
         q, k, v = self._split_heads(qkv, n, t)
         scale = 1.0 / math.sqrt(e // self.num_heads)
-        scores = batched_matmul(q, k.transpose(0, 2, 1), out=xp.empty((n * self.num_heads, t, t), dtype=x.dtype))
+        scores = batched_matmul(q, k.transpose(0, 2, 1), out=xp.empty((n * self.num_heads, t, t), dtype=dtype))
         attn = kernels.softmax_forward(scores, scale)
         out = batched_matmul(attn, v, out=xp.empty_like(v))
         self._saved = (x_rows, q, k, v, attn, scale)
@@ -133,14 +134,15 @@ class MultiHeadSelfAttention(Module):
         d_out = self._split_heads(self.out_proj.backward(dy.reshape(n * t, e)), n, t)[0]
         d_attn = batched_matmul(d_out, v.transpose(0, 2, 1), out=xp.empty_like(attn))
         d_scores = kernels.softmax_backward(d_attn, attn, scale)  # includes the 1/sqrt(d)
-        d_heads = xp.empty((3,) + q.shape, dtype=dy.dtype)  # dq, dk, dv in the forward's layout
+        d_heads = xp.empty((3,) + q.shape, dtype=xp.result_type(dy, q))  # dq, dk, dv in the forward's layout
         batched_matmul(d_scores, k, out=d_heads[0])
         batched_matmul(d_scores.transpose(0, 2, 1), q, out=d_heads[1])
         batched_matmul(attn.transpose(0, 2, 1), d_out, out=d_heads[2])
         dqkv = self._merge_heads(d_heads, n, t)  # (N*T, 3E), rows [dq | dk | dv]
         matmul(dqkv.T, x_rows, out=self.in_proj_weight.grad)
         xp.sum(dqkv, axis=0, out=self.in_proj_bias.grad)
-        dx = matmul(dqkv, self.in_proj_weight.data, out=xp.empty((n * t, e), dtype=dy.dtype))
+        w_in = self.in_proj_weight.data
+        dx = matmul(dqkv, w_in, out=xp.empty((n * t, e), dtype=xp.result_type(dqkv, w_in)))
         return dx.reshape(n, t, e)
 
     def _drop_workspaces(self) -> None:

@@ -60,7 +60,8 @@ class Linear(Module):
             raise ValueError(f"Linear expects (N, {self.in_features}), got {tuple(x.shape)}")
         self._x = x
         xp = get_array_module(x)
-        y = matmul(x, self.weight.data.T, out=xp.empty((x.shape[0], self.out_features), dtype=x.dtype))
+        dtype = xp.result_type(x, self.weight.data)  # as x @ W.T would give
+        y = matmul(x, self.weight.data.T, out=xp.empty((x.shape[0], self.out_features), dtype=dtype))
         if self.bias is not None:
             y += self.bias.data
         return y
@@ -72,7 +73,8 @@ class Linear(Module):
         matmul(dy.T, self._x, out=self.weight.grad)
         if self.bias is not None:
             xp.sum(dy, axis=0, out=self.bias.grad)
-        return matmul(dy, self.weight.data, out=xp.empty((dy.shape[0], self.in_features), dtype=dy.dtype))
+        dtype = xp.result_type(dy, self.weight.data)
+        return matmul(dy, self.weight.data, out=xp.empty((dy.shape[0], self.in_features), dtype=dtype))
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, bias={self.bias is not None}"
