@@ -1,20 +1,22 @@
 """GELU, layer normalization and softmax as Numba CPU kernels: the same functions as
-:mod:`mpidl.kernels.transformer_reference` (the math is there), one pass over the data per
-direction where the reference makes five to ten, each with a temporary array.
+:mod:`mpidl.kernels.transformer_reference` (the math is there), in one to three passes over
+the data where the reference makes five to ten, each with a temporary array.
 
 Why kernels and not NumPy: the costs here are passes over memory and one thread. NumPy's
 GELU forward is SciPy's ``erf`` (a scalar loop, about 7 ns an element, one thread) plus three
 element-wise passes; layer normalization and the softmax are reductions along a short last
 axis (64 features, 50 keys for ``vit``), where NumPy's per-row overhead dominates, followed by
-several broadcasting passes. Each kernel below reads its inputs once and writes its outputs
-once, and a ``prange`` spreads the rows (or elements) over Numba's threads (the count
-:mod:`mpidl.threads` sets). Numba calls libm's ``erf`` and ``exp`` one element at a time (no
-vector math library is linked), so the element-wise work is not vectorized; the threads and
-the single pass are the gain. Where ``exp`` is most of the work, the softmax, the kernels
-leave it to NumPy, whose ``exp`` is vectorized (AVX2 / AVX-512; about 5x faster than libm's
-one at a time): in the softmax one kernel shifts each row by its maximum, ``np.exp`` runs in
-place, a second kernel divides each row by its sum (0.5 ms instead of 1.9 ms for ``vit``'s
-256 x 50 x 50 scores); GELU's backward takes ``exp(-x^2 / 2)`` from NumPy the same way.
+several broadcasting passes. The kernels below read each input once per pass, and a
+``prange`` spreads the rows (or elements) over Numba's threads (the count :mod:`mpidl.threads`
+sets).
+
+The transcendental functions decide the rest. Numba calls libm's ``exp`` and ``erf`` one
+element at a time (no vector math library is linked), which stops the loop from vectorizing;
+NumPy's ``exp`` is vectorized (AVX2 / AVX-512) and about 5x faster. So where an ``exp`` is
+needed the kernels leave it to NumPy, in place between two call-free kernels: the softmax
+shifts each row by its maximum, ``np.exp``, then divides each row by its sum (0.5 ms instead
+of 1.9 ms for ``vit``'s 256 x 50 x 50 scores, one thread); GELU's backward takes
+``exp(-x^2 / 2)`` from NumPy the same way.
 
 ``erf`` has no NumPy twin (SciPy's is a scalar loop too). In float64 GELU's forward calls
 libm's ``erf`` (within an ulp or two; the float64 twins of PyTorch depend on it). In
@@ -67,7 +69,8 @@ _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 @njit(parallel=True, cache=True, fastmath={"contract"})
 def _gelu_forward(x, y, cdf):
-    """``cdf = (1 + erf(x / sqrt 2)) / 2``, ``y = x * cdf`` on flat arrays, in x's dtype."""
+    """``cdf = (1 + erf(x / sqrt 2)) / 2``, ``y = x * cdf`` on flat arrays, in x's dtype, with
+    libm's erf: the float64 path (float32 takes the erfc fit below)."""
     inv_sqrt2 = x.dtype.type(_INV_SQRT2)
     one = x.dtype.type(1.0)
     half = x.dtype.type(0.5)
