@@ -20,6 +20,9 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# This checkout's mpidl, not whichever one an editable install points at (the script's folder,
+# not the working directory, heads sys.path): step.py's workers get the same via PYTHONPATH.
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 
 def main(argv=None) -> int:

@@ -12,9 +12,11 @@ module          runs on                    role
 
 The Winograd transforms have their own three files (``winograd_reference`` / ``winograd_cpu`` /
 ``winograd_cuda``), batch normalization (+ ReLU) its own two (``batchnorm_reference``, which
-also serves CuPy arrays, and ``batchnorm_cpu``); both are chosen by the same rule. The math and
-the layouts are written once, in the reference files: :mod:`mpidl.kernels.reference`,
-:mod:`mpidl.kernels.winograd_reference` and :mod:`mpidl.kernels.batchnorm_reference`.
+also serves CuPy arrays, and ``batchnorm_cpu``), and so do the transformer layers' GELU, layer
+normalization and softmax (``transformer_reference``, ``transformer_cpu``); all are chosen by
+the same rule. The math and the layouts are written once, in the reference files:
+:mod:`mpidl.kernels.reference`, :mod:`mpidl.kernels.winograd_reference`,
+:mod:`mpidl.kernels.batchnorm_reference` and :mod:`mpidl.kernels.transformer_reference`.
 
 Callers go through the functions below. Each checks its arguments once, whichever
 implementation runs, and then calls the implementation picked from the array: a device array
@@ -31,8 +33,10 @@ only. Calling them directly, as the tests comparing them do, is for valid argume
 Every function here raises ``ValueError`` for an argument it cannot take: an array that is
 not 4-D or whose shape does not fit the geometry, ``k < 1``, ``stride < 1``, ``pad < 0``, a
 window larger than the padded input (an empty output), max pooling's ``pad > k // 2``, an
-``argmax`` that is not an integer array, Winograd's ``m < 1`` or ``r < 1``, or an ``out``
-workspace that is not an array of the input's kind, shape and dtype, or not C-contiguous.
+``argmax`` that is not an integer array, Winograd's ``m < 1`` or ``r < 1``, an ``out``
+workspace that is not an array of the input's kind, shape and dtype, or not C-contiguous,
+layer norm's ``gamma, beta`` not of shape ``(D,)`` (or statistics not of ``x.shape[:-1]``), a
+softmax ``scale <= 0``, or a backward pass's arrays whose shapes differ.
 """
 
 from __future__ import annotations
@@ -57,6 +61,12 @@ __all__ = [
     "winograd_output_adjoint",
     "batchnorm_forward",
     "batchnorm_backward",
+    "gelu_forward",
+    "gelu_backward",
+    "layernorm_forward",
+    "layernorm_backward",
+    "softmax_forward",
+    "softmax_backward",
     "implementation_for",
 ]
 
@@ -353,3 +363,73 @@ def batchnorm_backward(dy, x, y, gamma, mean, var, eps, relu=False, batch_stats=
     if dy.shape != x.shape or (relu and y.shape != x.shape):
         raise ValueError(f"batchnorm_backward: dy {tuple(dy.shape)} (and y with relu) must have x's shape {tuple(x.shape)}")
     return _batchnorm_module(dy).batchnorm_backward(dy, x, y, gamma, mean, var, float(eps), bool(relu), bool(batch_stats))
+
+
+# --------------------------------------------------------------------------------------------
+# the transformer layers' element-wise and row-wise kernels: GELU, layer norm, softmax
+# --------------------------------------------------------------------------------------------
+
+
+def _transformer_module(x):
+    """``transformer_cpu`` for float32/float64 NumPy arrays (unless ``MPIDL_KERNELS=reference``),
+    else the reference (CuPy arrays, other dtypes, Numba missing)."""
+    if implementation_for(x) is reference or _on_device(x) or x.dtype.name not in ("float32", "float64"):
+        from . import transformer_reference  # noqa: PLC0415
+
+        return transformer_reference
+    try:
+        from . import transformer_cpu  # noqa: PLC0415
+    except ImportError:
+        from . import transformer_reference as transformer_cpu  # noqa: PLC0415
+    return transformer_cpu
+
+
+def _check_same_shape(like, what: str, **arrays) -> None:
+    """Every array of ``arrays`` (named by its keyword) must have ``like``'s shape."""
+    for name, array in arrays.items():
+        if tuple(array.shape) != tuple(like.shape):
+            raise ValueError(f"{what}: {name} has shape {tuple(array.shape)}, expected {tuple(like.shape)}")
+
+
+def gelu_forward(x):
+    """``(y, cdf)``: ``y = x * Phi(x)``, ``cdf = Phi(x)`` (the standard normal CDF), any shape.
+    The math: :mod:`mpidl.kernels.transformer_reference`."""
+    return _transformer_module(x).gelu_forward(x)
+
+
+def gelu_backward(dy, x, cdf):
+    """``dx = dy * (Phi(x) + x * phi(x))`` with the forward's ``cdf = Phi(x)``."""
+    _check_same_shape(dy, "gelu_backward", x=x, cdf=cdf)
+    return _transformer_module(dy).gelu_backward(dy, x, cdf)
+
+
+def layernorm_forward(x, gamma, beta, eps):
+    """``x : (..., D)`` -> ``(y, mean, inv_std)`` (float64 statistics of shape ``x.shape[:-1]``).
+    The math: :mod:`mpidl.kernels.transformer_reference`."""
+    if x.ndim < 1 or gamma.shape != (x.shape[-1],) or beta.shape != (x.shape[-1],):
+        raise ValueError(f"layernorm_forward: x must be (..., D) with gamma, beta of shape (D,); "
+                         f"got {tuple(x.shape)}, {tuple(gamma.shape)}, {tuple(beta.shape)}")
+    return _transformer_module(x).layernorm_forward(x, gamma, beta, float(eps))
+
+
+def layernorm_backward(dy, x, gamma, mean, inv_std):
+    """``(dx, dgamma, dbeta)`` of :func:`layernorm_forward` (``dgamma, dbeta : (D,)`` float64)."""
+    _check_same_shape(x, "layernorm_backward", dy=dy)
+    if gamma.shape != (x.shape[-1],) or mean.shape != x.shape[:-1] or inv_std.shape != x.shape[:-1]:
+        raise ValueError(f"layernorm_backward: for x {tuple(x.shape)} need gamma (D,) and mean, inv_std "
+                         f"{tuple(x.shape[:-1])}; got {tuple(gamma.shape)}, {tuple(mean.shape)}, {tuple(inv_std.shape)}")
+    return _transformer_module(dy).layernorm_backward(dy, x, gamma, mean, inv_std)
+
+
+def softmax_forward(s, scale=1.0):
+    """``a = softmax(scale * s)`` along the last axis (``scale > 0``).
+    The math: :mod:`mpidl.kernels.transformer_reference`."""
+    if s.ndim < 1 or not float(scale) > 0:
+        raise ValueError(f"softmax_forward: need an array of at least 1 axis and scale > 0, got {tuple(s.shape)}, {scale}")
+    return _transformer_module(s).softmax_forward(s, float(scale))
+
+
+def softmax_backward(da, a, scale=1.0):
+    """``ds = scale * a * (da - sum(da * a))`` along the last axis, ``a`` the forward's output."""
+    _check_same_shape(a, "softmax_backward", da=da)
+    return _transformer_module(da).softmax_backward(da, a, float(scale))

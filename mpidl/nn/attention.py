@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import math
 
+from mpidl import kernels
 from mpidl.backend import get_array_module
+from mpidl.blas import batched_matmul, matmul
 from mpidl.nn.activation import GELU
 from mpidl.nn.linear import Linear
 from mpidl.nn.module import Module, Sequential
@@ -46,13 +48,6 @@ class Tokenwise(Module):
         return None if dx is None else dx.reshape(self._shape)
 
 
-def _softmax_last(xp, s):
-    """Softmax along the last axis, shifted by the row maximum so that exp never overflows."""
-    e = xp.exp(s - s.max(axis=-1, keepdims=True))
-    e /= e.sum(axis=-1, keepdims=True)
-    return e
-
-
 class MultiHeadSelfAttention(Module):
     """Multi-head scaled dot-product self-attention (PyTorch's ``nn.MultiheadAttention`` with
     ``batch_first=True``, query = key = value = x, no mask, no dropout; same parameter layout).
@@ -79,6 +74,13 @@ class MultiHeadSelfAttention(Module):
     ``dk = dS^T q / sqrt(d)``; then ``d[q | k | v]`` through the input projection:
     ``dW_in = d[qkv]^T x``, ``db_in = sum d[qkv]``, ``dx = d[qkv] W_in``.
     Saved for backward: x, q, k, v and A.
+
+    Layout: the heads are stored as stacks of ``N*h`` contiguous ``(T, d)`` matrices (one copy
+    of ``[q | k | v]`` after the input projection, one of ``O`` before the output projection,
+    and the same two in backward), so the per-head products are plain batched GEMMs, split
+    between threads by :func:`mpidl.blas.batched_matmul`; the projections go through
+    :func:`mpidl.blas.matmul`. The softmax and its backward (with the ``1 / sqrt(d)`` folded
+    in) are :func:`mpidl.kernels.softmax_forward` / ``softmax_backward``.
     """
 
     def __init__(self, embed_dim: int, num_heads: int) -> None:
@@ -92,45 +94,56 @@ class MultiHeadSelfAttention(Module):
         self.out_proj = Linear(e, e, bias_init=zeros())
         self._saved = None
 
-    def _heads(self, z, n, t):
-        """(N, T, E) -> (N, h, T, d)."""
-        return z.reshape(n, t, self.num_heads, -1).transpose(0, 2, 1, 3)
+    def _split_heads(self, rows, n, t):
+        """``(N*T, c*E)`` (``c`` blocks of E features, e.g. ``[q | k | v]``) ->
+        ``(c, N*h, T, d)``, C-contiguous: one copy, after which every per-head product reads
+        contiguous ``(T, d)`` matrices (a strided view would make NumPy copy per product)."""
+        h = self.num_heads
+        heads = rows.reshape(n, t, -1, h, self.embed_dim // h).transpose(2, 0, 3, 1, 4)
+        return get_array_module(rows).ascontiguousarray(heads).reshape(-1, n * h, t, self.embed_dim // h)
+
+    def _merge_heads(self, heads, n, t):
+        """The inverse of :meth:`_split_heads`: ``(c, N*h, T, d)`` -> ``(N*T, c*E)``, one copy."""
+        c, _, _, d = heads.shape
+        rows = heads.reshape(c, n, self.num_heads, t, d).transpose(1, 3, 0, 2, 4)
+        return get_array_module(heads).ascontiguousarray(rows).reshape(n * t, -1)
 
     def forward(self, x):
         if x.ndim != 3 or x.shape[2] != self.embed_dim:
             raise ValueError(f"MultiHeadSelfAttention expects (N, T, {self.embed_dim}), got {tuple(x.shape)}")
         xp = get_array_module(x)
         n, t, e = x.shape
-        qkv = x.reshape(n * t, e) @ self.in_proj_weight.data.T
+        x_rows = x.reshape(n * t, e)
+        dtype = xp.result_type(x, self.in_proj_weight.data)  # as x @ W_in^T would give
+        qkv = matmul(x_rows, self.in_proj_weight.data.T, out=xp.empty((n * t, 3 * e), dtype=dtype))
         qkv += self.in_proj_bias.data
-        qkv = qkv.reshape(n, t, 3, e)
-        q, k, v = (self._heads(qkv[:, :, j], n, t) for j in range(3))
-        scale = x.dtype.type(1.0 / math.sqrt(e // self.num_heads))
-        attn = _softmax_last(xp, xp.matmul(q, k.transpose(0, 1, 3, 2)) * scale)
-        out = xp.matmul(attn, v).transpose(0, 2, 1, 3).reshape(n * t, e)
-        self._saved = (x, q, k, v, attn, scale)
-        return self.out_proj.forward(out).reshape(n, t, e)
+        q, k, v = self._split_heads(qkv, n, t)
+        scale = 1.0 / math.sqrt(e // self.num_heads)
+        scores = batched_matmul(q, k.transpose(0, 2, 1), out=xp.empty((n * self.num_heads, t, t), dtype=dtype))
+        attn = kernels.softmax_forward(scores, scale)
+        out = batched_matmul(attn, v, out=xp.empty_like(v))
+        self._saved = (x_rows, q, k, v, attn, scale)
+        return self.out_proj.forward(self._merge_heads(out[None], n, t)).reshape(n, t, e)
 
     def backward(self, dy):
         if self._saved is None:
             raise RuntimeError("MultiHeadSelfAttention.backward called before forward")
-        x, q, k, v, attn, scale = self._saved
+        x_rows, q, k, v, attn, scale = self._saved
         xp = get_array_module(dy)
-        n, t, e = x.shape
-        d_out = self._heads(self.out_proj.backward(dy.reshape(n * t, e)).reshape(n, t, e), n, t)
-        d_attn = xp.matmul(d_out, v.transpose(0, 1, 3, 2))
-        dv = xp.matmul(attn.transpose(0, 1, 3, 2), d_out)
-        ds = attn * (d_attn - (d_attn * attn).sum(axis=-1, keepdims=True))
-        ds *= scale
-        dq = xp.matmul(ds, k)
-        dk = xp.matmul(ds.transpose(0, 1, 3, 2), q)
-        dqkv = xp.empty((n, t, 3, e), dtype=dy.dtype)
-        for j, grad in enumerate((dq, dk, dv)):
-            dqkv[:, :, j] = grad.transpose(0, 2, 1, 3).reshape(n, t, e)
-        dqkv = dqkv.reshape(n * t, 3 * e)
-        xp.matmul(dqkv.T, x.reshape(n * t, e), out=self.in_proj_weight.grad)
+        n, t, e = dy.shape
+        d_out = self._split_heads(self.out_proj.backward(dy.reshape(n * t, e)), n, t)[0]
+        d_attn = batched_matmul(d_out, v.transpose(0, 2, 1), out=xp.empty_like(attn))
+        d_scores = kernels.softmax_backward(d_attn, attn, scale)  # includes the 1/sqrt(d)
+        d_heads = xp.empty((3,) + q.shape, dtype=xp.result_type(dy, q))  # dq, dk, dv in the forward's layout
+        batched_matmul(d_scores, k, out=d_heads[0])
+        batched_matmul(d_scores.transpose(0, 2, 1), q, out=d_heads[1])
+        batched_matmul(attn.transpose(0, 2, 1), d_out, out=d_heads[2])
+        dqkv = self._merge_heads(d_heads, n, t)  # (N*T, 3E), rows [dq | dk | dv]
+        matmul(dqkv.T, x_rows, out=self.in_proj_weight.grad)
         xp.sum(dqkv, axis=0, out=self.in_proj_bias.grad)
-        return (dqkv @ self.in_proj_weight.data).reshape(n, t, e)
+        w_in = self.in_proj_weight.data
+        dx = matmul(dqkv, w_in, out=xp.empty((n * t, e), dtype=xp.result_type(dqkv, w_in)))
+        return dx.reshape(n, t, e)
 
     def _drop_workspaces(self) -> None:
         self._saved = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from mpidl.backend import get_array_module
+from mpidl.blas import matmul
 from mpidl.nn.module import Module
 from mpidl.params import Initializer, Parameter, kaiming_uniform, uniform
 
@@ -28,7 +29,8 @@ class Linear(Module):
     -----
     ``y[n, k] = sum_d x[n, d] * W[k, d] + b[k]``. Backward:
     ``dW = dy.T @ x`` (K, D), ``db = dy.sum(axis=0)`` (K,), ``dx = dy @ W`` (N, D).
-    Only ``x`` is saved for backward.
+    Only ``x`` is saved for backward. The three products go through
+    :func:`mpidl.blas.matmul`, which splits a large one between the thread policy's threads.
     """
 
     def __init__(
@@ -57,7 +59,9 @@ class Linear(Module):
         if x.ndim != 2 or x.shape[1] != self.in_features:
             raise ValueError(f"Linear expects (N, {self.in_features}), got {tuple(x.shape)}")
         self._x = x
-        y = x @ self.weight.data.T
+        xp = get_array_module(x)
+        dtype = xp.result_type(x, self.weight.data)  # as x @ W.T would give
+        y = matmul(x, self.weight.data.T, out=xp.empty((x.shape[0], self.out_features), dtype=dtype))
         if self.bias is not None:
             y += self.bias.data
         return y
@@ -66,10 +70,11 @@ class Linear(Module):
         if self._x is None:
             raise RuntimeError("Linear.backward called before forward")
         xp = get_array_module(dy)
-        xp.matmul(dy.T, self._x, out=self.weight.grad)
+        matmul(dy.T, self._x, out=self.weight.grad)
         if self.bias is not None:
             xp.sum(dy, axis=0, out=self.bias.grad)
-        return dy @ self.weight.data
+        dtype = xp.result_type(dy, self.weight.data)
+        return matmul(dy, self.weight.data, out=xp.empty((dy.shape[0], self.in_features), dtype=dtype))
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, bias={self.bias is not None}"

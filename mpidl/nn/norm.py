@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mpidl import kernels
 from mpidl.backend import get_array_module, to_host
 from mpidl.nn.module import Module
 from mpidl.params import Parameter, ones, zeros
@@ -200,8 +201,11 @@ class LayerNorm(Module):
     ``xhat = (x - mu) / sqrt(var + eps)``, ``y = gamma * xhat + beta`` (the same in training
     and evaluation: no running statistics). Backward, with ``g = dy * gamma`` and means over
     the row: ``dx = (g - mean(g) - xhat * mean(g * xhat)) / sqrt(var + eps)``;
-    ``dgamma = sum(dy * xhat)``, ``dbeta = sum(dy)`` over every leading axis.
-    Saved for backward: ``xhat`` and ``1 / sqrt(var + eps)``.
+    ``dgamma = sum(dy * xhat)``, ``dbeta = sum(dy)`` over every leading axis. The statistics
+    and sums are float64 whatever x's dtype. Saved for backward: ``x`` and each row's mean and
+    ``1 / sqrt(var + eps)`` (``xhat`` is recomputed). Computed by
+    :func:`mpidl.kernels.layernorm_forward` and ``layernorm_backward`` (Numba kernels for
+    NumPy arrays, the reference for CuPy).
     """
 
     def __init__(self, normalized_shape: int, eps: float = 1e-5) -> None:
@@ -211,33 +215,26 @@ class LayerNorm(Module):
         self.normalized_shape, self.eps = int(normalized_shape), float(eps)
         self.weight = Parameter((self.normalized_shape,), ones())
         self.bias = Parameter((self.normalized_shape,), zeros())
-        self._xhat = self._inv_std = None
+        self._saved = None  # (x, mean, inv_std)
 
     def forward(self, x):
         if x.ndim < 1 or x.shape[-1] != self.normalized_shape:
             raise ValueError(f"LayerNorm expects (..., {self.normalized_shape}), got {tuple(x.shape)}")
-        xp = get_array_module(x)
-        centred, var, _ = centred_moments(x, -1)
-        inv_std = 1.0 / xp.sqrt(var + x.dtype.type(self.eps))
-        xhat = centred * inv_std
-        self._xhat, self._inv_std = xhat, inv_std
-        return xhat * self.weight.data + self.bias.data
+        y, mean, inv_std = kernels.layernorm_forward(x, self.weight.data, self.bias.data, self.eps)
+        self._saved = (x, mean, inv_std)
+        return y
 
     def backward(self, dy):
-        if self._xhat is None:
+        if self._saved is None:
             raise RuntimeError("LayerNorm.backward called before forward")
-        xp = get_array_module(dy)
-        xhat = self._xhat
-        leading = tuple(range(dy.ndim - 1))
-        self.bias.grad[...] = dy.sum(axis=leading, dtype=xp.float64)
-        self.weight.grad[...] = (dy * xhat).sum(axis=leading, dtype=xp.float64)
-        g = dy * self.weight.data
-        mean_g = g.mean(axis=-1, keepdims=True)
-        mean_gx = (g * xhat).mean(axis=-1, keepdims=True)
-        return (g - mean_g - xhat * mean_gx) * self._inv_std
+        x, mean, inv_std = self._saved
+        dx, dgamma, dbeta = kernels.layernorm_backward(dy, x, self.weight.data, mean, inv_std)
+        self.weight.grad[...] = dgamma
+        self.bias.grad[...] = dbeta
+        return dx
 
     def _drop_workspaces(self) -> None:
-        self._xhat = self._inv_std = None
+        self._saved = None
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}"
