@@ -57,6 +57,8 @@ __all__ = [
     "winograd_output_adjoint",
     "batchnorm_forward",
     "batchnorm_backward",
+    "lstm_forward",
+    "lstm_backward",
     "implementation_for",
 ]
 
@@ -167,6 +169,19 @@ def _batchnorm_module(x):
     except ImportError:
         from . import batchnorm_reference as batchnorm_cpu  # noqa: PLC0415
     return batchnorm_cpu
+
+
+def _recurrent_module(x):
+    """``recurrent_cpu`` for NumPy arrays (unless ``MPIDL_KERNELS=reference``), else the reference."""
+    if implementation_for(x) is reference or _on_device(x):
+        from . import recurrent_reference  # noqa: PLC0415
+
+        return recurrent_reference
+    try:
+        from . import recurrent_cpu  # noqa: PLC0415
+    except ImportError:
+        from . import recurrent_reference as recurrent_cpu  # noqa: PLC0415
+    return recurrent_cpu
 
 
 # --------------------------------------------------------------------------------------------
@@ -353,3 +368,41 @@ def batchnorm_backward(dy, x, y, gamma, mean, var, eps, relu=False, batch_stats=
     if dy.shape != x.shape or (relu and y.shape != x.shape):
         raise ValueError(f"batchnorm_backward: dy {tuple(dy.shape)} (and y with relu) must have x's shape {tuple(x.shape)}")
     return _batchnorm_module(dy).batchnorm_backward(dy, x, y, gamma, mean, var, float(eps), bool(relu), bool(batch_stats))
+
+
+def _check_lstm(x, weight_ih, weight_hh, what: str) -> tuple[int, int, int, int]:
+    """``(N, T, D, H)`` of an LSTM's input and weights (checked)."""
+    if x.ndim != 3 or weight_ih.ndim != 2 or weight_hh.ndim != 2:
+        raise ValueError(f"{what}: x must be (N, T, D), the weights 2-D; got {tuple(x.shape)}, "
+                         f"{tuple(weight_ih.shape)}, {tuple(weight_hh.shape)}")
+    n, steps, d = _ints(*x.shape)
+    hid = int(weight_hh.shape[1])
+    if tuple(weight_ih.shape) != (4 * hid, d) or tuple(weight_hh.shape) != (4 * hid, hid):
+        raise ValueError(f"{what}: weight_ih must be (4H, D) = {(4 * hid, d)} and weight_hh (4H, H) = "
+                         f"{(4 * hid, hid)}; got {tuple(weight_ih.shape)}, {tuple(weight_hh.shape)}")
+    return n, steps, d, hid
+
+
+def lstm_forward(x, weight_ih, weight_hh, bias):
+    """``x : (N, T, D)`` -> the state ``(gates, cells, tanh_c, hiddens)`` of a one-layer LSTM
+    (``bias = b_ih + b_hh``, (4H,)). The math: :mod:`mpidl.kernels.recurrent_reference`."""
+    _, _, _, hid = _check_lstm(x, weight_ih, weight_hh, "lstm_forward")
+    _check_shape(bias, (4 * hid,), "lstm_forward: bias")
+    if not (x.dtype == weight_ih.dtype == weight_hh.dtype == bias.dtype):
+        raise ValueError(f"lstm_forward: x and the parameters must share a dtype; got {x.dtype}, "
+                         f"{weight_ih.dtype}, {weight_hh.dtype}, {bias.dtype}")
+    return _recurrent_module(x).lstm_forward(x, weight_ih, weight_hh, bias)
+
+
+def lstm_backward(dy, x, weight_ih, weight_hh, state, sequence, input_grad=True):
+    """``(dx, dweight_ih, dweight_hh, dbias)`` for the forward that returned ``state``; ``dy``
+    is the gradient of every step's hidden state (N, T, H) when ``sequence``, else of the last
+    one (N, H); ``dx`` is None when not ``input_grad``."""
+    n, steps, _, hid = _check_lstm(x, weight_ih, weight_hh, "lstm_backward")
+    _check_shape(dy, (n, steps, hid) if sequence else (n, hid), "lstm_backward: dy")
+    gates, cells, tanh_c, hiddens = state
+    for array, shape, name in ((gates, (n, steps, 4 * hid), "gates"), (cells, (n, steps, hid), "cells"),
+                               (tanh_c, (n, steps, hid), "tanh_c"), (hiddens, (n, steps + 1, hid), "hiddens")):
+        _check_shape(array, shape, f"lstm_backward: {name}")
+    return _recurrent_module(dy).lstm_backward(dy, x, weight_ih, weight_hh, gates, cells, tanh_c, hiddens,
+                                               bool(sequence), bool(input_grad))
