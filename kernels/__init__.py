@@ -385,7 +385,8 @@ def _check_lstm(x, weight_ih, weight_hh, what: str) -> tuple[int, int, int, int]
 
 def lstm_forward(x, weight_ih, weight_hh, bias):
     """``x : (N, T, D)`` -> the state ``(gates, cells, tanh_c, hiddens)`` of a one-layer LSTM
-    (``bias = b_ih + b_hh``, (4H,)). The math: :mod:`mpidl.kernels.recurrent_reference`."""
+    (``bias = b_ih + b_hh``, (4H,)), time first: ``hiddens : (T+1, N, H)`` holds ``h_0 = 0``
+    and every step's hidden state. The math: :mod:`mpidl.kernels.recurrent_reference`."""
     _, _, _, hid = _check_lstm(x, weight_ih, weight_hh, "lstm_forward")
     _check_shape(bias, (4 * hid,), "lstm_forward: bias")
     if not (x.dtype == weight_ih.dtype == weight_hh.dtype == bias.dtype):
@@ -401,8 +402,8 @@ def lstm_backward(dy, x, weight_ih, weight_hh, state, sequence, input_grad=True)
     n, steps, _, hid = _check_lstm(x, weight_ih, weight_hh, "lstm_backward")
     _check_shape(dy, (n, steps, hid) if sequence else (n, hid), "lstm_backward: dy")
     gates, cells, tanh_c, hiddens = state
-    for array, shape, name in ((gates, (n, steps, 4 * hid), "gates"), (cells, (n, steps, hid), "cells"),
-                               (tanh_c, (n, steps, hid), "tanh_c"), (hiddens, (n, steps + 1, hid), "hiddens")):
+    for array, shape, name in ((gates, (steps, n, 4 * hid), "gates"), (cells, (steps, n, hid), "cells"),
+                               (tanh_c, (steps, n, hid), "tanh_c"), (hiddens, (steps + 1, n, hid), "hiddens")):
         _check_shape(array, shape, f"lstm_backward: {name}")
     return _recurrent_module(dy).lstm_backward(dy, x, weight_ih, weight_hh, gates, cells, tanh_c, hiddens,
                                                bool(sequence), bool(input_grad))

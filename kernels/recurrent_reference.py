@@ -22,10 +22,13 @@ Summed over the steps: ``dW_ih = sum dz_t^T x_t``, ``dW_hh = sum dz_t^T h_{t-1}`
 input projection of all steps is one GEMM (N*T, D) x (D, 4H) before the loop, and each
 weight gradient one GEMM over all N*T rows after it.
 
-Shapes: ``x : (N, T, D)``; ``weight_ih : (4H, D)``, ``weight_hh : (4H, H)``, ``bias : (4H,)``.
-Saved by forward for backward, the "state": ``gates : (N, T, 4H)`` (the activations i, f, g,
-o), ``cells : (N, T, H)`` (``c_t``), ``tanh_c : (N, T, H)`` and ``hiddens : (N, T+1, H)``
-(``hiddens[:, 0] = h_0 = 0``). Every array has ``x``'s dtype.
+Shapes: ``x : (N, T, D)`` (batch first, as the layer takes it); ``weight_ih : (4H, D)``,
+``weight_hh : (4H, H)``, ``bias : (4H,)``. Saved by forward for backward, the "state", time
+first (step ``t``'s rows ``[t]`` are one contiguous (N, ·) block, the operand of that step's
+GEMM): ``gates : (T, N, 4H)`` (the activations i, f, g, o), ``cells : (T, N, H)`` (``c_t``),
+``tanh_c : (T, N, H)`` and ``hiddens : (T+1, N, H)`` (``hiddens[0] = h_0 = 0``). Every array
+has ``x``'s dtype. Since ``h_0 = 0``, step 1 adds nothing to ``dW_hh``: its GEMM runs over the
+``(T-1)*N`` rows of steps 2..T.
 """
 
 from __future__ import annotations
@@ -36,6 +39,12 @@ from mpidl.nn.activation import sigmoid
 __all__ = ["lstm_forward", "lstm_backward"]
 
 
+def _time_major(x):
+    """``(N, T, D) -> (T*N, D)``, the rows of step 0 first (a copy)."""
+    n, steps, d = x.shape
+    return x.transpose(1, 0, 2).reshape(steps * n, d)
+
+
 def lstm_forward(x, weight_ih, weight_hh, bias):
     """``(gates, cells, tanh_c, hiddens)`` of the sequences ``x`` (shapes: the module docstring)."""
     xp = get_array_module(x)
@@ -43,23 +52,23 @@ def lstm_forward(x, weight_ih, weight_hh, bias):
     hid = weight_hh.shape[1]
     w_hh_t = weight_hh.T
     # every step's input projection and the bias at once
-    z_in = (x.reshape(n * steps, -1) @ weight_ih.T).reshape(n, steps, 4 * hid)
+    z_in = (_time_major(x) @ weight_ih.T).reshape(steps, n, 4 * hid)
     z_in += bias
     gates = xp.empty_like(z_in)
-    cells = xp.empty((n, steps, hid), dtype=x.dtype)
-    tanh_c = xp.empty((n, steps, hid), dtype=x.dtype)
-    hiddens = xp.zeros((n, steps + 1, hid), dtype=x.dtype)  # hiddens[:, 0] = h_0 = 0
+    cells = xp.empty((steps, n, hid), dtype=x.dtype)
+    tanh_c = xp.empty((steps, n, hid), dtype=x.dtype)
+    hiddens = xp.zeros((steps + 1, n, hid), dtype=x.dtype)  # hiddens[0] = h_0 = 0
     c = xp.zeros((n, hid), dtype=x.dtype)
     for t in range(steps):
-        z = z_in[:, t] + hiddens[:, t] @ w_hh_t
-        gate = gates[:, t]
+        z = z_in[t] + hiddens[t] @ w_hh_t
+        gate = gates[t]
         gate[:, : 2 * hid] = sigmoid(xp, z[:, : 2 * hid])  # i, f
         gate[:, 2 * hid : 3 * hid] = xp.tanh(z[:, 2 * hid : 3 * hid])  # g
         gate[:, 3 * hid :] = sigmoid(xp, z[:, 3 * hid :])  # o
         c = gate[:, hid : 2 * hid] * c + gate[:, :hid] * gate[:, 2 * hid : 3 * hid]
-        cells[:, t] = c
-        tanh_c[:, t] = xp.tanh(c)
-        hiddens[:, t + 1] = gate[:, 3 * hid :] * tanh_c[:, t]
+        cells[t] = c
+        tanh_c[t] = xp.tanh(c)
+        hiddens[t + 1] = gate[:, 3 * hid :] * tanh_c[t]
     return gates, cells, tanh_c, hiddens
 
 
@@ -67,10 +76,10 @@ def lstm_backward(dy, x, weight_ih, weight_hh, gates, cells, tanh_c, hiddens, se
     """``(dx, dweight_ih, dweight_hh, dbias)`` for the forward that gave the state.
 
     ``dy`` is the gradient of every step's hidden state (N, T, H) when ``sequence``, else of
-    the last one only (N, H). ``dx`` is None when not ``input_grad``.
+    the last one only (N, H). ``dx`` (N, T, D) is None when not ``input_grad``.
     """
     xp = get_array_module(dy)
-    n, steps, _ = x.shape
+    n, steps, d = x.shape
     hid = weight_hh.shape[1]
     dz = xp.empty_like(gates)
     dh = xp.zeros((n, hid), dtype=dy.dtype)
@@ -80,21 +89,21 @@ def lstm_backward(dy, x, weight_ih, weight_hh, gates, cells, tanh_c, hiddens, se
             dh = dh + dy[:, t]
         elif t == steps - 1:
             dh = dh + dy
-        i, f = gates[:, t, :hid], gates[:, t, hid : 2 * hid]
-        g, o = gates[:, t, 2 * hid : 3 * hid], gates[:, t, 3 * hid :]
-        th = tanh_c[:, t]
+        i, f = gates[t, :, :hid], gates[t, :, hid : 2 * hid]
+        g, o = gates[t, :, 2 * hid : 3 * hid], gates[t, :, 3 * hid :]
+        th = tanh_c[t]
         dc = dc + dh * o * (1 - th * th)
-        c_prev = cells[:, t - 1] if t > 0 else xp.zeros_like(dc)
-        step = dz[:, t]
+        c_prev = cells[t - 1] if t > 0 else xp.zeros_like(dc)
+        step = dz[t]
         step[:, :hid] = dc * g * i * (1 - i)
         step[:, hid : 2 * hid] = dc * c_prev * f * (1 - f)
         step[:, 2 * hid : 3 * hid] = dc * i * (1 - g * g)
         step[:, 3 * hid :] = dh * th * o * (1 - o)
         dh = step @ weight_hh
         dc = dc * f
-    dz2 = dz.reshape(n * steps, 4 * hid)
-    dweight_ih = dz2.T @ x.reshape(n * steps, -1)
-    dweight_hh = dz2.T @ hiddens[:, :steps].reshape(n * steps, hid)
+    dz2 = dz.reshape(steps * n, 4 * hid)
+    dweight_ih = dz2.T @ _time_major(x)
+    dweight_hh = dz2[n:].T @ hiddens[1:steps].reshape((steps - 1) * n, hid)
     dbias = dz2.sum(axis=0)
-    dx = (dz2 @ weight_ih).reshape(x.shape) if input_grad else None
+    dx = (dz2 @ weight_ih).reshape(steps, n, d).transpose(1, 0, 2) if input_grad else None
     return dx, dweight_ih, dweight_hh, dbias

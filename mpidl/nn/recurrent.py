@@ -46,8 +46,8 @@ class LSTM(Module):
     ``dW_ih = sum dz_t^T x_t``, ``dW_hh = sum dz_t^T h_{t-1}``, ``db_ih = db_hh = sum dz_t``,
     ``dx_t = dz_t W_ih``. The input projection of all steps is one GEMM (N*T, D) x (D, 4H)
     before the loop, and each weight gradient one GEMM over all N*T rows after it. Saved for
-    backward: x, the gate activations (N, T, 4H), c and tanh(c) (N, T, H) and the hidden
-    states (N, T+1, H).
+    backward: x, the gate activations (T, N, 4H), c and tanh(c) (T, N, H) and the hidden
+    states (T+1, N, H), time first.
 
     Both directions run in :func:`mpidl.kernels.lstm_forward` / :func:`~mpidl.kernels.lstm_backward`:
     Numba kernels for NumPy arrays (one call per direction for the whole loop over time),
@@ -77,8 +77,8 @@ class LSTM(Module):
         bias = self.bias_ih.data + self.bias_hh.data
         state = kernels.lstm_forward(x, self.weight_ih.data, self.weight_hh.data, bias)
         self._saved = (x, state)
-        hiddens = state[3]
-        return hiddens[:, 1:] if self.return_sequence else hiddens[:, x.shape[1]]
+        hiddens = state[3]  # (T+1, N, H), time first
+        return hiddens[1:].transpose(1, 0, 2) if self.return_sequence else hiddens[x.shape[1]]
 
     def backward(self, dy):
         if self._saved is None:
