@@ -112,7 +112,66 @@ def _tanh(z):
 # --------------------------------------------------------------------------------------------
 
 
-@njit(parallel=True, cache=True, fastmath={"contract"}, error_model="numpy")
+_ELEMENTWISE = dict(cache=True, fastmath={"contract"}, error_model="numpy")
+
+
+@njit(**_ELEMENTWISE)
+def _forward_step(z, z_in, c_prev, gate, cell, tanh_cell, hidden):
+    """One step of a block of rows, all (rows, ·) matrices: ``z = h_{t-1} W_hh^T`` and
+    ``z_in`` (the input projection, bias included) give the gates ``i, f, g, o`` (``gate``),
+    ``c_t = f c_{t-1} + i g`` (``cell``), ``tanh(c_t)`` and ``h_t = o tanh(c_t)``.
+
+    A function of its own, not the body of the ``prange`` loop: compiled with its own flags,
+    its loops vectorize, which they did only in part inside the parallel loop's body. Few
+    arrays per loop for the same reason: LLVM vectorizes a loop only when it can rule out,
+    with a bounded number of run-time checks, that the arrays it writes overlap the others.
+    """
+    rows, four_h = z.shape
+    hid = four_h // 4
+    for r in range(rows):
+        gate_row, z_row, z_in_row = gate[r], z[r], z_in[r]
+        for k in range(2 * hid):  # i, f
+            gate_row[k] = _sigmoid(np.float64(z_row[k] + z_in_row[k]))
+        for k in range(2 * hid, 3 * hid):  # g
+            gate_row[k] = _tanh(np.float64(z_row[k] + z_in_row[k]))
+        for k in range(3 * hid, four_h):  # o
+            gate_row[k] = _sigmoid(np.float64(z_row[k] + z_in_row[k]))
+        cell_row, c_prev_row = cell[r], c_prev[r]
+        for j in range(hid):
+            cell_row[j] = np.float64(gate_row[hid + j]) * c_prev_row[j] + np.float64(gate_row[j]) * gate_row[2 * hid + j]
+        tanh_row, hidden_row = tanh_cell[r], hidden[r]
+        for j in range(hid):
+            tc = _tanh(np.float64(cell_row[j]))
+            tanh_row[j] = tc
+            hidden_row[j] = gate_row[3 * hid + j] * tc
+
+
+@njit(**_ELEMENTWISE)
+def _backward_step(dh, dc, gate, tanh_cell, c_prev, dz):
+    """One step of a block of rows back: from ``dh`` (reaching ``h_t``) and ``dc`` (reaching
+    ``c_t`` from step ``t+1``, float64) the pre-activation gradients ``dz`` (rows, 4H); ``dc``
+    becomes what reaches ``c_{t-1}``. Its own function for the reason :func:`_forward_step` is."""
+    rows, four_h = gate.shape
+    hid = four_h // 4
+    for r in range(rows):
+        gate_row, th, dh_row, dc_row = gate[r], tanh_cell[r], dh[r], dc[r]
+        for j in range(hid):  # dc += dh o (1 - tanh(c_t)^2)
+            dc_row[j] += dh_row[j] * np.float64(gate_row[3 * hid + j]) * (1.0 - np.float64(th[j]) * th[j])
+        dz_row, c_prev_row = dz[r], c_prev[r]
+        for j in range(hid):
+            i_gate = np.float64(gate_row[j])
+            f_gate = np.float64(gate_row[hid + j])
+            g_gate = np.float64(gate_row[2 * hid + j])
+            o_gate = np.float64(gate_row[3 * hid + j])
+            dz_row[j] = dc_row[j] * g_gate * i_gate * (1.0 - i_gate)
+            dz_row[hid + j] = dc_row[j] * c_prev_row[j] * f_gate * (1.0 - f_gate)
+            dz_row[2 * hid + j] = dc_row[j] * i_gate * (1.0 - g_gate * g_gate)
+            dz_row[3 * hid + j] = dh_row[j] * th[j] * o_gate * (1.0 - o_gate)
+        for j in range(hid):  # what reaches c_{t-1}
+            dc_row[j] *= gate_row[hid + j]
+
+
+@njit(parallel=True, cache=True)
 def _forward(z_in, w_hh_t, blocks, gates, cells, tanh_c, hiddens):
     """Fill ``gates, cells, tanh_c`` and ``hiddens[1:]`` (time first) from the input
     projections ``z_in`` (T, N, 4H; bias included) and ``w_hh_t = W_hh^T`` (H, 4H,
@@ -123,31 +182,16 @@ def _forward(z_in, w_hh_t, blocks, gates, cells, tanh_c, hiddens):
         lo = n_size * block // blocks
         hi = n_size * (block + 1) // blocks
         z = np.zeros((hi - lo, four_h), dtype=z_in.dtype)  # h_{t-1} W_hh^T (zero at t = 0)
-        no_cell = np.zeros(hid, dtype=cells.dtype)  # c_0 = 0
+        no_cell = np.zeros((hi - lo, hid), dtype=cells.dtype)  # c_0 = 0
         for t in range(steps):
             if t > 0:
                 np.dot(hiddens[t, lo:hi], w_hh_t, z)  # the block's rows of h_{t-1}: contiguous
-            for n in range(lo, hi):
-                # few arrays per loop: LLVM vectorizes a loop only if it can rule out overlaps
-                # between the arrays it writes and the others, with a bounded number of checks
-                gate, z_row, z_in_row = gates[t, n], z[n - lo], z_in[t, n]
-                for k in range(2 * hid):  # i, f
-                    gate[k] = _sigmoid(np.float64(z_row[k] + z_in_row[k]))
-                for k in range(2 * hid, 3 * hid):  # g
-                    gate[k] = _tanh(np.float64(z_row[k] + z_in_row[k]))
-                for k in range(3 * hid, four_h):  # o
-                    gate[k] = _sigmoid(np.float64(z_row[k] + z_in_row[k]))
-                cell, c_prev = cells[t, n], (cells[t - 1, n] if t > 0 else no_cell)
-                for j in range(hid):  # c_t = f c_{t-1} + i g
-                    cell[j] = np.float64(gate[hid + j]) * c_prev[j] + np.float64(gate[j]) * gate[2 * hid + j]
-                tanh_cell, hidden = tanh_c[t, n], hiddens[t + 1, n]
-                for j in range(hid):  # h_t = o tanh(c_t)
-                    tc = _tanh(np.float64(cell[j]))
-                    tanh_cell[j] = tc
-                    hidden[j] = gate[3 * hid + j] * tc
+            c_prev = cells[t - 1, lo:hi] if t > 0 else no_cell
+            _forward_step(z, z_in[t, lo:hi], c_prev, gates[t, lo:hi], cells[t, lo:hi], tanh_c[t, lo:hi],
+                          hiddens[t + 1, lo:hi])
 
 
-@njit(parallel=True, cache=True, fastmath={"contract"}, error_model="numpy")
+@njit(parallel=True, cache=True)
 def _backward(dy, sequence, w_hh, gates, cells, tanh_c, blocks, dz):
     """Fill ``dz`` (T, N, 4H), the pre-activation gradients of every step, from ``dy`` ((N, T,
     H) when ``sequence``, else (N, 1, H): the last step's) and the forward's state (time
@@ -158,31 +202,13 @@ def _backward(dy, sequence, w_hh, gates, cells, tanh_c, blocks, dz):
         lo = n_size * block // blocks
         hi = n_size * (block + 1) // blocks
         dh = np.zeros((hi - lo, hid), dtype=gates.dtype)  # reaching h_t: from step t+1, then dy
-        dc = np.zeros((hi - lo, hid), dtype=np.float64)  # reaching c_t: from step t+1, then h_t
-        no_cell = np.zeros(hid, dtype=cells.dtype)  # c_0 = 0
+        dc = np.zeros((hi - lo, hid), dtype=np.float64)  # reaching c_t
+        no_cell = np.zeros((hi - lo, hid), dtype=cells.dtype)  # c_0 = 0
         for t in range(steps - 1, -1, -1):
-            for n in range(lo, hi):
-                dh_row, dc_row = dh[n - lo], dc[n - lo]
-                if sequence or t == steps - 1:
-                    dy_row = dy[n, t if sequence else 0]
-                    for j in range(hid):
-                        dh_row[j] += dy_row[j]
-                gate, th = gates[t, n], tanh_c[t, n]
-                for j in range(hid):  # dc += dh o (1 - tanh(c_t)^2)
-                    o_gate = np.float64(gate[3 * hid + j])
-                    dc_row[j] += dh_row[j] * o_gate * (1.0 - np.float64(th[j]) * th[j])
-                dz_row, c_prev = dz[t, n], (cells[t - 1, n] if t > 0 else no_cell)
-                for j in range(hid):
-                    i_gate = np.float64(gate[j])
-                    f_gate = np.float64(gate[hid + j])
-                    g_gate = np.float64(gate[2 * hid + j])
-                    o_gate = np.float64(gate[3 * hid + j])
-                    dz_row[j] = dc_row[j] * g_gate * i_gate * (1.0 - i_gate)
-                    dz_row[hid + j] = dc_row[j] * c_prev[j] * f_gate * (1.0 - f_gate)
-                    dz_row[2 * hid + j] = dc_row[j] * i_gate * (1.0 - g_gate * g_gate)
-                    dz_row[3 * hid + j] = dh_row[j] * th[j] * o_gate * (1.0 - o_gate)
-                for j in range(hid):  # what reaches c_{t-1}
-                    dc_row[j] *= gate[hid + j]
+            if sequence or t == steps - 1:
+                dh += dy[lo:hi, t if sequence else 0]
+            c_prev = cells[t - 1, lo:hi] if t > 0 else no_cell
+            _backward_step(dh, dc, gates[t, lo:hi], tanh_c[t, lo:hi], c_prev, dz[t, lo:hi])
             if t > 0:
                 np.dot(dz[t, lo:hi], w_hh, dh)  # dh reaching h_{t-1}; dy[t-1] is added next step
 
