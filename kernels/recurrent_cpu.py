@@ -247,7 +247,9 @@ def lstm_backward(dy, x, weight_ih, weight_hh, gates, cells, tanh_c, hiddens, se
               _contiguous(tanh_c), _blocks(n), dz)
     dz2 = dz.reshape(steps * n, 4 * hid)
     # the weight gradients: one GEMM each over all steps' rows (step 1's h_0 = 0 left out)
-    dweight_ih = matmul(dz2.T, _time_major(x), out=np.empty((4 * hid, d), dtype=x.dtype))
+    # dW_ih as (X^T dz)^T: with D = 12 columns, (D, T*N) x (T*N, 4H) is the shape BLAS runs
+    # fastest (65 us against 120 us for dz^T X, spectral_lstm)
+    dweight_ih = matmul(_time_major(x).T, dz2, out=np.empty((d, 4 * hid), dtype=x.dtype)).T
     dweight_hh = matmul(dz2[n:].T, _contiguous(hiddens[1:steps]).reshape((steps - 1) * n, hid),
                         out=np.empty((4 * hid, hid), dtype=x.dtype))
     dbias = dz2.sum(axis=0)
