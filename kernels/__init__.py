@@ -172,7 +172,9 @@ def _batchnorm_module(x):
 
 
 def _recurrent_module(x):
-    """``recurrent_cpu`` for NumPy arrays (unless ``MPIDL_KERNELS=reference``), else the reference."""
+    """``recurrent_cpu`` for NumPy arrays (unless ``MPIDL_KERNELS=reference``), else
+    ``recurrent_reference`` (the LSTM's math and state layout; it runs on CuPy arrays too):
+    the rule of :func:`_batchnorm_module`."""
     if implementation_for(x) is reference or _on_device(x):
         from . import recurrent_reference  # noqa: PLC0415
 
@@ -368,6 +370,11 @@ def batchnorm_backward(dy, x, y, gamma, mean, var, eps, relu=False, batch_stats=
     if dy.shape != x.shape or (relu and y.shape != x.shape):
         raise ValueError(f"batchnorm_backward: dy {tuple(dy.shape)} (and y with relu) must have x's shape {tuple(x.shape)}")
     return _batchnorm_module(dy).batchnorm_backward(dy, x, y, gamma, mean, var, float(eps), bool(relu), bool(batch_stats))
+
+
+# --------------------------------------------------------------------------------------------
+# the LSTM's loop over time (recurrent_reference: the math; recurrent_cpu: Numba)
+# --------------------------------------------------------------------------------------------
 
 
 def _check_lstm(x, weight_ih, weight_hh, what: str) -> tuple[int, int, int, int]:
