@@ -217,17 +217,24 @@ def _blocks(batch: int) -> int:
     return max(1, min(numba.get_num_threads(), batch // MIN_BLOCK_ROWS))
 
 
-def _time_major(x):
+def _inputs_with_ones(x):
+    """``[x_t, 1]`` of every step, time first: ``(N, T, D) -> (T*N, D+1)``. The bias is the
+    weight of a constant input 1, so with it the input projection and the bias are one GEMM
+    forward, ``z_in = [X, 1] [W_ih, b]^T``, and their gradients one GEMM backward,
+    ``[dW_ih, db] = dz^T [X, 1]`` (no separate pass to add ``b`` or to sum ``dz``)."""
     n, steps, d = x.shape
-    return np.ascontiguousarray(x.transpose(1, 0, 2)).reshape(steps * n, d)
+    x1 = np.empty((steps, n, d + 1), dtype=x.dtype)
+    x1[:, :, :d] = x.transpose(1, 0, 2)
+    x1[:, :, d] = 1
+    return x1.reshape(steps * n, d + 1)
 
 
 def lstm_forward(x, weight_ih, weight_hh, bias):
     n, steps, d = x.shape
     hid = weight_hh.shape[1]
+    weight_and_bias = np.concatenate([weight_ih, bias[:, None]], axis=1)  # (4H, D+1)
     z_in = np.empty((steps * n, 4 * hid), dtype=x.dtype)
-    matmul(_time_major(x), weight_ih.T, out=z_in)
-    z_in += bias
+    matmul(_inputs_with_ones(x), weight_and_bias.T, out=z_in)
     z_in = z_in.reshape(steps, n, 4 * hid)
     gates = np.empty_like(z_in)
     cells = np.empty((steps, n, hid), dtype=x.dtype)
@@ -246,13 +253,13 @@ def lstm_backward(dy, x, weight_ih, weight_hh, gates, cells, tanh_c, hiddens, se
     _backward(dy3, bool(sequence), np.ascontiguousarray(weight_hh), _contiguous(gates), _contiguous(cells),
               _contiguous(tanh_c), _blocks(n), dz)
     dz2 = dz.reshape(steps * n, 4 * hid)
-    # the weight gradients: one GEMM each over all steps' rows (step 1's h_0 = 0 left out)
-    # dW_ih as (X^T dz)^T: with D = 12 columns, (D, T*N) x (T*N, 4H) is the shape BLAS runs
-    # fastest (65 us against 120 us for dz^T X, spectral_lstm)
-    dweight_ih = matmul(_time_major(x).T, dz2, out=np.empty((d, 4 * hid), dtype=x.dtype)).T
+    # the weight gradients: one GEMM each over all steps' rows. [dW_ih, db] as ([X, 1]^T dz)^T:
+    # with D+1 = 13 columns, (D+1, T*N) x (T*N, 4H) is the shape BLAS runs fastest (65 us
+    # against 120 us for dz^T X, spectral_lstm). dW_hh leaves out step 1 (h_0 = 0).
+    grad_ih = matmul(_inputs_with_ones(x).T, dz2, out=np.empty((d + 1, 4 * hid), dtype=x.dtype))
+    dweight_ih, dbias = grad_ih[:d].T, grad_ih[d]
     dweight_hh = matmul(dz2[n:].T, _contiguous(hiddens[1:steps]).reshape((steps - 1) * n, hid),
                         out=np.empty((4 * hid, hid), dtype=x.dtype))
-    dbias = dz2.sum(axis=0)
     if not input_grad:
         return None, dweight_ih, dweight_hh, dbias
     dx = matmul(dz2, weight_ih, out=np.empty((steps * n, d), dtype=x.dtype))
