@@ -390,22 +390,26 @@ def _check_lstm(x, weight_ih, weight_hh, what: str) -> tuple[int, int, int, int]
     return n, steps, d, hid
 
 
-def lstm_forward(x, weight_ih, weight_hh, bias):
+def lstm_forward(x, weight_ih, weight_hh, bias, workspaces=None):
     """``x : (N, T, D)`` -> the state ``(gates, cells, tanh_c, hiddens)`` of a one-layer LSTM
     (``bias = b_ih + b_hh``, (4H,)), time first: ``hiddens : (T+1, N, H)`` holds ``h_0 = 0``
-    and every step's hidden state. The math: :mod:`mpidl.kernels.recurrent_reference`."""
+    and every step's hidden state. The math: :mod:`mpidl.kernels.recurrent_reference`.
+
+    ``workspaces``: a dict the caller keeps, one per layer, in which the CPU kernels keep
+    their arrays from call to call; the state and the gradients returned are then views of
+    arrays the next call with the same dict overwrites."""
     _, _, _, hid = _check_lstm(x, weight_ih, weight_hh, "lstm_forward")
     _check_shape(bias, (4 * hid,), "lstm_forward: bias")
     if not (x.dtype == weight_ih.dtype == weight_hh.dtype == bias.dtype):
         raise ValueError(f"lstm_forward: x and the parameters must share a dtype; got {x.dtype}, "
                          f"{weight_ih.dtype}, {weight_hh.dtype}, {bias.dtype}")
-    return _recurrent_module(x).lstm_forward(x, weight_ih, weight_hh, bias)
+    return _recurrent_module(x).lstm_forward(x, weight_ih, weight_hh, bias, workspaces)
 
 
-def lstm_backward(dy, x, weight_ih, weight_hh, state, sequence, input_grad=True):
+def lstm_backward(dy, x, weight_ih, weight_hh, state, sequence, input_grad=True, workspaces=None):
     """``(dx, dweight_ih, dweight_hh, dbias)`` for the forward that returned ``state``; ``dy``
     is the gradient of every step's hidden state (N, T, H) when ``sequence``, else of the last
-    one (N, H); ``dx`` is None when not ``input_grad``."""
+    one (N, H); ``dx`` is None when not ``input_grad``; ``workspaces``: :func:`lstm_forward`'s."""
     n, steps, _, hid = _check_lstm(x, weight_ih, weight_hh, "lstm_backward")
     _check_shape(dy, (n, steps, hid) if sequence else (n, hid), "lstm_backward: dy")
     gates, cells, tanh_c, hiddens = state
@@ -413,4 +417,4 @@ def lstm_backward(dy, x, weight_ih, weight_hh, state, sequence, input_grad=True)
                                (tanh_c, (steps, n, hid), "tanh_c"), (hiddens, (steps + 1, n, hid), "hiddens")):
         _check_shape(array, shape, f"lstm_backward: {name}")
     return _recurrent_module(dy).lstm_backward(dy, x, weight_ih, weight_hh, gates, cells, tanh_c, hiddens,
-                                               bool(sequence), bool(input_grad))
+                                               bool(sequence), bool(input_grad), workspaces)

@@ -45,8 +45,9 @@ def _time_major(x):
     return x.transpose(1, 0, 2).reshape(steps * n, d)
 
 
-def lstm_forward(x, weight_ih, weight_hh, bias):
-    """``(gates, cells, tanh_c, hiddens)`` of the sequences ``x`` (shapes: the module docstring)."""
+def lstm_forward(x, weight_ih, weight_hh, bias, workspaces=None):
+    """``(gates, cells, tanh_c, hiddens)`` of the sequences ``x`` (shapes: the module docstring).
+    ``workspaces`` is not used: the reference allocates its arrays."""
     xp = get_array_module(x)
     n, steps, _ = x.shape
     hid = weight_hh.shape[1]
@@ -72,7 +73,8 @@ def lstm_forward(x, weight_ih, weight_hh, bias):
     return gates, cells, tanh_c, hiddens
 
 
-def lstm_backward(dy, x, weight_ih, weight_hh, gates, cells, tanh_c, hiddens, sequence: bool, input_grad: bool = True):
+def lstm_backward(dy, x, weight_ih, weight_hh, gates, cells, tanh_c, hiddens, sequence: bool, input_grad: bool = True,
+                  workspaces=None):
     """``(dx, dweight_ih, dweight_hh, dbias)`` for the forward that gave the state.
 
     ``dy`` is the gradient of every step's hidden state (N, T, H) when ``sequence``, else of

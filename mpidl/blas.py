@@ -27,7 +27,7 @@ import numpy as np
 
 from mpidl import threads as _threads
 
-__all__ = ["batched_matmul", "matmul"]
+__all__ = ["batched_matmul", "matmul", "run_shares"]
 
 _POOL: ThreadPoolExecutor | None = None
 _POOL_SIZE = 0
@@ -55,6 +55,19 @@ def _run_shares(function, shares) -> None:
     finally:
         for future in futures:
             future.result()
+
+
+def run_shares(function, shares) -> None:
+    """``function(*share)`` for every share of a caller's own split (NumPy work that releases
+    the GIL, e.g. one-thread BLAS calls): on ``T`` threads at once when ``T >= 2`` shares
+    (``T`` = :func:`mpidl.threads.gemm_threads`), else one after the other. The shares must
+    write disjoint outputs; the results do not depend on ``T``."""
+    shares = list(shares)
+    if _threads.gemm_threads() < 2 or len(shares) < 2:
+        for share in shares:
+            function(*share)
+        return
+    _run_shares(function, shares)
 
 
 def _is_device(a) -> bool:

@@ -153,3 +153,24 @@ def test_dispatcher_checks_the_arguments():
         kernels.lstm_backward(dy[:, :-1], x, weight_ih, weight_hh, state, False)
     with pytest.raises(ValueError, match="hiddens has shape"):
         kernels.lstm_backward(dy, x, weight_ih, weight_hh, (*state[:3], state[3][1:]), False)
+
+
+def test_reused_workspaces_give_the_same_results_and_keep_outputs():
+    """With a layer's workspaces the CPU kernels reuse their arrays call after call: the
+    results equal fresh arrays', and a layer output from an earlier step is not overwritten."""
+    x, weight_ih, weight_hh, bias, dy = _problem((9, 5, 3, 4), np.float32, False)
+    workspaces: dict = {}
+    fresh = recurrent_cpu.lstm_forward(x, weight_ih, weight_hh, bias)
+    for _ in range(2):
+        reused = recurrent_cpu.lstm_forward(x, weight_ih, weight_hh, bias, workspaces)
+        grads = recurrent_cpu.lstm_backward(dy, x, weight_ih, weight_hh, *reused, False, True, workspaces)
+    for got, want in zip(reused, fresh):
+        np.testing.assert_array_equal(got, want)
+    for got, want in zip(grads, recurrent_cpu.lstm_backward(dy, x, weight_ih, weight_hh, *fresh, False)):
+        np.testing.assert_array_equal(got, want)
+    layer = LSTM(3, 4)
+    bind_parameters(layer, seed=3, dtype="float32")
+    first = layer.forward(x)
+    kept = first.copy()
+    layer.forward(x[::-1].copy())
+    np.testing.assert_array_equal(first, kept)

@@ -70,22 +70,24 @@ class LSTM(Module):
         self.bias_hh = Parameter((h4,), init)
         self.compute_input_grad = True
         self._saved = None
+        self._workspaces: dict = {}  # the CPU kernels' arrays, reused step after step
 
     def forward(self, x):
         if x.ndim != 3 or x.shape[2] != self.input_size:
             raise ValueError(f"LSTM expects (N, T, {self.input_size}), got {tuple(x.shape)}")
         bias = self.bias_ih.data + self.bias_hh.data
-        state = kernels.lstm_forward(x, self.weight_ih.data, self.weight_hh.data, bias)
+        state = kernels.lstm_forward(x, self.weight_ih.data, self.weight_hh.data, bias, self._workspaces)
         self._saved = (x, state)
-        hiddens = state[3]  # (T+1, N, H), time first
-        return hiddens[1:].transpose(1, 0, 2) if self.return_sequence else hiddens[x.shape[1]]
+        hiddens = state[3]  # (T+1, N, H), time first; reused by the next forward: copied out
+        return hiddens[1:].transpose(1, 0, 2).copy() if self.return_sequence else hiddens[x.shape[1]].copy()
 
     def backward(self, dy):
         if self._saved is None:
             raise RuntimeError("LSTM.backward called before forward")
         x, state = self._saved
         dx, dw_ih, dw_hh, db = kernels.lstm_backward(
-            dy, x, self.weight_ih.data, self.weight_hh.data, state, self.return_sequence, self.compute_input_grad
+            dy, x, self.weight_ih.data, self.weight_hh.data, state, self.return_sequence, self.compute_input_grad,
+            self._workspaces,
         )
         self.weight_ih.grad[...] = dw_ih
         self.weight_hh.grad[...] = dw_hh
@@ -95,6 +97,7 @@ class LSTM(Module):
 
     def _drop_workspaces(self) -> None:
         self._saved = None
+        self._workspaces = {}
 
     def extra_repr(self) -> str:
         return f"{self.input_size}, {self.hidden_size}, return_sequence={self.return_sequence}"
