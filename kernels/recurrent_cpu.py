@@ -11,7 +11,11 @@ direction is one call that runs the whole loop over time:
   ``c`` and ``h`` and writes what backward needs;
 * backward, per step: one pass that turns ``dh, dc`` into ``dz_t`` (and the ``dc`` for step
   ``t-1``), then one GEMM ``dz_t W_hh``. The weight gradients are not accumulated per step:
-  they are one GEMM each over all ``N*T`` rows afterwards (:func:`lstm_backward`).
+  they are GEMMs over all ``N*T`` rows afterwards (:func:`_weight_gradients`).
+
+Around the loops (:func:`lstm_forward`, :func:`lstm_backward`): the input projection with the
+bias folded in is one GEMM (:func:`_inputs_with_ones`), and every array lives in the layer's
+workspaces, reused step after step (:func:`_buffer` says why that matters).
 
 The batch is split into contiguous blocks of rows, one ``prange`` iteration each: the rows of
 an LSTM never meet (each sequence has its own state), so a block runs its whole loop over time
