@@ -13,10 +13,11 @@ module          runs on                    role
 The Winograd transforms have their own three files (``winograd_reference`` / ``winograd_cpu`` /
 ``winograd_cuda``), batch normalization (+ ReLU) its own two (``batchnorm_reference``, which
 also serves CuPy arrays, and ``batchnorm_cpu``), and so do the transformer layers' GELU, layer
-normalization and softmax (``transformer_reference``, ``transformer_cpu``); all are chosen by
-the same rule. The math and the layouts are written once, in the reference files:
-:mod:`mpidl.kernels.reference`, :mod:`mpidl.kernels.winograd_reference`,
-:mod:`mpidl.kernels.batchnorm_reference` and :mod:`mpidl.kernels.transformer_reference`.
+normalization and softmax (``transformer_reference``, ``transformer_cpu``) and the LSTM's loops
+over time (``recurrent_reference``, ``recurrent_cpu``); all are chosen by the same rule. The math
+and the layouts are written once, in the reference files: :mod:`mpidl.kernels.reference`,
+:mod:`mpidl.kernels.winograd_reference`, :mod:`mpidl.kernels.batchnorm_reference`,
+:mod:`mpidl.kernels.transformer_reference` and :mod:`mpidl.kernels.recurrent_reference`.
 
 Callers go through the functions below. Each checks its arguments once, whichever
 implementation runs, and then calls the implementation picked from the array: a device array
@@ -67,6 +68,8 @@ __all__ = [
     "layernorm_backward",
     "softmax_forward",
     "softmax_backward",
+    "lstm_forward",
+    "lstm_backward",
     "implementation_for",
 ]
 
@@ -177,6 +180,21 @@ def _batchnorm_module(x):
     except ImportError:
         from . import batchnorm_reference as batchnorm_cpu  # noqa: PLC0415
     return batchnorm_cpu
+
+
+def _recurrent_module(x):
+    """``recurrent_cpu`` for NumPy arrays (unless ``MPIDL_KERNELS=reference``), else
+    ``recurrent_reference`` (the LSTM's math and state layout; it runs on CuPy arrays too):
+    the rule of :func:`_batchnorm_module`."""
+    if implementation_for(x) is reference or _on_device(x):
+        from . import recurrent_reference  # noqa: PLC0415
+
+        return recurrent_reference
+    try:
+        from . import recurrent_cpu  # noqa: PLC0415
+    except ImportError:
+        from . import recurrent_reference as recurrent_cpu  # noqa: PLC0415
+    return recurrent_cpu
 
 
 # --------------------------------------------------------------------------------------------
@@ -433,3 +451,51 @@ def softmax_backward(da, a, scale=1.0):
     """``ds = scale * a * (da - sum(da * a))`` along the last axis, ``a`` the forward's output."""
     _check_same_shape(a, "softmax_backward", da=da)
     return _transformer_module(da).softmax_backward(da, a, float(scale))
+
+
+# --------------------------------------------------------------------------------------------
+# the LSTM's loop over time (recurrent_reference: the math; recurrent_cpu: Numba)
+# --------------------------------------------------------------------------------------------
+
+
+def _check_lstm(x, weight_ih, weight_hh, what: str) -> tuple[int, int, int, int]:
+    """``(N, T, D, H)`` of an LSTM's input and weights (checked)."""
+    if x.ndim != 3 or weight_ih.ndim != 2 or weight_hh.ndim != 2:
+        raise ValueError(f"{what}: x must be (N, T, D), the weights 2-D; got {tuple(x.shape)}, "
+                         f"{tuple(weight_ih.shape)}, {tuple(weight_hh.shape)}")
+    n, steps, d = _ints(*x.shape)
+    hid = int(weight_hh.shape[1])
+    if tuple(weight_ih.shape) != (4 * hid, d) or tuple(weight_hh.shape) != (4 * hid, hid):
+        raise ValueError(f"{what}: weight_ih must be (4H, D) = {(4 * hid, d)} and weight_hh (4H, H) = "
+                         f"{(4 * hid, hid)}; got {tuple(weight_ih.shape)}, {tuple(weight_hh.shape)}")
+    return n, steps, d, hid
+
+
+def lstm_forward(x, weight_ih, weight_hh, bias, workspaces=None):
+    """``x : (N, T, D)`` -> the state ``(gates, cells, tanh_c, hiddens)`` of a one-layer LSTM
+    (``bias = b_ih + b_hh``, (4H,)), time first: ``hiddens : (T+1, N, H)`` holds ``h_0 = 0``
+    and every step's hidden state. The math: :mod:`mpidl.kernels.recurrent_reference`.
+
+    ``workspaces``: a dict the caller keeps, one per layer, in which the CPU kernels keep
+    their arrays from call to call; the state and the gradients returned are then views of
+    arrays the next call with the same dict overwrites."""
+    _, _, _, hid = _check_lstm(x, weight_ih, weight_hh, "lstm_forward")
+    _check_shape(bias, (4 * hid,), "lstm_forward: bias")
+    if not (x.dtype == weight_ih.dtype == weight_hh.dtype == bias.dtype):
+        raise ValueError(f"lstm_forward: x and the parameters must share a dtype; got {x.dtype}, "
+                         f"{weight_ih.dtype}, {weight_hh.dtype}, {bias.dtype}")
+    return _recurrent_module(x).lstm_forward(x, weight_ih, weight_hh, bias, workspaces)
+
+
+def lstm_backward(dy, x, weight_ih, weight_hh, state, sequence, input_grad=True, workspaces=None):
+    """``(dx, dweight_ih, dweight_hh, dbias)`` for the forward that returned ``state``; ``dy``
+    is the gradient of every step's hidden state (N, T, H) when ``sequence``, else of the last
+    one (N, H); ``dx`` is None when not ``input_grad``; ``workspaces``: :func:`lstm_forward`'s."""
+    n, steps, _, hid = _check_lstm(x, weight_ih, weight_hh, "lstm_backward")
+    _check_shape(dy, (n, steps, hid) if sequence else (n, hid), "lstm_backward: dy")
+    gates, cells, tanh_c, hiddens = state
+    for array, shape, name in ((gates, (steps, n, 4 * hid), "gates"), (cells, (steps, n, hid), "cells"),
+                               (tanh_c, (steps, n, hid), "tanh_c"), (hiddens, (steps + 1, n, hid), "hiddens")):
+        _check_shape(array, shape, f"lstm_backward: {name}")
+    return _recurrent_module(dy).lstm_backward(dy, x, weight_ih, weight_hh, gates, cells, tanh_c, hiddens,
+                                               bool(sequence), bool(input_grad), workspaces)

@@ -13,6 +13,7 @@ Each element of ``out`` is computed by one single-threaded BLAS call over the wh
 dimension, so the result does not depend on ``T`` beyond the blocking BLAS picks for a given
 block shape. CuPy arrays go straight to ``cupy.matmul`` (cuBLAS parallelizes on its own); so
 do products too small to be worth a thread hand-off, and everything when ``T == 1``.
+:func:`run_shares` runs a caller's own split the same way (the LSTM's weight gradients).
 
 Not re-entrant: it assumes no other Python thread calls it concurrently (mpidl does all its
 numerics on the main thread).
@@ -27,7 +28,7 @@ import numpy as np
 
 from mpidl import threads as _threads
 
-__all__ = ["batched_matmul", "matmul"]
+__all__ = ["batched_matmul", "matmul", "run_shares"]
 
 _POOL: ThreadPoolExecutor | None = None
 _POOL_SIZE = 0
@@ -55,6 +56,20 @@ def _run_shares(function, shares) -> None:
     finally:
         for future in futures:
             future.result()
+
+
+def run_shares(function, shares) -> None:
+    """``function(*share)`` for every share of a caller's own split (NumPy work that releases
+    the GIL, e.g. one-thread BLAS calls): all at once, one thread per share (the first on the
+    calling thread), when ``T >= 2`` (``T`` = :func:`mpidl.threads.gemm_threads`), else one
+    after the other. The shares must write disjoint outputs; so the results do not depend on
+    ``T``."""
+    shares = list(shares)
+    if _threads.gemm_threads() < 2 or len(shares) < 2:
+        for share in shares:
+            function(*share)
+        return
+    _run_shares(function, shares)
 
 
 def _is_device(a) -> bool:

@@ -301,7 +301,8 @@ class Model:
     ``forward`` runs in whatever mode was last set with :meth:`train` / :meth:`eval` (a new
     model is in training mode); it never switches the mode itself. ``backward`` overwrites
     ``params.grad`` with ``dL/dparams`` for the last forward, so no ``zero_grad`` is needed.
-    The first layer does not compute its input gradient (nobody needs ``dL/dx`` of the data).
+    The layers up to the first with parameters do not compute their input gradient (nobody
+    needs ``dL/dx`` of the data).
     """
 
     def __init__(self, name: str, build_args: dict, net: Module, backend: Backend, seed: int):
@@ -316,9 +317,13 @@ class Model:
         self.params = FlatParameters(net.named_parameters(), backend, seed)
         _apply_thread_policy()  # the fast path with nothing set by hand (mpidl/threads.py)
         net.to(backend)
-        first = net[0] if isinstance(net, Sequential) else None
-        if hasattr(first, "compute_input_grad"):
-            first.compute_input_grad = False
+        # Nobody needs dL/dx of the data: the layers up to the first one with parameters
+        # (spectral_lstm: CenterPixel, BandGroups, LSTM) are told not to compute it.
+        for layer in net.layers if isinstance(net, Sequential) else ():
+            if hasattr(layer, "compute_input_grad"):
+                layer.compute_input_grad = False
+            if layer.named_parameters():
+                break
 
     @property
     def training(self) -> bool:

@@ -59,3 +59,17 @@ def test_matmul_into_a_strided_view(gemm_threads):
     blas.matmul(a, b, out)
     np.testing.assert_allclose(out, a @ b, rtol=1e-5, atol=1e-4)
     assert np.isnan(storage[:, 1::2]).all()
+
+
+def test_run_shares_runs_every_share_once(gemm_threads):
+    a = np.arange(12.0).reshape(4, 3)
+    out = np.zeros((4, 4))
+    calls = []
+
+    def share(lo, hi):
+        calls.append((lo, hi))
+        np.matmul(a[lo:hi], a.T, out=out[lo:hi])
+
+    blas.run_shares(share, [(0, 1), (1, 3), (3, 4)])
+    assert sorted(calls) == [(0, 1), (1, 3), (3, 4)]
+    np.testing.assert_array_equal(out, a @ a.T)

@@ -250,3 +250,27 @@ def test_batchnorm_float32_statistics_on_a_large_mean(layer, shape):
 
     assert rel(1) < 1e-5, f"weight gradient {rel(1):.2e} off the float64 reference"
     assert rel(0) < 1e-5 and rel(2) < 1e-5 and rel(3) < 1e-6
+
+
+def test_sequential_stops_at_a_skipped_input_gradient_only_before_parameters():
+    """A layer that returns no input gradient ends backward when nothing before it has
+    parameters (hooks still run for every layer); behind a layer with parameters it is an
+    error (that layer's gradients would be stale)."""
+    from mpidl.nn import Linear, Sequential  # noqa: PLC0415
+
+    lstm = LSTM(3, 2)
+    lstm.compute_input_grad = False
+    net = Sequential(BandGroups(6, 3), lstm)
+    bind_parameters(net, seed=1)
+    hooked = []
+    net.backward_hook = hooked.append
+    net.forward(normal((4, 6), seed=2))
+    assert net.backward(normal((4, 2), seed=3)) is None
+    assert hooked == [1, 0]
+    second = LSTM(3, 2)
+    second.compute_input_grad = False
+    behind = Sequential(Linear(6, 6), BandGroups(6, 3), second)
+    bind_parameters(behind, seed=1)
+    behind.forward(normal((4, 6), seed=2))
+    with pytest.raises(RuntimeError, match="layers before it have parameters"):
+        behind.backward(normal((4, 2), seed=3))

@@ -190,3 +190,25 @@ def test_train_eval_and_buffers_round_trip():
     np.testing.assert_array_equal(fresh.forward(x), eval_logits)
     with pytest.raises(KeyError):
         fresh.load_buffers_host({})
+
+
+def test_spectral_lstm_skips_the_input_gradients_before_its_lstm():
+    """CenterPixel and BandGroups have no parameters, so the LSTM, the first layer with
+    some, computes no dx; backward stops there, and the parameter gradients are those of a
+    model that computes every input gradient."""
+    from mpidl.nn import LSTM  # noqa: PLC0415
+
+    model = build_model("spectral_lstm", num_classes=3, **TINY["spectral_lstm"])
+    lstm = next(layer for layer in model.net.layers if isinstance(layer, LSTM))
+    assert not lstm.compute_input_grad
+    x, y = batch(TINY["spectral_lstm"]["input_shape"])
+    loss_fn = SoftmaxCrossEntropy()
+    loss_fn.forward(model.forward(x), y)
+    model.backward(loss_fn.backward())
+    skipped = np.array(model.params.grad, copy=True)
+    for layer in model.net.layers:
+        if hasattr(layer, "compute_input_grad"):
+            layer.compute_input_grad = True
+    loss_fn.forward(model.forward(x), y)
+    assert model.net.backward(model.backend.asarray(loss_fn.backward())) is not None
+    np.testing.assert_allclose(skipped, model.params.grad, rtol=1e-6, atol=1e-7)

@@ -168,13 +168,21 @@ class Sequential(Module):
         return x
 
     def backward(self, dy):
+        """Back through the layers, last first. A layer may return None (it was told not to
+        compute its input gradient) only if no layer before it has parameters: those layers
+        are then skipped (their hooks still run), as nothing upstream needs a gradient."""
         for k in range(len(self.layers) - 1, -1, -1):
             dy = self.layers[k].backward(dy)
             if self.backward_hook is not None:
                 self.backward_hook(k)
             if dy is None and k > 0:
-                # The layers before it would keep stale gradients: a silent training bug.
-                raise RuntimeError(f"layer {k} returned no input gradient but is not the first layer")
+                if any(layer.named_parameters() for layer in self.layers[:k]):
+                    # The layers before it would keep stale gradients: a silent training bug.
+                    raise RuntimeError(f"layer {k} returned no input gradient but layers before it have parameters")
+                if self.backward_hook is not None:
+                    for j in range(k - 1, -1, -1):
+                        self.backward_hook(j)
+                return None
         return dy
 
 

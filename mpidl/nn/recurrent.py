@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from mpidl import kernels
 from mpidl.backend import get_array_module
 from mpidl.nn.activation import sigmoid
 from mpidl.nn.module import Module
@@ -44,8 +45,15 @@ class LSTM(Module):
     then ``dh_{t-1} = dz_t W_hh``, ``dc_{t-1} = dc * f_t``. Finally, summed over t:
     ``dW_ih = sum dz_t^T x_t``, ``dW_hh = sum dz_t^T h_{t-1}``, ``db_ih = db_hh = sum dz_t``,
     ``dx_t = dz_t W_ih``. The input projection of all steps is one GEMM (N*T, D) x (D, 4H)
-    before the loop, and its gradient one GEMM after it. Saved for backward: x, the gate
-    activations (N, T, 4H), c and tanh(c) (N, T, H) and the hidden states (N, T+1, H).
+    before the loop, and each weight gradient one GEMM over all N*T rows after it. Saved for
+    backward: x, the gate activations (T, N, 4H), c and tanh(c) (T, N, H) and the hidden
+    states (T+1, N, H), time first.
+
+    Both directions run in :func:`mpidl.kernels.lstm_forward` / :func:`~mpidl.kernels.lstm_backward`:
+    Numba kernels for NumPy arrays (one call per direction for the whole loop over time),
+    the reference (:mod:`mpidl.kernels.recurrent_reference`, the same math as array code)
+    for CuPy arrays and under ``MPIDL_KERNELS=reference``. With ``compute_input_grad = False``
+    backward skips ``dx`` (the GEMM ``dz W_ih``) and returns None.
     """
 
     def __init__(self, input_size: int, hidden_size: int, return_sequence: bool = False) -> None:
@@ -60,73 +68,36 @@ class LSTM(Module):
         self.weight_hh = Parameter((h4, self.hidden_size), init)
         self.bias_ih = Parameter((h4,), init)
         self.bias_hh = Parameter((h4,), init)
+        self.compute_input_grad = True
         self._saved = None
+        self._workspaces: dict = {}  # the CPU kernels' arrays, reused step after step
 
     def forward(self, x):
         if x.ndim != 3 or x.shape[2] != self.input_size:
             raise ValueError(f"LSTM expects (N, T, {self.input_size}), got {tuple(x.shape)}")
-        xp = get_array_module(x)
-        n, steps, _ = x.shape
-        hid = self.hidden_size
-        w_hh_t = self.weight_hh.data.T
-        # every step's input projection and both biases at once
-        z_in = (x.reshape(n * steps, -1) @ self.weight_ih.data.T).reshape(n, steps, 4 * hid)
-        z_in += self.bias_ih.data + self.bias_hh.data
-        gates = xp.empty_like(z_in)
-        cells = xp.empty((n, steps, hid), dtype=x.dtype)
-        tanh_c = xp.empty((n, steps, hid), dtype=x.dtype)
-        hiddens = xp.zeros((n, steps + 1, hid), dtype=x.dtype)  # hiddens[:, 0] = h_0 = 0
-        c = xp.zeros((n, hid), dtype=x.dtype)
-        for t in range(steps):
-            z = z_in[:, t] + hiddens[:, t] @ w_hh_t
-            gate = gates[:, t]
-            gate[:, : 2 * hid] = sigmoid(xp, z[:, : 2 * hid])  # i, f
-            gate[:, 2 * hid : 3 * hid] = xp.tanh(z[:, 2 * hid : 3 * hid])  # g
-            gate[:, 3 * hid :] = sigmoid(xp, z[:, 3 * hid :])  # o
-            c = gate[:, hid : 2 * hid] * c + gate[:, :hid] * gate[:, 2 * hid : 3 * hid]
-            cells[:, t] = c
-            tanh_c[:, t] = xp.tanh(c)
-            hiddens[:, t + 1] = gate[:, 3 * hid :] * tanh_c[:, t]
-        self._saved = (x, gates, cells, tanh_c, hiddens)
-        return hiddens[:, 1:] if self.return_sequence else hiddens[:, steps]
+        bias = self.bias_ih.data + self.bias_hh.data
+        state = kernels.lstm_forward(x, self.weight_ih.data, self.weight_hh.data, bias, self._workspaces)
+        self._saved = (x, state)
+        hiddens = state[3]  # (T+1, N, H), time first; reused by the next forward: copied out
+        return hiddens[1:].transpose(1, 0, 2).copy() if self.return_sequence else hiddens[x.shape[1]].copy()
 
     def backward(self, dy):
         if self._saved is None:
             raise RuntimeError("LSTM.backward called before forward")
-        x, gates, cells, tanh_c, hiddens = self._saved
-        xp = get_array_module(dy)
-        n, steps, _ = x.shape
-        hid = self.hidden_size
-        w_hh = self.weight_hh.data
-        dz = xp.empty_like(gates)
-        dh = xp.zeros((n, hid), dtype=dy.dtype)
-        dc = xp.zeros((n, hid), dtype=dy.dtype)
-        for t in range(steps - 1, -1, -1):
-            if self.return_sequence:
-                dh = dh + dy[:, t]
-            elif t == steps - 1:
-                dh = dh + dy
-            i, f = gates[:, t, :hid], gates[:, t, hid : 2 * hid]
-            g, o = gates[:, t, 2 * hid : 3 * hid], gates[:, t, 3 * hid :]
-            th = tanh_c[:, t]
-            dc = dc + dh * o * (1 - th * th)
-            c_prev = cells[:, t - 1] if t > 0 else xp.zeros_like(dc)
-            step = dz[:, t]
-            step[:, :hid] = dc * g * i * (1 - i)
-            step[:, hid : 2 * hid] = dc * c_prev * f * (1 - f)
-            step[:, 2 * hid : 3 * hid] = dc * i * (1 - g * g)
-            step[:, 3 * hid :] = dh * th * o * (1 - o)
-            dh = step @ w_hh
-            dc = dc * f
-        dz2 = dz.reshape(n * steps, 4 * hid)
-        xp.matmul(dz2.T, x.reshape(n * steps, -1), out=self.weight_ih.grad)
-        xp.matmul(dz2.T, hiddens[:, :steps].reshape(n * steps, hid), out=self.weight_hh.grad)
-        xp.sum(dz2, axis=0, out=self.bias_ih.grad)
-        self.bias_hh.grad[...] = self.bias_ih.grad
-        return (dz2 @ self.weight_ih.data).reshape(x.shape)
+        x, state = self._saved
+        dx, dw_ih, dw_hh, db = kernels.lstm_backward(
+            dy, x, self.weight_ih.data, self.weight_hh.data, state, self.return_sequence, self.compute_input_grad,
+            self._workspaces,
+        )
+        self.weight_ih.grad[...] = dw_ih
+        self.weight_hh.grad[...] = dw_hh
+        self.bias_ih.grad[...] = db
+        self.bias_hh.grad[...] = db
+        return dx
 
     def _drop_workspaces(self) -> None:
         self._saved = None
+        self._workspaces = {}
 
     def extra_repr(self) -> str:
         return f"{self.input_size}, {self.hidden_size}, return_sequence={self.return_sequence}"
