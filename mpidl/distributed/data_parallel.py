@@ -268,9 +268,9 @@ class DataParallel:
             #: every rank's cost model t_i(b) = a_i + c_i b (seconds), indexed by rank
             self.costs, self.noise = self._measure_costs(probe)
             self.speeds_source = "measured"
-            self.batch_sizes, self.predicted_step_s = balance.choose_split(
-                self.costs, self.batch_size, self.balance_threshold, minimum=MIN_LOCAL_BATCH,
-                noise=self.noise)
+            self.batch_sizes, self.predicted_step_s = self._split_from(self.costs, self.noise)
+            if self.batch_sizes != balance.equal_split(self.batch_size, topo.size):
+                self._confirm_uneven_split(probe)
         else:
             self.costs = balance.costs_from_speeds(given if given is not None else [1.0] * topo.size)
             self.noise = 0.0
@@ -829,6 +829,30 @@ class DataParallel:
         gathered = self.all_gather_object((own.a, own.c, spread))
         return ([balance.RankCost(a, c) for a, c, _ in gathered],
                 statistics.median(s for _, _, s in gathered))
+
+    def _split_from(self, costs, noise) -> tuple[list[int], float]:
+        """The start's split for these costs: equal unless measurably unequal."""
+        return balance.choose_split(costs, self.batch_size, self.balance_threshold,
+                                    minimum=MIN_LOCAL_BATCH, noise=noise)
+
+    def _confirm_uneven_split(self, probe) -> None:
+        """Measure once more before leaving the equal split (collective; every rank takes the
+        same branch, since the decision is computed from gathered numbers).
+
+        A rank descheduled by another process during its probe passes looks slow in all of
+        them alike, so their spread (the noise margin) does not reveal it; a rank that is
+        really slower is slower the second time too. The second measurement alone must also
+        choose an uneven split; then the split follows the two fits averaged, ``a_i`` and
+        ``c_i`` each the mean of its two values, with the larger of the two noise margins."""
+        again, noise_again = self._measure_costs(probe)
+        equal = balance.equal_split(self.batch_size, self.size)
+        if self._split_from(again, noise_again)[0] == equal:
+            self.costs, self.noise = again, noise_again
+            self.batch_sizes, self.predicted_step_s = equal, balance.step_time(again, equal)
+            return
+        self.costs = [balance.RankCost(0.5 * (x.a + y.a), 0.5 * (x.c + y.c)) for x, y in zip(self.costs, again)]
+        self.noise = max(self.noise, noise_again)
+        self.batch_sizes, self.predicted_step_s = self._split_from(self.costs, self.noise)
 
     def _sleeping_barrier(self) -> None:
         """A world barrier that sleeps while it waits: a busy-waiting MPI_Barrier would take

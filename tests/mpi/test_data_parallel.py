@@ -15,6 +15,8 @@ from mpi4py import MPI
 
 from mpidl.backend import get_backend
 from mpidl.distributed import DataParallel, NonFiniteGradient, Topology
+from mpidl.distributed.balance import equal_split
+from mpidl.distributed.data_parallel import PROBE_ROUNDS, probe_sizes
 from mpidl.models import build_model
 from mpidl.nn import SoftmaxCrossEntropy
 from mpidl.optim import SGD, Adam
@@ -321,6 +323,29 @@ def test_measured_costs_split_away_from_a_slow_rank_identically_everywhere():
     ok = sum(dp.batch_sizes) == B and dp.speeds_source == "measured"
     ok = ok and (P == 1 or dp.batch_sizes[-1] < dp.batch_sizes[0])
     assert all_agree(WORLD, ok), dp.describe_split()
+
+
+def test_a_rank_disturbed_during_the_first_probe_only_keeps_the_equal_split():
+    """The last rank is slow (8x the per-sample sleep) through the whole first measurement and
+    normal afterwards, as a rank descheduled by another job would be: the confirming second
+    measurement finds the ranks alike, so the start keeps the equal split on every rank."""
+    loss_fn = SoftmaxCrossEntropy()
+    model = tiny_model()
+    first_measurement = 1 + (PROBE_ROUNDS + 1) * len(probe_sizes(B, P))  # the warm-up call too
+    calls = [0]
+
+    def probe(n):
+        calls[0] += 1
+        x, y = DATA.read(np.resize(np.arange(DATA.num_samples), n))
+        loss_fn.forward(model.forward(x), y)
+        model.backward(loss_fn.backward())
+        disturbed = RANK == P - 1 and calls[0] <= first_measurement
+        time.sleep(SLEEP_PER_SAMPLE * n * (8 if disturbed else 1))
+
+    dp = DataParallel(model, SGD(model.params, lr=0.05), batch_size=B, speeds="auto", probe=probe)
+    measured_twice = calls[0] == 1 + 2 * (first_measurement - 1)
+    ok = dp.batch_sizes == equal_split(B, P) and (P == 1 or measured_twice)
+    assert all_agree(WORLD, ok), (calls[0], dp.describe_split())
 
 
 def test_rebalance_follows_the_measured_compute_time():
