@@ -298,17 +298,13 @@ def lstm_backward(dy, x, weight_ih, weight_hh, gates, cells, tanh_c, hiddens, se
     dtype = x.dtype
     dy3 = np.ascontiguousarray(dy).reshape(n, steps if sequence else 1, hid)
     dz = _buffer(workspaces, "dz", (steps, n, 4 * hid), dtype)
-    _backward(dy3, bool(sequence), np.ascontiguousarray(weight_hh), _contiguous(gates), _contiguous(cells),
-              _contiguous(tanh_c), _blocks(n), dz)
+    _backward(dy3, bool(sequence), np.ascontiguousarray(weight_hh), np.ascontiguousarray(gates), np.ascontiguousarray(cells),
+              np.ascontiguousarray(tanh_c), _blocks(n), dz)
     dz2 = dz.reshape(steps * n, 4 * hid)
     inputs = _inputs_with_ones(x, _buffer(workspaces, "inputs", (steps * n, d + 1), dtype))
-    hidden_prev = _contiguous(hiddens[:steps]).reshape(steps * n, hid)
+    hidden_prev = np.ascontiguousarray(hiddens[:steps]).reshape(steps * n, hid)
     dweight_ih, dbias, dweight_hh = _weight_gradients(inputs, hidden_prev, dz2, workspaces)
     if not input_grad:
         return None, dweight_ih, dweight_hh, dbias
     dx = matmul(dz2, weight_ih, out=np.empty((steps * n, d), dtype=dtype))
     return dx.reshape(steps, n, d).transpose(1, 0, 2), dweight_ih, dweight_hh, dbias
-
-
-def _contiguous(a):
-    return a if a.flags.c_contiguous else np.ascontiguousarray(a)

@@ -269,8 +269,7 @@ class DataParallel:
             self.costs, self.noise = self._measure_costs(probe)
             self.speeds_source = "measured"
             self.batch_sizes, self.predicted_step_s = self._split_from(self.costs, self.noise)
-            if self.batch_sizes != balance.equal_split(self.batch_size, topo.size):
-                self._confirm_uneven_split(probe)
+            self._confirm_uneven_split(probe)
         else:
             self.costs = balance.costs_from_speeds(given if given is not None else [1.0] * topo.size)
             self.noise = 0.0
@@ -836,16 +835,19 @@ class DataParallel:
                                     minimum=MIN_LOCAL_BATCH, noise=noise)
 
     def _confirm_uneven_split(self, probe) -> None:
-        """Measure once more before leaving the equal split (collective; every rank takes the
-        same branch, since the decision is computed from gathered numbers).
+        """When the measured split is not the equal one, measure once more before leaving the
+        equal split (collective; every rank takes the same branch, since the decision is
+        computed from gathered numbers).
 
         A rank descheduled by another process during its probe passes looks slow in all of
         them alike, so their spread (the noise margin) does not reveal it; a rank that is
         really slower is slower the second time too. The second measurement alone must also
         choose an uneven split; then the split follows the two fits averaged, ``a_i`` and
         ``c_i`` each the mean of its two values, with the larger of the two noise margins."""
-        again, noise_again = self._measure_costs(probe)
         equal = balance.equal_split(self.batch_size, self.size)
+        if self.batch_sizes == equal:
+            return
+        again, noise_again = self._measure_costs(probe)
         if self._split_from(again, noise_again)[0] == equal:
             self.costs, self.noise = again, noise_again
             self.batch_sizes, self.predicted_step_s = equal, balance.step_time(again, equal)
