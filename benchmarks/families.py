@@ -36,12 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import TrainBatch, md_table, shown  # noqa: E402
 
-#: family -> (model, optimizer, lr)
+#: family -> (model, optimizer, lr, epochs). Each family is trained to its plateau, since the
+#: claim compared is the final quality: the LSTM (Adam 1e-2; at 1e-3 it is at 61 % flat after 3
+#: epochs) gains 0.7 points from 3 to 6 epochs flat and stays near 85 % after.
 FAMILIES = {
-    "CNN": ("hsicnn", "sgd", 0.02),
-    # at 1e-3 the LSTM is still far from its plateau after 3 epochs (61 % flat): 1e-2 reaches it
-    "LSTM": ("spectral_lstm", "adam", 1e-2),
-    "ViT": ("vit", "adam", 1e-3),
+    "CNN": ("hsicnn", "sgd", 0.02, 3),
+    "LSTM": ("spectral_lstm", "adam", 1e-2, 6),
+    "ViT": ("vit", "adam", 1e-3, 3),
 }
 #: learning rate of each optimizer on hsicnn, global batch 32 (each rule's usual scale)
 OPTIMIZER_LR = {"sgd": 0.02, "adam": 1e-3, "adamw": 1e-3, "rmsprop": 1e-3, "adagrad": 1e-2,
@@ -54,7 +55,9 @@ def plan(quick: bool) -> dict:
     if quick:
         return {"seeds": (0,), "epochs": 1, "max_steps": 3, "gan_epochs": 1, "gan_batch": 512,
                 "families": ("CNN",), "timeout": 300}
-    return {"seeds": (0, 1, 2), "epochs": 3, "max_steps": None, "gan_epochs": 20, "gan_batch": 64,
+    # The GAN: after 20 epochs its generated spectra are still near chance (30 % seed 0, flat);
+    # after 60-150 they are 75-90 %, oscillating as GANs do, so 100 epochs and the seed spread.
+    return {"seeds": (0, 1, 2), "epochs": 3, "max_steps": None, "gan_epochs": 100, "gan_batch": 64,
             "families": tuple(FAMILIES), "timeout": 3000}
 
 
@@ -81,8 +84,9 @@ def epoch_time(result) -> float | None:
     return statistics.mean(e["time_s"] for e in epochs)
 
 
-def classifier_argv(model, optimizer, lr, seed, p) -> list:
-    argv = ["--model", model, "--optimizer", optimizer, "--lr", lr, "--epochs", p["epochs"],
+def classifier_argv(model, optimizer, lr, seed, p, epochs=None) -> list:
+    epochs = p["epochs"] if p["max_steps"] or epochs is None else epochs
+    argv = ["--model", model, "--optimizer", optimizer, "--lr", lr, "--epochs", epochs,
             "--batch-size", 32, "--seed", seed, "--balance", "none", "--emulate-link", LINK]
     return argv + (["--max-steps", p["max_steps"]] if p["max_steps"] else [])
 
@@ -165,17 +169,17 @@ def main(argv=None) -> int:
         for strategy, options in STRATEGIES.items():
             tag = "flat" if strategy == "flat" else "node"
             for family in families:
-                model, optimizer, lr = FAMILIES[family]
-                if model == "hsicnn" and optimizer in OPTIMIZERS:
+                model, optimizer, lr, epochs = FAMILIES[family]
+                if model == "hsicnn" and optimizer in OPTIMIZERS and epochs == p["epochs"]:
                     continue  # the same runs as the optimizer table's row
                 name = f"{model}_{optimizer}_{tag}_s{seed}"
-                cls.add(name, classifier_argv(model, optimizer, lr, seed, p) + options)
+                cls.add(name, classifier_argv(model, optimizer, lr, seed, p, epochs) + options)
                 runs.setdefault(("family", family, strategy), []).append(name)
             for optimizer in OPTIMIZERS if not args.only else ():
                 name = f"hsicnn_{optimizer}_{tag}_s{seed}"
                 cls.add(name, classifier_argv("hsicnn", optimizer, OPTIMIZER_LR.get(optimizer, 1e-3), seed, p) + options)
                 runs.setdefault(("optimizer", optimizer, strategy), []).append(name)
-                if optimizer == FAMILIES["CNN"][1]:
+                if optimizer == FAMILIES["CNN"][1] and FAMILIES["CNN"][3] == p["epochs"]:
                     runs.setdefault(("family", "CNN", strategy), []).append(name)
             if args.only:
                 continue
@@ -242,6 +246,8 @@ def main(argv=None) -> int:
         gan_argv[gan_argv.index("--metrics") + 1] = "gan.jsonl"
         commands.append(shown(common.mpiexec(4, [common.PYTHON, "-m", "mpidl.gan", *gan_argv], True)))
     seeds = len(p["seeds"])
+    longer = [f"{f} {FAMILIES[f][3]}" for f in families if FAMILIES[f][3] != p["epochs"] and not p["max_steps"]]
+    longer = f" ({', '.join(longer)}: trained to its plateau)" if longer else ""
     body = [
         "## Set-up", "",
         f"- 4 ranks on 2 EMULATED nodes x 2 ranks (MPICH `-hosts localhost,127.0.0.1 -ppn 2`); every "
@@ -249,7 +255,7 @@ def main(argv=None) -> int:
         f"{LINK.split(',')[1]} Gbit/s link (`--emulate-link {LINK}`).",
         "- The built-in synthetic scene (2048 train / 2048 test 7x7 patches of 32 bands, 4 classes); the GAN "
         "uses its centre-pixel spectra (patch 1).",
-        f"- Classifiers: {p['epochs']} epoch(s), global batch 32 (64 steps per epoch, so node K'=50 "
+        f"- Classifiers: {p['epochs']} epoch(s){longer}, global batch 32 (64 steps per epoch, so node K'=50 "
         f"syncs about once per epoch), cosine schedule, weight decay 5e-4, `--balance none`; "
         f"GAN: {p['gan_epochs']} epoch(s), global batch {p['gan_batch']}, Adam lr 1e-3 betas (0.5, 0.999).",
         f"- {seeds} seed(s) (initial weights and batch order); mean ± std over the seeds; epoch time "
