@@ -199,3 +199,38 @@ def test_every_model_has_a_torch_twin_that_computes_its_logits():
         expected = model.forward(x)
         got = net(torch.from_numpy(x)).detach().numpy()
         np.testing.assert_allclose(got, expected, rtol=1e-3, atol=1e-4, err_msg=name)
+
+
+def test_plan_quick_validates_every_strategy_and_tabulates_the_scale(tmp_path):
+    # One EMULATED link: flat, hierarchical and one node K', each predicted from its own
+    # strategy's link-free calibration run; then the at-scale tables of both models.
+    out = tmp_path / "plan_quick.md"
+    _run([sys.executable, str(BENCH / "plan.py"), "--quick", "--out", str(out)], timeout=600)
+    text = out.read_text()
+    calibration = _table_rows(text, "| calibration group")
+    assert [r.split("|")[2].strip() for r in calibration] == ["flat", "hierarchical", "node K'=32"]
+    rows = _table_rows(text, "| strategy | EMULATED link")
+    assert [r.split("|")[1].strip() for r in rows] == ["flat", "hierarchical", "node K'=8"]
+    for row in rows:
+        predicted, error = float(row.split("|")[4]), row.split("|")[6].strip()
+        assert predicted > 0 and error.endswith("%"), row
+    assert "Largest error" in text and "### resnet8" in text and "**Goal: node K'=50 at 128 nodes" in text
+
+
+def test_the_fitted_intra_latency_reproduces_the_calibration_run():
+    # The fit inverts the model: predicting the calibration run back with its fitted latency
+    # gives the communication per step it was fitted to.
+    sys.path.insert(0, str(BENCH))
+    try:
+        import plan as bench_plan
+    finally:
+        sys.path.remove(str(BENCH))
+    from mpidl.plan import Link, Scenario, predict
+
+    for strategy, k in (("flat", None), ("hierarchical", None), ("node", 32)):
+        rest = 2.0e-3
+        alpha = bench_plan.fit_intra_latency(strategy, k, 6e-3, rest, 129796, 32, 1)
+        sc = Scenario(6e-3, 129796, 2, 2, Link(alpha * 1e6, bench_plan.INTRA_GBIT), bench_plan.NO_LINK,
+                      steps=32, algorithm="ring", emulated=True, epoch=1)
+        assert predict(sc, strategy, k).comm_step_s == pytest.approx(rest, rel=1e-9), strategy
+        assert alpha > 0
