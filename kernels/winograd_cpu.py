@@ -92,10 +92,10 @@ def _winograd_input_kernel(x, bt, m, pad, tiles_h, tiles_w, v):
     height, width = tiles_h * m + alpha - m, (tiles_w * m + alpha - m) * n_size
     for c in prange(c_size):
         plane = np.zeros((height, width), x.dtype)  # x_pad[:, c] as (H, W*N)
-        for h in range(h_size):
-            row = plane[_u(h + pad)]
-            for w in range(w_size):
-                for n in range(n_size):
+        for n in range(n_size):  # reads along x's rows; the strided writes stay in the cached plane
+            for h in range(h_size):
+                row = plane[_u(h + pad)]
+                for w in range(w_size):
                     row[_u((w + pad) * n_size + n)] = x[_u(n), _u(c), _u(h), _u(w)]
         rows = np.empty((tiles_h * alpha, width), x.dtype)  # B^T along H, row th*alpha + a
         for th in range(tiles_h):
@@ -206,10 +206,10 @@ def _winograd_output_adjoint_kernel(dy, at_t, m, tiles_h, tiles_w, dm):
     width = tiles_w * m * n_size
     for f in prange(f_size):
         plane = np.zeros((tiles_h * m, width), dy.dtype)
-        for oh in range(out_h):
-            row = plane[_u(oh)]
-            for ow in range(out_w):
-                for n in range(n_size):
+        for n in range(n_size):  # reads along dy's rows (as the input transform)
+            for oh in range(out_h):
+                row = plane[_u(oh)]
+                for ow in range(out_w):
                     row[_u(ow * n_size + n)] = dy[_u(n), _u(f), _u(oh), _u(ow)]
         rows = np.empty((tiles_h * alpha, width), dy.dtype)  # A along H, row th*alpha + a
         for th in range(tiles_h):
