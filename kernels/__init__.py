@@ -62,6 +62,7 @@ __all__ = [
     "winograd_output_adjoint",
     "batchnorm_forward",
     "batchnorm_backward",
+    "all_finite",
     "gelu_forward",
     "gelu_backward",
     "layernorm_forward",
@@ -386,6 +387,14 @@ def batchnorm_backward(dy, x, y, gamma, mean, var, eps, relu=False, batch_stats=
 # --------------------------------------------------------------------------------------------
 # the transformer layers' element-wise and row-wise kernels: GELU, layer norm, softmax
 # --------------------------------------------------------------------------------------------
+
+
+def all_finite(x) -> bool:
+    """True iff no element of ``x`` (an array of any shape) is NaN or +-inf: the gradient
+    check of every distributed step, one read of the buffer on the CPU. Device arrays go to
+    the reference (CuPy's own ``isfinite``)."""
+    module = implementation_for(x)
+    return (getattr(module, "all_finite", None) or reference.all_finite)(x)
 
 
 def _transformer_module(x):

@@ -64,6 +64,7 @@ __all__ = [
     "maxpool2d_backward",
     "avgpool2d_forward",
     "avgpool2d_backward",
+    "all_finite",
 ]
 
 _COMPILED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -370,3 +371,27 @@ def avgpool2d_backward(dy, x_shape, k: int, stride: int, pad: int = 0):
     dx = np.empty((n, c, h, w), dtype=dy.dtype)
     _avgpool_backward_kernel(_as_compiled(dy), k, stride, pad, _window_size(k, dy.dtype), dx)
     return dx
+
+
+# --------------------------------------------------------------------------------------------
+# finiteness of a gradient buffer
+# --------------------------------------------------------------------------------------------
+
+
+@njit(parallel=True, cache=True, fastmath={"reassoc"})
+def _nonfinite_sum(x):
+    # x - x is 0 for a finite value and NaN for NaN or +-inf, so the sum is 0 iff all are
+    # finite: one read of x, vectorized (reassoc only: NaN and inf keep their semantics),
+    # where the float64 sum of a float32 buffer this replaces ran at a fifth of that speed.
+    total = 0.0
+    for i in prange(x.size):
+        total += x[i] - x[i]
+    return total
+
+
+def all_finite(x) -> bool:
+    """:func:`mpidl.kernels.reference.all_finite`: one parallel pass over a contiguous
+    float32/float64 array (the reference for anything else)."""
+    if x.dtype not in _COMPILED_DTYPES or not x.flags.c_contiguous:
+        return reference.all_finite(x)
+    return bool(_nonfinite_sum(x.reshape(-1)) == 0.0)

@@ -305,3 +305,8 @@ def avgpool2d_backward(dy, x_shape, k: int, stride: int, pad: int = 0):
         for j in range(k):
             dx_padded[_window_slice(i, j, stride, oh, ow)] += share
     return xp.ascontiguousarray(dx_padded[:, :, pad : pad + h, pad : pad + w])
+
+
+def all_finite(x) -> bool:
+    """True iff no element of ``x`` (any shape) is NaN or +-inf."""
+    return bool(get_array_module(x).isfinite(x).all())

@@ -271,3 +271,30 @@ def test_a_bad_call_is_refused_with_one_message_by_every_backend(call, monkeypat
             call()
         messages[backend] = str(refused.value)
     assert messages["reference"] == messages["cpu"]
+
+
+# ---------------------------------------------------------------------------- all_finite
+
+
+@pytest.mark.parametrize("dtype", (np.float16, np.float32, np.float64))
+@pytest.mark.parametrize("bad", (None, np.nan, np.inf, -np.inf))
+@pytest.mark.parametrize("where", (0, 4099, -1))
+def test_all_finite_finds_one_nonfinite_element_anywhere(dtype, bad, where):
+    # float16 goes to the reference; the large finite values must not overflow a sum.
+    x = np.full(10_000, np.finfo(dtype).max, dtype)
+    x[1::2] = -1.5
+    if bad is not None:
+        x[where] = bad
+    expected = bad is None
+    assert cpu.all_finite(x) is expected
+    assert reference.all_finite(x) is expected
+    assert kernels.all_finite(x) is expected
+
+
+def test_all_finite_takes_any_shape_and_layout():
+    x = np.ones((4, 5, 6), np.float32)
+    assert kernels.all_finite(x) and kernels.all_finite(x[:, ::2]) and kernels.all_finite(x[:0])
+    x[3, 1, 4] = np.nan
+    assert not kernels.all_finite(x)
+    assert not kernels.all_finite(x[:, 1:2].transpose(2, 0, 1))  # non-contiguous: the reference
+    assert kernels.all_finite(x[:3])

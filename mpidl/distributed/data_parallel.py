@@ -48,6 +48,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from mpidl import kernels
 from mpidl.backend import get_array_module, to_host
 from mpidl.distributed import balance
 from mpidl.distributed.compress import COMPRESSIONS, Compressor
@@ -428,8 +429,10 @@ class DataParallel:
         message[NONFINITE] = 0.0
         self.reducer.reduce_gradients(message, count)
         xp = get_array_module(message)
-        # One float64 sum instead of an elementwise test: NaN or Inf anywhere makes it
-        # non-finite, with no parameter-sized temporary; one device read for the slots too.
+        if xp is np:
+            return kernels.all_finite(self.params.grad), float(message[STOP])
+        # On a device: one float64 sum instead of an elementwise test (NaN or Inf anywhere
+        # makes it non-finite, no parameter-sized temporary) and one device read for both.
         checks = to_host(xp.stack([self.params.grad.sum(dtype=np.float64),
                                    message[STOP].astype(np.float64)]))
         return bool(np.isfinite(checks[0])), float(checks[1])
@@ -456,7 +459,7 @@ class DataParallel:
         if total == 0:
             raise ValueError("no rank computed a sample this step (every count was 0)")
         message = self.params.message
-        return bool(np.isfinite(self.params.grad.sum(dtype=np.float64))), float(message[STOP])
+        return kernels.all_finite(self.params.grad), float(message[STOP])
 
     def _reduce_shared(self, count) -> tuple[bool, float]:
         """intra='shm': the weighted sum in the node's window (over the world for the exact

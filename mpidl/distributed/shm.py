@@ -80,6 +80,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from mpidl import kernels
 from mpidl.distributed.reducer_base import COUNT, NONFINITE, SLOTS, STOP
 
 __all__ = ["SharedNode", "check_shared_supported"]
@@ -203,7 +204,7 @@ class SharedNode:
         own[STOP] = stop
         # One node: each rank checks its own gradient, so that every decision is known after
         # the first barrier (a sum of finite gradients that overflows is not caught).
-        own[NONFINITE] = 0.0 if inter or np.isfinite(own[:COUNT].sum(dtype=np.float64)) else 1.0
+        own[NONFINITE] = 0.0 if inter or kernels.all_finite(own[:COUNT]) else 1.0
         self.barrier()  # 1: every slot written
         lo, hi = self.lo, self.hi
         acc = self.slots[0, lo:hi]
@@ -214,7 +215,7 @@ class SharedNode:
             if total > 0 and not alone:
                 acc /= total
             return total, stop_sum, nonfinite
-        self.flags[self.local_rank] = 0.0 if np.isfinite(acc.sum(dtype=np.float64)) else 1.0
+        self.flags[self.local_rank] = 0.0 if kernels.all_finite(acc) else 1.0
         if self.local_rank == 0:
             self.slots[0, COUNT:] = self.slots[:, COUNT:].sum(axis=0)
         self.barrier()  # 2: the node sum is complete
