@@ -33,7 +33,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="2 rounds of 2 steps (CI); numbers mean nothing")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
-    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--rounds", type=int, default=40, help="rounds per contender (default 40: the exposed time is a few ms against a compute jitter of the same size)")
     p.add_argument("--steps", type=int, default=10, help="steps per round and contender")
     p.add_argument("--local-batch", type=int, default=4)
     p.add_argument("--size", type=int, default=16, help="input height = width")
