@@ -14,7 +14,9 @@ The Winograd transforms have their own three files (``winograd_reference`` / ``w
 ``winograd_cuda``), batch normalization (+ ReLU) its own two (``batchnorm_reference``, which
 also serves CuPy arrays, and ``batchnorm_cpu``), and so do the transformer layers' GELU, layer
 normalization and softmax (``transformer_reference``, ``transformer_cpu``) and the LSTM's loops
-over time (``recurrent_reference``, ``recurrent_cpu``); all are chosen by the same rule. The math
+over time (``recurrent_reference``, ``recurrent_cpu``); all are chosen by the same rule. The
+finiteness check of a gradient buffer (``all_finite``) is in ``reference`` and ``cpu`` (device
+arrays take the reference). The math
 and the layouts are written once, in the reference files: :mod:`mpidl.kernels.reference`,
 :mod:`mpidl.kernels.winograd_reference`, :mod:`mpidl.kernels.batchnorm_reference`,
 :mod:`mpidl.kernels.transformer_reference` and :mod:`mpidl.kernels.recurrent_reference`.
