@@ -460,26 +460,33 @@ def hdp_small_worlds(ctx: Context) -> tuple[dict, list[str]]:
     # ---- 4 identical ranks, many starts
     homo = ctx.batch("hdp_homogeneous", ds)
     starts = 2 if ctx.args.quick else HOMOGENEOUS_STARTS
+    # Each start: --speeds auto, --balance none, and --balance none again (the control: two
+    # runs of one configuration, whose ratio is this machine's own spread).
     for k in range(starts):
-        for cfg in ("auto", "none"):
-            argv = ds.argv + ["--epochs", 2 if not ctx.args.quick else 1, "--batch-size", 64, "--lr", ds.lr,
+        for cfg, tag in (("auto", "auto"), ("none", "none"), ("none", "control")):
+            argv = ds.argv + ["--epochs", 3 if not ctx.args.quick else 1, "--batch-size", 64, "--lr", ds.lr,
                               "--seed", 0, *HDP_CONFIGS[cfg][0]]
             if plan.hdp_max_steps:
                 argv += ["--max-steps", plan.hdp_max_steps]
-            homo.add(f"homo_{cfg}_{k}", argv)
+            homo.add(f"homo_{tag}_{k}", argv)
     runs = homo.launch(plan.timeout)
-    equal, paired, splits = 0, [], []
+    equal, paired, control, splits = 0, [], [], []
+
+    def epoch_median(run):
+        return statistics.median(e["time_s"] for e in timed_epochs(run[1]))
+
     for k in range(starts):
-        a, n = runs.get(f"homo_auto_{k}"), runs.get(f"homo_none_{k}")
+        a, n, c = (runs.get(f"homo_{tag}_{k}") for tag in ("auto", "none", "control"))
         if a is None or n is None:
             continue
         split = a[1][-1]["batch_sizes"]
         splits.append(split)
         equal += max(split) - min(split) <= 1
-        ta = statistics.median(e["time_s"] for e in timed_epochs(a[1]))
-        tn = statistics.median(e["time_s"] for e in timed_epochs(n[1]))
-        paired.append(ta / tn)
-    out["homogeneous"] = {"starts": len(splits), "equal": equal, "splits": splits, "time_vs_none": paired}
+        paired.append(epoch_median(a) / epoch_median(n))
+        if c is not None:
+            control.append(epoch_median(c) / epoch_median(n))
+    out["homogeneous"] = {"starts": len(splits), "equal": equal, "splits": splits, "time_vs_none": paired,
+                          "control_vs_none": control}
     body = ["## Two more setups (synthetic scene)", "",
             md_table(["setup", "slowdown (EMULATED)", "split", "batch sizes (last run)", "epoch / ideal",
                       "epochs"], rows), "",
@@ -489,8 +496,11 @@ def hdp_small_worlds(ctx: Context) -> tuple[dict, list[str]]:
             f"**4 identical ranks** (no emulation), {len(splits)} starts of `--speeds auto`, each next "
             "to a run with `--balance none`: the split stayed equal (within one sample) in "
             f"**{equal} of {len(splits)}** starts; epoch time with `--speeds auto` / with `--balance none`, "
-            f"paired by start: {med_spread(paired, 1, 3)} (max {max(paired) if paired else float('nan'):.3f}). "
-            f"Splits: {', '.join(str(s) for s in splits)}.", "",
+            f"paired by start (median of each run's timed epochs): {med_spread(paired, 1, 3)} (max "
+            f"{max(paired) if paired else float('nan'):.3f}); the control, a second `--balance none` run "
+            f"of the same start against the first: {med_spread(control, 1, 3)} (max "
+            f"{max(control) if control else float('nan'):.3f}), the spread this machine gives two runs of one "
+            f"configuration. Splits: {', '.join(str(s) for s in splits)}.", "",
             f"Command: `{homo.train_command(f'homo_auto_0')}` (and the same with `--balance none`).", ""]
     return out, body
 

@@ -69,9 +69,13 @@ INTRA = ("mpi", "shm")
 PROBE_ROUNDS = 7
 #: default minimum predicted gain (a fraction of the step) for an uneven split or a re-split
 BALANCE_THRESHOLD = 0.05
-#: samples every rank computes at least in a full global batch: a rank that computes keeps
-#: being measured (a last, smaller batch may still give a rank none)
-MIN_LOCAL_BATCH = 1
+#: samples every rank computes at least in a full global batch. 0: the split is the min-max
+#: optimum, which gives a rank none when its fixed cost ``a_i`` alone exceeds the others' step
+#: (EMULATED 1,1,2,4 x3 on 2 cores: the x12 rank's one sample made it the slowest; epoch / ideal
+#: 1.51-1.85 with 0 against 1.79-2.17 with 1 in four pairs). Such a rank still takes
+#: part in every exchange (weight 0) and keeps its fitted model, so a re-fit cannot bring it
+#: back unless the others slow down; a re-probe (a new start) can.
+MIN_LOCAL_BATCH = 0
 #: steps whose compute times a re-fit may use (a bound on memory, not a tuning knob)
 RECENT_STEPS = 1024
 
