@@ -15,8 +15,9 @@ The Winograd transforms have their own three files (``winograd_reference`` / ``w
 also serves CuPy arrays, and ``batchnorm_cpu``), and so do the transformer layers' GELU, layer
 normalization and softmax (``transformer_reference``, ``transformer_cpu``) and the LSTM's loops
 over time (``recurrent_reference``, ``recurrent_cpu``); all are chosen by the same rule. The
-finiteness check of a gradient buffer (``all_finite``) is in ``reference`` and ``cpu`` (device
-arrays take the reference). The math
+finiteness check of a gradient buffer (``all_finite``) and the element-wise passes of a residual
+block (``add_relu``, ``relu_backward``, ``add``) are in ``reference`` and ``cpu`` (device arrays
+take the reference). The math
 and the layouts are written once, in the reference files: :mod:`mpidl.kernels.reference`,
 :mod:`mpidl.kernels.winograd_reference`, :mod:`mpidl.kernels.batchnorm_reference`,
 :mod:`mpidl.kernels.transformer_reference` and :mod:`mpidl.kernels.recurrent_reference`.
@@ -65,6 +66,9 @@ __all__ = [
     "batchnorm_forward",
     "batchnorm_backward",
     "all_finite",
+    "add_relu",
+    "relu_backward",
+    "add",
     "gelu_forward",
     "gelu_backward",
     "layernorm_forward",
@@ -391,12 +395,43 @@ def batchnorm_backward(dy, x, y, gamma, mean, var, eps, relu=False, batch_stats=
 # --------------------------------------------------------------------------------------------
 
 
+def _same_shape_and_dtype(what: str, a, b) -> None:
+    if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
+        raise ValueError(f"{what}: the arrays must have one shape and dtype, got {tuple(a.shape)} "
+                         f"{a.dtype} and {tuple(b.shape)} {b.dtype}")
+
+
+def _elementwise(x, name: str):
+    """``name`` of the implementation picked for ``x``, or of the reference where that
+    implementation has none (``cuda``: CuPy runs the reference's array code on the device)."""
+    module = implementation_for(x)
+    return getattr(module, name, None) or getattr(reference, name)
+
+
 def all_finite(x) -> bool:
     """True iff no element of ``x`` (an array of any shape) is NaN or +-inf: the gradient
     check of every distributed step, one read of the buffer on the CPU. Device arrays go to
     the reference (CuPy's own ``isfinite``)."""
-    module = implementation_for(x)
-    return (getattr(module, "all_finite", None) or reference.all_finite)(x)
+    return _elementwise(x, "all_finite")(x)
+
+
+def add_relu(a, b):
+    """``relu(a + b)`` (a residual sum and the ReLU after it), ``a, b`` of one shape and dtype;
+    the math: :func:`mpidl.kernels.reference.add_relu`."""
+    _same_shape_and_dtype("add_relu", a, b)
+    return _elementwise(a, "add_relu")(a, b)
+
+
+def relu_backward(dy, y):
+    """``dy * [y > 0]`` for the output ``y`` of :func:`add_relu` (or of any ReLU)."""
+    _same_shape_and_dtype("relu_backward", dy, y)
+    return _elementwise(dy, "relu_backward")(dy, y)
+
+
+def add(a, b):
+    """``a + b`` as a new array, ``a, b`` of one shape and dtype (parallel on the CPU)."""
+    _same_shape_and_dtype("add", a, b)
+    return _elementwise(a, "add")(a, b)
 
 
 def _transformer_module(x):

@@ -57,7 +57,7 @@ from mpidl.nn import (
     Tokenwise,
     TransformerEncoderBlock,
 )
-from mpidl.nn.fused import fuse_batchnorm_relu
+from mpidl.nn.fused import fuse_batchnorm_relu, fuse_residual_relu
 from mpidl.params import FlatParameters
 from mpidl.threads import apply as _apply_thread_policy
 
@@ -312,8 +312,10 @@ class Model:
         self.backend = backend
         self.input_shape = tuple(build_args["input_shape"])
         self.num_classes = int(build_args["num_classes"])
-        # Batch norm + ReLU as one kernel pair (mpidl/nn/fused.py): same names, same results.
+        # Batch norm + ReLU, and a residual sum + ReLU, as one kernel pair each
+        # (mpidl/nn/fused.py): same names, same results.
         fuse_batchnorm_relu(net)
+        fuse_residual_relu(net)
         self.params = FlatParameters(net.named_parameters(), backend, seed)
         _apply_thread_policy()  # the fast path with nothing set by hand (mpidl/threads.py)
         net.to(backend)

@@ -144,6 +144,7 @@ class Trainer:
             model, self.optimizer, batch_size=cfg.batch_size, topology=topology,
             strategy=cfg.strategy, sync_every=cfg.sync_every, weighting=cfg.weighting,
             speeds=speeds, probe=self._probe, balance_threshold=cfg.balance_threshold,
+            min_local_batch=0,  # compute() handles an empty share: the split is the min-max optimum
             rebalance_every=cfg.rebalance_every if cfg.rebalance else None,
             sync_optimizer_state=cfg.sync_optimizer_state,
             on_nan=cfg.on_nan, check_replicas=cfg.check_replicas,

@@ -69,13 +69,9 @@ INTRA = ("mpi", "shm")
 PROBE_ROUNDS = 7
 #: default minimum predicted gain (a fraction of the step) for an uneven split or a re-split
 BALANCE_THRESHOLD = 0.05
-#: samples every rank computes at least in a full global batch. 0: the split is the min-max
-#: optimum, which gives a rank none when its fixed cost ``a_i`` alone exceeds the others' step
-#: (EMULATED 1,1,2,4 x3 on 2 cores: the x12 rank's one sample made it the slowest; epoch / ideal
-#: 1.51-1.85 with 0 against 1.79-2.17 with 1 in four pairs). Such a rank still takes
-#: part in every exchange (weight 0) and keeps its fitted model, so a re-fit cannot bring it
-#: back unless the others slow down; a re-probe (a new start) can.
-MIN_LOCAL_BATCH = 0
+#: default samples every rank computes at least in a full global batch (``min_local_batch``):
+#: a loop written for DataParallel never sees an empty local batch of a full global batch
+MIN_LOCAL_BATCH = 1
 #: steps whose compute times a re-fit may use (a bound on memory, not a tuning knob)
 RECENT_STEPS = 1024
 
@@ -120,6 +116,15 @@ class DataParallel:
     balance_threshold : float in [0, 1)
         The predicted gain (a fraction of the step time) an uneven split must bring over the
         equal one, and a re-split over the current one (hysteresis).
+    min_local_batch : int >= 0
+        Samples every rank gets at least of a full global batch (default 1). 0 lets the split
+        be the cost model's min-max optimum, which leaves out a rank whose fixed cost alone
+        exceeds the others' step (EMULATED 1,1,2,4 x3 on 2 cores: the x12 rank's one sample
+        made it the slowest of every step; epoch / ideal 1.51-1.85 with 0 against 1.79-2.17
+        with 1 in four pairs). Such a rank still takes part in every exchange (weight 0) and
+        keeps its fitted model, so a re-fit cannot bring it back unless the others slow down.
+        The loop must then handle an empty local batch (zero gradient, then :meth:`step`), as
+        ``python -m mpidl.train`` does.
     rebalance_every : int, optional
         Re-fit every rank's cost model from its own last ``rebalance_every`` steps (their
         compute times and batch sizes) and re-split when the gain passes the threshold; a
@@ -167,7 +172,8 @@ class DataParallel:
     def __init__(self, model, optimizer, *, batch_size: int, topology: Topology | None = None,
                  strategy: str = "flat", sync_every: int = 50, weighting: str = "balanced",
                  speeds: str | Sequence[float] = "equal", probe: Callable[[int], None] | None = None,
-                 balance_threshold: float = BALANCE_THRESHOLD, rebalance_every: int | None = None,
+                 balance_threshold: float = BALANCE_THRESHOLD, min_local_batch: int = MIN_LOCAL_BATCH,
+                 rebalance_every: int | None = None,
                  sync_optimizer_state: bool = False, on_nan: str = "stop",
                  check_replicas: bool = False, emulate_slowdown: float | Sequence[float] = 1.0,
                  emulate_link: LinkModel | str | None = None, intra: str = "mpi",
@@ -199,6 +205,8 @@ class DataParallel:
         if isinstance(balance_threshold, bool) or not isinstance(balance_threshold, Real) \
                 or not 0 <= balance_threshold < 1:
             raise ValueError(f"balance_threshold must be a number in [0, 1), got {balance_threshold!r}")
+        if isinstance(min_local_batch, bool) or not isinstance(min_local_batch, Integral) or min_local_batch < 0:
+            raise ValueError(f"min_local_batch must be an integer >= 0, got {min_local_batch!r}")
         if rebalance_every is not None and (isinstance(rebalance_every, bool) or not isinstance(
                 rebalance_every, Integral) or rebalance_every < 1):
             raise ValueError(f"rebalance_every must be an integer >= 1 or None, got {rebalance_every!r}")
@@ -233,6 +241,7 @@ class DataParallel:
         self.optimizer = optimizer
         self.batch_size = int(batch_size)
         self.balance_threshold = float(balance_threshold)
+        self.min_local_batch = int(min_local_batch)
         self.rebalance_every = rebalance_every
         self.on_nan = on_nan
         self.sync_optimizer_state = bool(sync_optimizer_state)
@@ -244,6 +253,9 @@ class DataParallel:
         if self.batch_size < topo.size:
             raise ValueError(f"batch_size {self.batch_size} is smaller than the number of ranks "
                              f"{topo.size}: every rank needs at least one sample of each global batch")
+        if self.min_local_batch * topo.size > self.batch_size:
+            raise ValueError(f"min_local_batch {self.min_local_batch} x {topo.size} ranks is more than "
+                             f"batch_size {self.batch_size}")
         factors = [emulate_slowdown] * topo.size if isinstance(emulate_slowdown, Real) else list(emulate_slowdown)
         if len(factors) != topo.size:
             raise ValueError(f"emulate_slowdown has {len(factors)} factors for {topo.size} ranks")
@@ -279,7 +291,7 @@ class DataParallel:
             self.costs = balance.costs_from_speeds(given if given is not None else [1.0] * topo.size)
             self.noise = 0.0
             self.speeds_source = "given" if given is not None else "equal"
-            self.batch_sizes = (balance.solve_split(self.costs, self.batch_size, MIN_LOCAL_BATCH)
+            self.batch_sizes = (balance.solve_split(self.costs, self.batch_size, self.min_local_batch)
                                 if given is not None
                                 else balance.equal_split(self.batch_size, topo.size))
             self.predicted_step_s = balance.step_time(self.costs, self.batch_sizes)
@@ -592,7 +604,7 @@ class DataParallel:
         self.noise = statistics.median(s for _, _, s in gathered)
         old = list(self.batch_sizes)
         new, predicted = balance.choose_split(self.costs, self.batch_size, self.balance_threshold,
-                                              current=old, minimum=MIN_LOCAL_BATCH, noise=self.noise)
+                                              current=old, minimum=self.min_local_batch, noise=self.noise)
         predicted_old = balance.step_time(self.costs, old)
         self.predicted_step_s = predicted
         if new == old:
@@ -839,7 +851,7 @@ class DataParallel:
     def _split_from(self, costs, noise) -> tuple[list[int], float]:
         """The start's split for these costs: equal unless measurably unequal."""
         return balance.choose_split(costs, self.batch_size, self.balance_threshold,
-                                    minimum=MIN_LOCAL_BATCH, noise=noise)
+                                    minimum=self.min_local_batch, noise=noise)
 
     def _confirm_uneven_split(self, probe) -> None:
         """When the measured split is not the equal one, measure once more before leaving the

@@ -1,4 +1,5 @@
-"""Batch normalization fused with the ReLU after it: one kernel per direction, same results.
+"""Batch normalization, and a residual sum, fused with the ReLU after it: same results, fewer
+passes.
 
 :func:`fuse_batchnorm_relu` rewrites a network in place: every :class:`~mpidl.nn.BatchNorm2d`
 in a :class:`~mpidl.nn.Sequential` becomes a :class:`FusedBatchNorm2d` (the same parameters
@@ -11,6 +12,12 @@ stay as they were (a ReLU has none), so checkpoints and twins are unaffected.
 Why: on NumPy the separate layers make about ten passes over the data per direction, each
 with a temporary (see :mod:`mpidl.kernels.batchnorm_cpu`); the fused kernels make three
 forward (two for the statistics, one to write the output) and two backward.
+
+:func:`fuse_residual_relu` does the same for a :class:`~mpidl.nn.Residual` followed by a
+:class:`~mpidl.nn.ReLU` (ResNet's basic block): :class:`FusedResidual` computes
+``relu(F(x) + S(x))`` in one pass and masks the gradient in one (:func:`mpidl.kernels.add_relu`,
+``relu_backward``, ``add``: Numba-parallel on the CPU, where NumPy's additions and masks run on
+one thread), with the values of the separate layers.
 """
 
 from __future__ import annotations
@@ -19,8 +26,9 @@ from mpidl import kernels
 from mpidl.nn.activation import ReLU
 from mpidl.nn.module import Module, Sequential
 from mpidl.nn.norm import BatchNorm2d
+from mpidl.nn.residual import Residual
 
-__all__ = ["FusedBatchNorm2d", "FusedAway", "fuse_batchnorm_relu"]
+__all__ = ["FusedBatchNorm2d", "FusedResidual", "FusedAway", "fuse_batchnorm_relu", "fuse_residual_relu"]
 
 
 class FusedBatchNorm2d(BatchNorm2d):
@@ -82,6 +90,44 @@ class FusedBatchNorm2d(BatchNorm2d):
         return super().extra_repr() + (", relu=True (the ReLU after it, fused)" if self.relu else "")
 
 
+class FusedResidual(Residual):
+    """:class:`~mpidl.nn.Residual` followed by ``max(., 0)``: ``y = relu(F(x) + S(x))``,
+    ``dL/dx = F'(g) + S'(g)`` with ``g = dL/dy * [y > 0]``. Saved for backward: the output."""
+
+    def __init__(self, body: Module, shortcut: Module | None = None) -> None:
+        super().__init__(body, shortcut)
+        self._y = None
+
+    @classmethod
+    def from_layer(cls, residual: Residual) -> "FusedResidual":
+        """The fused block with ``residual``'s body and shortcut (the same modules) and mode."""
+        fused = cls(residual.body, residual.shortcut)
+        fused.training = residual.training
+        return fused
+
+    def forward(self, x):
+        y = self.body.forward(x)
+        skip = x if self.shortcut is None else self.shortcut.forward(x)
+        if y.shape != skip.shape:
+            raise ValueError(f"Residual: body output {tuple(y.shape)} and shortcut output "
+                             f"{tuple(skip.shape)} differ; give a projection shortcut")
+        self._y = kernels.add_relu(y, skip)
+        return self._y
+
+    def backward(self, dy):
+        if self._y is None:
+            raise RuntimeError("Residual.backward called before forward")
+        g = kernels.relu_backward(dy, self._y)
+        dx = self.body.backward(g)
+        return kernels.add(dx, g if self.shortcut is None else self.shortcut.backward(g))
+
+    def _drop_workspaces(self) -> None:
+        self._y = None
+
+    def extra_repr(self) -> str:
+        return "relu=True (the ReLU after the sum, fused)"
+
+
 class FusedAway(Module):
     """The place of a layer fused into the one before it: passes values and gradients through."""
 
@@ -112,4 +158,20 @@ def fuse_batchnorm_relu(module: Module) -> Module:
                 layers[k] = FusedBatchNorm2d.from_layer(layer, relu)
                 if relu:
                     layers[k + 1] = FusedAway("ReLU")
+    return module
+
+
+def fuse_residual_relu(module: Module) -> Module:
+    """Rewrite ``module`` in place: every :class:`~mpidl.nn.Residual` of a
+    :class:`~mpidl.nn.Sequential` that a :class:`~mpidl.nn.ReLU` follows becomes a
+    :class:`FusedResidual` and the ReLU a :class:`FusedAway` (names and indices unchanged);
+    returns it. Call before the parameters are bound (``build_model`` does)."""
+    for _, child in module.children():
+        fuse_residual_relu(child)
+    if isinstance(module, Sequential):
+        layers = module.layers
+        for k, layer in enumerate(layers):
+            if type(layer) is Residual and k + 1 < len(layers) and type(layers[k + 1]) is ReLU:
+                layers[k] = FusedResidual.from_layer(layer)
+                layers[k + 1] = FusedAway("ReLU")
     return module

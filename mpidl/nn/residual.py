@@ -20,7 +20,8 @@ class Residual(Module):
     -----
     ``y = F(x) + S(x)``; since the sum passes its gradient unchanged to both terms,
     ``dL/dx = F'(dL/dy) + S'(dL/dy)`` (``S' = identity`` for the identity shortcut).
-    The activation that usually follows the sum (as in ResNet) is a separate layer.
+    The activation that usually follows the sum (as in ResNet) is a separate layer;
+    ``build_model`` fuses the pair into :class:`mpidl.nn.fused.FusedResidual` (same values).
     """
 
     def __init__(self, body: Module, shortcut: Module | None = None) -> None:

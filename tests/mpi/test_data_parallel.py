@@ -7,6 +7,7 @@ agreement, so a failure on one rank never leaves the others waiting.
 """
 
 import math
+import re
 import time
 
 import numpy as np
@@ -123,6 +124,34 @@ def test_custom_loop_equals_one_process(strategy, kwargs, ranks_per_node):
     diff = rel_diff(distributed, reference)
     assert all_agree(WORLD, diff <= 1e-10), f"{strategy}: {diff:.3e}"
     assert all_agree(WORLD, dp.steps == 5 and dp.exact)
+
+
+def test_min_local_batch_0_leaves_out_a_rank_too_slow_to_help():
+    """Given speeds, the last rank a million times slower: by default it keeps one sample of
+    each global batch; with min_local_batch=0 it gets none, joins every exchange with weight
+    0, and the run still equals one process."""
+    speeds = [1.0] * (P - 1) + [1e-6]
+    _, default = make(speeds=speeds)
+    model, dp = make(speeds=speeds, min_local_batch=0)
+    assert sum(dp.batch_sizes) == B
+    if P > 1:
+        assert all_agree(WORLD, default.batch_sizes[-1] == 1 and dp.batch_sizes[-1] == 0
+                         and min(dp.batch_sizes[:-1]) > 0)
+    distributed = train(model, dp, steps=4)
+    ref_model, ref_dp = make(comm=MPI.COMM_SELF)
+    diff = rel_diff(distributed, train(ref_model, ref_dp, steps=4))
+    assert all_agree(WORLD, diff <= 1e-10), f"{diff:.3e}"
+
+
+@pytest.mark.parametrize("bad, message", [
+    (-1, "min_local_batch must be an integer >= 0"),
+    (1.5, "min_local_batch must be an integer >= 0"),
+    (True, "min_local_batch must be an integer >= 0"),
+    (B + 1, f"min_local_batch {B + 1} x {P} ranks is more than batch_size {B}"),
+])
+def test_min_local_batch_is_checked(bad, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make(min_local_batch=bad)
 
 
 def test_two_objects_over_one_topology_train_independently():
