@@ -113,17 +113,19 @@ def test_conv2d_winograd_equals_im2col_in_float32(monkeypatch, kernel_set, shape
 
 @pytest.mark.parametrize("out_size, tile", [(9, 3), (32, 4), (16, 4), (8, 4), (4, 4), (6, 3), (5, 3), (2, 2), (1, 2)])
 def test_conv2d_winograd_tile_minimizes_multiplications(out_size, tile):
-    assert Conv2d(2, 2, 3, padding=1).winograd_tile(out_size, out_size) == tile
+    assert Conv2d(8, 2, 3, padding=1).winograd_tile(out_size, out_size) == tile
 
 
 def test_conv2d_algorithm_choice(monkeypatch):
     monkeypatch.delenv("MPIDL_CONV_ALGORITHM", raising=False)
-    assert Conv2d(2, 2, 3, padding=1).winograd_tile(9, 9) == 3  # auto: 3x3, stride 1
-    assert Conv2d(2, 2, 3, stride=2, padding=1).winograd_tile(9, 9) is None
+    assert Conv2d(8, 2, 3, padding=1).winograd_tile(9, 9) == 3  # auto: 3x3, stride 1, >= 8 channels
+    assert Conv2d(7, 2, 3, padding=1).winograd_tile(9, 9) is None  # auto: few channels, im2col
+    assert Conv2d(3, 2, 3, padding=1, algorithm="winograd").winograd_tile(9, 9) == 3  # unless asked
+    assert Conv2d(8, 2, 3, stride=2, padding=1).winograd_tile(9, 9) is None
     assert Conv2d(2, 2, 1).winograd_tile(9, 9) is None  # auto keeps im2col for other kernels
     assert Conv2d(2, 2, 1, algorithm="winograd").winograd_tile(9, 9) == 3  # 1x1 is allowed if asked for
     assert Conv2d(2, 2, 3, algorithm="im2col").winograd_tile(9, 9) is None
-    assert Conv2d(2, 2, 3, padding=1).winograd_tile(9, 9, on_gpu=True) is None  # auto: im2col on the GPU
+    assert Conv2d(8, 2, 3, padding=1).winograd_tile(9, 9, on_gpu=True) is None  # auto: im2col on the GPU
     assert Conv2d(2, 2, 3, padding=1, algorithm="winograd").winograd_tile(9, 9, on_gpu=True) == 3
     monkeypatch.setenv("MPIDL_CONV_ALGORITHM", "im2col")
     assert Conv2d(2, 2, 3, padding=1).winograd_tile(9, 9) is None

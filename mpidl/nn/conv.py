@@ -19,6 +19,11 @@ CONV_ALGORITHMS = ("auto", "im2col", "winograd")
 _ALGORITHM_ENV = "MPIDL_CONV_ALGORITHM"
 _WINOGRAD_TILES = (2, 3, 4)  # m of F(m x m, r x r); m <= 4 keeps the float32 error near 1e-6 (points 0, +-1, +-2)
 _WINOGRAD_MAX_KERNEL = 5  # alpha = m + k - 1 <= 8: the CUDA kernels' tile arrays, and points up to +-1/2
+#: "auto" takes Winograd from this many input channels: its transforms cost per channel what the
+#: GEMMs save, and with few channels they dominate (one thread, batch 64, 32x32, 3x3 to 16
+#: filters, forward + weight gradient: im2col 2.5 / 2.9 / 6.5 ms and Winograd 6.0 / 5.5 / 6.6 ms
+#: for 3 / 4 / 8 channels; at 16 channels 11.8 against 9.1 ms)
+_WINOGRAD_MIN_CHANNELS = 8
 
 
 class Conv2d(Module):
@@ -55,7 +60,8 @@ class Conv2d(Module):
     Setting ``compute_input_grad = False`` skips ``dcols`` and ``col2im`` (the model does this
     for its first layer, whose input gradient nobody uses); backward then returns ``None``.
 
-    Winograd (``algorithm="winograd"``; ``"auto"`` picks it for stride-1 3x3 filters on the CPU)
+    Winograd (``algorithm="winograd"``; ``"auto"`` picks it for stride-1 3x3 filters of 8 or more
+    input channels on the CPU)
     ------------------------------------------------------------------------------------------
     The algorithm, its math and its code are in :mod:`mpidl.nn.winograd`. In exact arithmetic
     this is the same function and gradient as im2col; it does ``alpha^2 / (m^2 k^2)`` of the
@@ -119,7 +125,8 @@ class Conv2d(Module):
     def winograd_tile(self, out_h: int, out_w: int, on_gpu: bool = False) -> int | None:
         """The Winograd tile ``m`` this layer uses for an ``out_h x out_w`` output, or ``None``
         when it runs im2col: stride != 1, a kernel larger than 5x5, ``algorithm="im2col"``, or
-        ``"auto"`` with a kernel other than 3x3, on the GPU, or under ``MPIDL_CONV_ALGORITHM=im2col``.
+        ``"auto"`` with a kernel other than 3x3, fewer than 8 input channels (an RGB stem), on
+        the GPU, or under ``MPIDL_CONV_ALGORITHM=im2col``.
 
         ``"auto"`` picks Winograd only where it was measured to win: on the CPU (see
         ``benchmarks/conv.py``). On the GPU one large cuBLAS GEMM is already efficient and the
@@ -133,7 +140,8 @@ class Conv2d(Module):
             if forced in ("im2col", "winograd"):
                 algorithm = forced
             else:
-                algorithm = "winograd" if self.kernel_size == 3 and not on_gpu else "im2col"
+                algorithm = ("winograd" if self.kernel_size == 3 and not on_gpu
+                             and self.in_channels >= _WINOGRAD_MIN_CHANNELS else "im2col")
         k = self.kernel_size
         if algorithm != "winograd" or self.stride != 1 or k > _WINOGRAD_MAX_KERNEL:
             return None
