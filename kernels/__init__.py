@@ -16,11 +16,12 @@ also serves CuPy arrays, and ``batchnorm_cpu``), and so do the transformer layer
 normalization and softmax (``transformer_reference``, ``transformer_cpu``) and the LSTM's loops
 over time (``recurrent_reference``, ``recurrent_cpu``); all are chosen by the same rule. The
 finiteness check of a gradient buffer (``all_finite``) and the element-wise passes of a residual
-block (``add_relu``, ``relu_backward``, ``add``) are in ``reference`` and ``cpu`` (device arrays
-take the reference). The math
+block (``add_relu``, ``relu_backward``, ``add``) have their own two (``elementwise_reference``,
+which also serves CuPy arrays, and ``elementwise_cpu``). The math
 and the layouts are written once, in the reference files: :mod:`mpidl.kernels.reference`,
 :mod:`mpidl.kernels.winograd_reference`, :mod:`mpidl.kernels.batchnorm_reference`,
-:mod:`mpidl.kernels.transformer_reference` and :mod:`mpidl.kernels.recurrent_reference`.
+:mod:`mpidl.kernels.transformer_reference`, :mod:`mpidl.kernels.recurrent_reference` and
+:mod:`mpidl.kernels.elementwise_reference`.
 
 Callers go through the functions below. Each checks its arguments once, whichever
 implementation runs, and then calls the implementation picked from the array: a device array
@@ -401,37 +402,44 @@ def _same_shape_and_dtype(what: str, a, b) -> None:
                          f"{a.dtype} and {tuple(b.shape)} {b.dtype}")
 
 
-def _elementwise(x, name: str):
-    """``name`` of the implementation picked for ``x``, or of the reference where that
-    implementation has none (``cuda``: CuPy runs the reference's array code on the device)."""
-    module = implementation_for(x)
-    return getattr(module, name, None) or getattr(reference, name)
+def _elementwise_module(x):
+    """``elementwise_cpu`` for NumPy arrays (unless ``MPIDL_KERNELS=reference``), else the
+    reference (CuPy arrays run its array code on the device; Numba missing)."""
+    if implementation_for(x) is reference or _on_device(x):
+        from . import elementwise_reference  # noqa: PLC0415
+
+        return elementwise_reference
+    try:
+        from . import elementwise_cpu  # noqa: PLC0415
+    except ImportError:
+        from . import elementwise_reference as elementwise_cpu  # noqa: PLC0415
+    return elementwise_cpu
 
 
 def all_finite(x) -> bool:
     """True iff no element of ``x`` (an array of any shape) is NaN or +-inf: the gradient
     check of every distributed step, one read of the buffer on the CPU. Device arrays go to
     the reference (CuPy's own ``isfinite``)."""
-    return _elementwise(x, "all_finite")(x)
+    return _elementwise_module(x).all_finite(x)
 
 
 def add_relu(a, b):
     """``relu(a + b)`` (a residual sum and the ReLU after it), ``a, b`` of one shape and dtype;
     the math: :func:`mpidl.kernels.reference.add_relu`."""
     _same_shape_and_dtype("add_relu", a, b)
-    return _elementwise(a, "add_relu")(a, b)
+    return _elementwise_module(a).add_relu(a, b)
 
 
 def relu_backward(dy, y):
     """``dy * [y > 0]`` for the output ``y`` of :func:`add_relu` (or of any ReLU)."""
     _same_shape_and_dtype("relu_backward", dy, y)
-    return _elementwise(dy, "relu_backward")(dy, y)
+    return _elementwise_module(dy).relu_backward(dy, y)
 
 
 def add(a, b):
     """``a + b`` as a new array, ``a, b`` of one shape and dtype (parallel on the CPU)."""
     _same_shape_and_dtype("add", a, b)
-    return _elementwise(a, "add")(a, b)
+    return _elementwise_module(a).add(a, b)
 
 
 def _transformer_module(x):

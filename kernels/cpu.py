@@ -64,10 +64,6 @@ __all__ = [
     "maxpool2d_backward",
     "avgpool2d_forward",
     "avgpool2d_backward",
-    "all_finite",
-    "add_relu",
-    "relu_backward",
-    "add",
 ]
 
 _COMPILED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -374,85 +370,3 @@ def avgpool2d_backward(dy, x_shape, k: int, stride: int, pad: int = 0):
     dx = np.empty((n, c, h, w), dtype=dy.dtype)
     _avgpool_backward_kernel(_as_compiled(dy), k, stride, pad, _window_size(k, dy.dtype), dx)
     return dx
-
-
-# --------------------------------------------------------------------------------------------
-# finiteness of a gradient buffer
-# --------------------------------------------------------------------------------------------
-
-
-@njit(parallel=True, cache=True, fastmath={"reassoc"})
-def _nonfinite_sum(x):
-    # x - x is 0 for a finite value and NaN for NaN or +-inf, so the sum is 0 iff all are
-    # finite: one read of x, vectorized (reassoc only: NaN and inf keep their semantics),
-    # where the float64 sum of a float32 buffer this replaces ran at a fifth of that speed.
-    total = 0.0
-    for i in prange(x.size):
-        total += x[i] - x[i]
-    return total
-
-
-def all_finite(x) -> bool:
-    """:func:`mpidl.kernels.reference.all_finite`: one parallel pass over a contiguous
-    float32/float64 array (the reference for anything else)."""
-    if x.dtype not in _COMPILED_DTYPES or not x.flags.c_contiguous:
-        return reference.all_finite(x)
-    return bool(_nonfinite_sum(x.reshape(-1)) == 0.0)
-
-
-# --------------------------------------------------------------------------------------------
-# element-wise passes of a residual block: parallel (NumPy's run on one thread)
-# --------------------------------------------------------------------------------------------
-
-
-@njit(parallel=True, cache=True)
-def _add_relu(a, b, y):
-    zero = y.dtype.type(0)
-    for i in prange(y.size):
-        s = a[i] + b[i]
-        y[i] = s if s > 0 else s * zero  # s * [s > 0]: -0.0 and NaN as NumPy gives them
-
-
-@njit(parallel=True, cache=True)
-def _relu_backward(dy, y, g):
-    zero = g.dtype.type(0)
-    for i in prange(g.size):
-        g[i] = dy[i] if y[i] > 0 else dy[i] * zero
-
-
-@njit(parallel=True, cache=True)
-def _add(a, b, out):
-    for i in prange(out.size):
-        out[i] = a[i] + b[i]
-
-
-def _flat_compiled(*arrays) -> bool:
-    return all(x.dtype in _COMPILED_DTYPES and x.flags.c_contiguous for x in arrays) and \
-        len({x.dtype for x in arrays}) == 1
-
-
-def add_relu(a, b):
-    """:func:`mpidl.kernels.reference.add_relu`, one parallel pass."""
-    if not _flat_compiled(a, b):
-        return reference.add_relu(a, b)
-    y = np.empty_like(a)
-    _add_relu(a.reshape(-1), b.reshape(-1), y.reshape(-1))
-    return y
-
-
-def relu_backward(dy, y):
-    """:func:`mpidl.kernels.reference.relu_backward`, one parallel pass."""
-    if not _flat_compiled(dy, y):
-        return reference.relu_backward(dy, y)
-    g = np.empty_like(dy)
-    _relu_backward(dy.reshape(-1), y.reshape(-1), g.reshape(-1))
-    return g
-
-
-def add(a, b):
-    """:func:`mpidl.kernels.reference.add`, one parallel pass."""
-    if not _flat_compiled(a, b):
-        return reference.add(a, b)
-    out = np.empty_like(a)
-    _add(a.reshape(-1), b.reshape(-1), out.reshape(-1))
-    return out

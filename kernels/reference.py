@@ -305,26 +305,3 @@ def avgpool2d_backward(dy, x_shape, k: int, stride: int, pad: int = 0):
         for j in range(k):
             dx_padded[_window_slice(i, j, stride, oh, ow)] += share
     return xp.ascontiguousarray(dx_padded[:, :, pad : pad + h, pad : pad + w])
-
-
-def all_finite(x) -> bool:
-    """True iff no element of ``x`` (any shape) is NaN or +-inf."""
-    return bool(get_array_module(x).isfinite(x).all())
-
-
-def add_relu(a, b):
-    """``y = relu(a + b)`` elementwise (a residual sum and the ReLU after it), any shape, with
-    :class:`mpidl.nn.ReLU`'s values: ``s * [s > 0]`` for ``s = a + b`` (a NaN stays NaN)."""
-    s = a + b
-    return get_array_module(s).multiply(s, s > 0, dtype=s.dtype)
-
-
-def relu_backward(dy, y):
-    """``dL/ds = dy * [y > 0]`` for ``y = add_relu(a, b)`` (``y > 0`` iff ``s > 0``); a NaN in
-    ``dy`` stays NaN, as with :class:`mpidl.nn.ReLU`."""
-    return get_array_module(dy).multiply(dy, y > 0, dtype=dy.dtype)
-
-
-def add(a, b):
-    """``a + b`` elementwise (the gradients of a residual's two branches), a new array."""
-    return a + b

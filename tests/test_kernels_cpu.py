@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from mpidl import kernels
-from mpidl.kernels import cpu, reference
+from mpidl.kernels import cpu, elementwise_cpu, elementwise_reference, reference
 
 RTOL = {np.float32: 1e-6, np.float64: 1e-12}
 DTYPES = (np.float32, np.float64)
@@ -273,7 +273,7 @@ def test_a_bad_call_is_refused_with_one_message_by_every_backend(call, monkeypat
     assert messages["reference"] == messages["cpu"]
 
 
-# ---------------------------------------------------------------------------- all_finite
+# ---------------------------------------------------------------------------- all_finite (elementwise_cpu)
 
 
 @pytest.mark.parametrize("dtype", (np.float16, np.float32, np.float64))
@@ -286,8 +286,8 @@ def test_all_finite_finds_one_nonfinite_element_anywhere(dtype, bad, where):
     if bad is not None:
         x[where] = bad
     expected = bad is None
-    assert cpu.all_finite(x) is expected
-    assert reference.all_finite(x) is expected
+    assert elementwise_cpu.all_finite(x) is expected
+    assert elementwise_reference.all_finite(x) is expected
     assert kernels.all_finite(x) is expected
 
 

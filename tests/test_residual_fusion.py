@@ -13,7 +13,8 @@ import pytest
 
 from gradcheck import bind_parameters, check_backward
 from mpidl import kernels
-from mpidl.kernels import cpu, reference
+from mpidl.kernels import elementwise_cpu as cpu
+from mpidl.kernels import elementwise_reference as reference
 from mpidl.models import build_model
 from mpidl.nn import BatchNorm2d, Conv2d, ReLU, Residual, Sequential
 from mpidl.nn.fused import FusedAway, FusedResidual, fuse_residual_relu

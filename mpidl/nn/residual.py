@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from mpidl import kernels
 from mpidl.nn.module import Module
 
 __all__ = ["Residual"]
@@ -30,6 +31,15 @@ class Residual(Module):
         self.shortcut = shortcut
 
     def forward(self, x):
+        y, skip = self._branches(x)
+        return kernels.add(y, skip)
+
+    def backward(self, dy):
+        dx = self.body.backward(dy)
+        return kernels.add(dx, dy if self.shortcut is None else self.shortcut.backward(dy))
+
+    def _branches(self, x):
+        """``(F(x), S(x))``, checked to have one shape."""
         y = self.body.forward(x)
         skip = x if self.shortcut is None else self.shortcut.forward(x)
         if y.shape != skip.shape:
@@ -37,10 +47,4 @@ class Residual(Module):
                 f"Residual: body output {tuple(y.shape)} and shortcut output {tuple(skip.shape)} differ; "
                 f"give a projection shortcut"
             )
-        return y + skip
-
-    def backward(self, dy):
-        dx = self.body.backward(dy)
-        if self.shortcut is None:
-            return dx + dy
-        return dx + self.shortcut.backward(dy)
+        return y, skip
