@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from mpidl.distributed import balance
-from mpidl.distributed.balance import (RankCost, choose_split, costs_from_speeds, equal_split,
-                                       fit_cost, parse_speeds, scale_cost, solve_split, split_counts,
-                                       step_time)
+from mpidl.distributed.balance import (RankCost, choose_split, confirm_resplit, costs_from_speeds,
+                                       equal_split, fit_cost, parse_speeds, refit_cost, scale_cost,
+                                       solve_split, split_counts, step_time)
 
 
 def random_costs(rng, ranks):
@@ -162,6 +162,55 @@ def test_fit_cost_refuses_bad_input():
 def test_scale_cost_keeps_the_models_shape():
     cost = scale_cost(RankCost(2.0, 1.0), 8, [20.0, 21.0, 19.0])  # predicted 10, measured 20
     assert cost == RankCost(4.0, 2.0)
+
+
+def test_refit_cost_separates_a_from_c_with_the_two_sizes_around_a_resplit():
+    # the probe thought a = 1 ms, c = 0.1 ms; the steps really take 4 ms + 0.2 ms per sample,
+    # 20 steps at 46 samples, then 20 at 18 (one of them disturbed): the line through the two
+    # medians is the truth
+    truth, prior = RankCost(4e-3, 0.2e-3), RankCost(1e-3, 0.1e-3)
+    sizes = [46] * 20 + [18] * 20
+    times = [truth.time(b) for b in sizes]
+    times[25] *= 5
+    cost = refit_cost(prior, sizes, times)
+    assert cost.a == pytest.approx(truth.a, rel=1e-9) and cost.c == pytest.approx(truth.c, rel=1e-9)
+
+
+def test_refit_cost_with_one_size_scales_the_previous_model_through_it():
+    prior = RankCost(2e-3, 0.5e-3)  # predicts 10 ms at 16
+    assert refit_cost(prior, [16] * 8, [20e-3] * 8) == scale_cost(prior, 16, [20e-3] * 8)
+    # sizes too close to separate a from c (48 vs 46), or a size seen in too few steps (30),
+    # count as one size: the most frequent one
+    cost = refit_cost(prior, [48] * 3 + [46] * 5 + [30] * 2, [0.1] * 10)
+    assert cost == scale_cost(prior, 46, [0.1] * 5)
+
+
+def test_refit_cost_ignores_empty_steps_and_keeps_the_model_without_data():
+    prior = RankCost(2e-3, 0.5e-3)
+    assert refit_cost(prior, [0] * 10, [1e-6] * 10) == prior
+    assert refit_cost(prior, [], []) == prior
+    assert refit_cost(prior, [16, 16], [1.0, 1.0]) == prior  # fewer than MIN_STEPS_PER_SIZE steps
+
+
+def test_refit_cost_refuses_bad_input():
+    prior = RankCost(2e-3, 0.5e-3)
+    with pytest.raises(ValueError, match="entries"):
+        refit_cost(prior, [8, 8, 8], [1.0])
+    with pytest.raises(ValueError, match=r"batch_sizes\[1\]"):
+        refit_cost(prior, [8, -1], [1.0, 1.0])
+    with pytest.raises(ValueError, match="previous must be a RankCost"):
+        refit_cost((2e-3, 0.5e-3), [8], [1.0])
+    with pytest.raises(ValueError, match=r"seconds\[0\]"):
+        refit_cost(prior, [8, 8, 8], [0.0, 1.0, 1.0])
+
+
+def test_a_resplit_needs_its_gain_twice_or_a_large_gain_once():
+    assert not confirm_resplit(0.07, 0.05, proposed_before=False)  # one noisy period: wait
+    assert confirm_resplit(0.07, 0.05, proposed_before=True)       # the next one agrees
+    assert confirm_resplit(0.11, 0.05, proposed_before=False)      # far outside the margin
+    assert not confirm_resplit(0.04, 0.05, proposed_before=True)   # within the margin: never
+    with pytest.raises(ValueError, match="gain"):
+        confirm_resplit(float("nan"), 0.05, False)
 
 
 # ----------------------------------------------------------------------------- split_counts

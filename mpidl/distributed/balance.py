@@ -42,7 +42,25 @@ uncertainty (:func:`timing_noise`): the relative standard error of the differenc
 ranks' medians of ``n`` timed passes, ``sqrt(2) * 1.2533 * sigma / sqrt(n)`` with ``sigma``
 estimated robustly as the interquartile range over 1.349 (normal errors assumed), relative to
 the median. On a shared, oversubscribed machine single passes of identical ranks differ by
-tens of per cent, and a predicted gain within that uncertainty is not measurable. The same rule, against the current split, gives re-balancing its hysteresis.
+tens of per cent, and a predicted gain within that uncertainty is not measurable.
+
+Re-fitting while training
+-------------------------
+The probe measures each rank before training; the steps themselves keep measuring it.
+:func:`refit_cost` fits ``t_i(b) = a_i + c_i b`` again from a rank's own steps (their local
+batch sizes and compute times): every batch size seen in at least
+:data:`MIN_STEPS_PER_SIZE` steps is a point ``(b_j, median_j)``, and when the points' sizes
+differ by at least :data:`MIN_SIZE_SPREAD` of the largest, the least-squares line through them
+separates ``a_i`` from ``c_i``. A re-split changes the sizes, so the window of steps that spans
+it (the re-fit uses the steps of its own period and of the one before) holds two sizes. With one
+size only, ``t_i(b_j)`` cannot tell the fixed part from the per-sample part: the previous model
+is scaled through the point (``a_i`` and ``c_i`` by the same factor, :func:`scale_cost`).
+
+A re-split must beat the *current* split by the same margin, ``1 - T(opt) / T(current) >
+max(threshold, noise)`` (hysteresis), and, since the steps of one period share a slow phase
+of the machine that the noise of their median does not show, it must do so in two
+consecutive re-fits, unless its gain is more than twice the margin (:func:`confirm_resplit`):
+a split moves at once for a large change, and not back and forth on one noisy period.
 
 Everything here is a pure function of numbers every rank holds alike (after a gather), so all
 ranks compute the same split without further communication, and a bad value is refused on
@@ -58,8 +76,14 @@ from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import Sequence
 
-__all__ = ["RankCost", "fit_cost", "relative_spread", "timing_noise", "scale_cost", "costs_from_speeds", "solve_split", "step_time",
-           "choose_split", "equal_split", "split_counts", "parse_speeds", "check_speeds"]
+__all__ = ["RankCost", "fit_cost", "refit_cost", "relative_spread", "timing_noise", "scale_cost",
+           "costs_from_speeds", "solve_split", "step_time", "choose_split", "confirm_resplit",
+           "equal_split", "split_counts", "parse_speeds", "check_speeds"]
+
+#: steps of one local batch size a re-fit needs before that size is a point of its line
+MIN_STEPS_PER_SIZE = 3
+#: a re-fit separates a_i from c_i only when its sizes differ by this fraction of the largest
+MIN_SIZE_SPREAD = 0.25
 
 
 # --------------------------------------------------------------------------- validation
@@ -164,6 +188,37 @@ def scale_cost(cost: RankCost, batch: int, seconds: Sequence[float]) -> RankCost
     return RankCost(cost.a * factor, cost.c * factor)
 
 
+def refit_cost(previous: RankCost, batch_sizes: Sequence[int], seconds: Sequence[float]) -> RankCost:
+    """Re-fit a rank's ``t(b) = a + c b`` from its own training steps: step ``k`` computed
+    ``batch_sizes[k]`` samples in ``seconds[k]``.
+
+    Steps without samples are left out (``t(0) = 0`` by definition), and so is every batch
+    size seen in fewer than :data:`MIN_STEPS_PER_SIZE` steps (a median of one or two steps is
+    a guess). With the remaining sizes spanning ``max - min >= MIN_SIZE_SPREAD * max``:
+    :func:`fit_cost` of their steps (medians per size, least squares). Otherwise: ``previous``
+    scaled through the most frequent size (:func:`scale_cost`; ties to the larger size); with
+    no size left, ``previous`` itself.
+    """
+    if not isinstance(previous, RankCost):
+        raise ValueError(f"previous must be a RankCost, got {previous!r}")
+    sizes = [_as_count(b, f"batch_sizes[{k}]", 0) for k, b in enumerate(batch_sizes)]
+    times = list(seconds)
+    if len(sizes) != len(times):
+        raise ValueError(f"batch_sizes has {len(sizes)} entries, seconds {len(times)}")
+    by_size: dict[int, list[float]] = {}
+    for b, t in zip(sizes, times):
+        if b > 0:
+            by_size.setdefault(b, []).append(t)
+    by_size = {b: ts for b, ts in by_size.items() if len(ts) >= MIN_STEPS_PER_SIZE}
+    if not by_size:
+        return previous
+    if max(by_size) - min(by_size) >= MIN_SIZE_SPREAD * max(by_size):
+        kept = [(b, t) for b, ts in by_size.items() for t in ts]
+        return fit_cost([b for b, _ in kept], [t for _, t in kept])
+    usual = max(by_size, key=lambda b: (len(by_size[b]), b))
+    return scale_cost(previous, usual, by_size[usual])
+
+
 def costs_from_speeds(speeds: Sequence[float]) -> list[RankCost]:
     """Given relative speeds ``s_i`` (samples per second, any unit): ``t_i(b) = b / s_i``."""
     return [RankCost(0.0, 1.0 / s) for s in _positive_finite(speeds, "speeds")]
@@ -249,6 +304,17 @@ def choose_split(costs: Sequence[RankCost], total: int, threshold: float = 0.05,
     if best_time < (1.0 - min(threshold, 1.0)) * reference_time:
         return best, best_time
     return reference, reference_time
+
+
+def confirm_resplit(gain: float, margin: float, proposed_before: bool) -> bool:
+    """Whether a re-split predicted to make the step ``gain`` (a fraction) faster than the
+    current split is taken: its gain passes the margin (``max(threshold, noise)``) and the
+    previous re-fit's proposal did too (``proposed_before``), or its gain is more than twice
+    the margin (see the module docstring)."""
+    for value, name in ((gain, "gain"), (margin, "margin")):
+        if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return gain > 2.0 * margin or (gain > margin and bool(proposed_before))
 
 
 def split_counts(total: int, proportions: Sequence[float]) -> list[int]:

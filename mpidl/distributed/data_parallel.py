@@ -126,9 +126,11 @@ class DataParallel:
         The loop must then handle an empty local batch (zero gradient, then :meth:`step`), as
         ``python -m mpidl.train`` does.
     rebalance_every : int, optional
-        Re-fit every rank's cost model from its own last ``rebalance_every`` steps (their
-        compute times and batch sizes) and re-split when the gain passes the threshold; a
-        collective decision every rank takes alike (:attr:`last_rebalance` records it).
+        Every ``rebalance_every`` steps, re-fit every rank's cost model from its own steps of
+        the last two periods (their compute times and batch sizes) and re-split when the
+        predicted gain passes the margin twice in a row, or twice the margin once (see
+        :meth:`rebalance`); a collective decision every rank takes alike
+        (:attr:`last_rebalance` records it).
     sync_optimizer_state : bool
         ``node``: average the optimizer state at each parameter sync too.
     on_nan : 'stop' | 'skip'
@@ -305,8 +307,12 @@ class DataParallel:
         self._pending_stop = False
         self._pending_nonfinite = False
         self._local_count: int | None = None
-        #: (samples, compute seconds) of this rank's steps since the last re-fit (the latest only)
+        #: (samples, compute seconds) of this rank's steps since the last re-fit (the latest
+        #: only), and those of the period before it: the window of the next re-fit
         self._recent: deque = deque(maxlen=RECENT_STEPS)
+        self._previous_period: list = []
+        #: the last re-fit proposed a re-split that was not taken (to be confirmed)
+        self._resplit_proposed = False
         #: the bucketed non-blocking exchange under overlap=True (None on one rank: nothing
         #: to exchange), and its bucket plan
         self.exchange: OverlappedExchange | None = None
@@ -582,38 +588,43 @@ class DataParallel:
                 f"{100 * self.noise:.3g} %)")
 
     def rebalance(self) -> tuple[list[int], list[int]] | None:
-        """Re-fit every rank's cost model from its own steps since the last re-fit and re-split
-        if that is predicted to be more than ``balance_threshold`` faster than the current
-        split (collective; every rank computes the same split). Returns ``(old, new)`` batch
-        sizes when they changed, else None.
+        """Re-fit every rank's cost model from its own steps and re-split when that is
+        predicted to be faster than the current split by more than the margin (collective;
+        every rank computes the same split from the same gathered numbers). Returns ``(old,
+        new)`` batch sizes when they changed, else None.
 
-        A rank's steps mostly share one local batch size ``b``, which cannot separate ``a_i``
-        from ``c_i``: its model is scaled by ``median(t) / t_i(b)`` over the steps at its most
-        frequent ``b`` (:func:`~mpidl.distributed.balance.scale_cost`). A rank that computed
-        nothing keeps its model."""
-        samples = [b for b, _ in self._recent if b > 0]
-        cost, spread = self.costs[self.rank], 0.0
-        if samples:
-            usual = max(set(samples), key=samples.count)
-            seconds = [t for b, t in self._recent if b == usual]
-            cost = balance.scale_cost(cost, usual, seconds)
-            spread = balance.timing_noise(seconds)
+        Each rank re-fits from the steps since the last call and the ones of the call before
+        (:func:`~mpidl.distributed.balance.refit_cost`): after a re-split that window holds
+        two local batch sizes, whose medians separate ``a_i`` from ``c_i``; with one size the
+        model is scaled through it. The margin is ``max(balance_threshold, noise)`` (``noise``:
+        the median over ranks of their steps' :func:`~mpidl.distributed.balance.timing_noise`),
+        and a gain must pass it in two consecutive calls, or pass twice the margin in one
+        (:func:`~mpidl.distributed.balance.confirm_resplit`): no move on one noisy period."""
+        window = list(self._previous_period) + list(self._recent)
+        self._previous_period = list(self._recent)
         self._recent.clear()
+        cost = balance.refit_cost(self.costs[self.rank], [b for b, _ in window], [t for _, t in window])
+        current = [t for b, t in window if b == self.batch_sizes[self.rank] and b > 0]
+        spread = balance.timing_noise(current) if current else 0.0
         gathered = self.all_gather_object((cost.a, cost.c, spread))
         self.costs = [balance.RankCost(a, c) for a, c, _ in gathered]
         self.noise = statistics.median(s for _, _, s in gathered)
         old = list(self.batch_sizes)
-        new, predicted = balance.choose_split(self.costs, self.batch_size, self.balance_threshold,
-                                              current=old, minimum=self.min_local_batch, noise=self.noise)
-        predicted_old = balance.step_time(self.costs, old)
-        self.predicted_step_s = predicted
-        if new == old:
+        best = balance.solve_split(self.costs, self.batch_size, self.min_local_batch)
+        predicted_old, predicted = balance.step_time(self.costs, old), balance.step_time(self.costs, best)
+        gain = 1.0 - predicted / predicted_old if predicted_old > 0 else 0.0
+        margin = max(self.balance_threshold, self.noise)
+        taken = best != old and balance.confirm_resplit(gain, margin, self._resplit_proposed)
+        self._resplit_proposed = best != old and gain > margin and not taken
+        self.predicted_step_s = predicted if taken else predicted_old
+        if not taken:
             return None
-        self.batch_sizes = new
-        self.last_rebalance = {"step": self.steps, "old": old, "new": new,
+        self.batch_sizes = best
+        self.last_rebalance = {"step": self.steps, "old": old, "new": best,
                                "predicted_old_s": predicted_old, "predicted_new_s": predicted,
+                               "gain": gain, "margin": margin,
                                "costs": [[c.a, c.c] for c in self.costs], "noise": self.noise}
-        return old, new
+        return old, best
 
     # ------------------------------------------------------------------ counters and timers
     def reset_counters(self) -> None:
