@@ -5,19 +5,46 @@ import pytest
 from mpidl.distributed.emulation import LinkModel, Slowdown, parse_link, parse_slowdowns
 
 
+class FakeClock:
+    """A clock that only sleeping moves, each sleep ``late`` seconds longer than asked."""
+
+    def __init__(self, late=0.0):
+        self.now, self.late, self.asked = 0.0, late, []
+
+    def sleep(self, seconds):
+        self.asked.append(seconds)
+        self.now += seconds + self.late
+
+    def __call__(self):
+        return self.now
+
+
 def test_slowdown_sleeps_factor_minus_one_times_the_interval():
-    slept = []
-    slow = Slowdown(3.0, sleep=slept.append)
+    clock = FakeClock()
+    slow = Slowdown(3.0, sleep=clock.sleep, clock=clock)
     assert slow.stretch(0.5) == pytest.approx(1.0)
     assert slow.stretch(0.25) == pytest.approx(0.5)
-    assert slept == pytest.approx([1.0, 0.5])
+    assert clock.asked == pytest.approx([1.0, 0.5])
+
+
+def test_slowdown_learns_the_sleeps_lateness_and_returns_what_it_slept():
+    # every sleep returns 1 ms late: the first interval is 1 ms long (and says so); then the
+    # asked time shrinks until the emulated interval is (f - 1) t again
+    clock = FakeClock(late=1e-3)
+    slow = Slowdown(2.0, sleep=clock.sleep, clock=clock)
+    slept = [slow.stretch(0.010) for _ in range(40)]
+    assert slept[0] == pytest.approx(0.011)
+    assert slept[-1] == pytest.approx(0.010, abs=1e-6)
+    assert clock.asked[-1] == pytest.approx(0.009, abs=1e-6)
+    # a short interval never asks for less than half of its extra time
+    assert slow.stretch(1e-3) == pytest.approx(0.5e-3 + 1e-3)
 
 
 def test_slowdown_of_one_never_sleeps():
-    slept = []
-    slow = Slowdown(1, sleep=slept.append)
+    clock = FakeClock()
+    slow = Slowdown(1, sleep=clock.sleep, clock=clock)
     assert slow.stretch(2.0) == 0.0
-    assert slept == []
+    assert clock.asked == []
 
 
 @pytest.mark.parametrize("factor", [0.5, 0, -1, float("inf"), float("nan"), True, "2"])

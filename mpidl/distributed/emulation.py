@@ -39,14 +39,26 @@ def _parse_numbers(text: str, what: str) -> list[float]:
 class Slowdown:
     """EMULATED slow rank: stretch every measured compute interval by ``factor``.
 
-    ``factor = 1`` is a no-op; ``factor = 3`` makes the rank three times slower. ``sleep`` is
-    injectable so tests can record instead of wait.
+    ``factor = 1`` is a no-op; ``factor = 3`` makes the rank three times slower. ``sleep`` and
+    ``clock`` are injectable so tests can record instead of wait.
 
-    Usage: ``t = measured compute seconds; slowdown.stretch(t)``.
+    Usage: ``t = measured compute seconds; t += slowdown.stretch(t)``.
+
+    Notes
+    -----
+    ``time.sleep(s)`` returns late: by 0.08-0.3 ms on the 2-core VM of the README's tables,
+    2-3 % of a 10 ms step, which a rank would lose on every step without any part of it being
+    counted. So :meth:`stretch` asks for ``s - o`` where ``o`` is a running estimate of the
+    lateness (``o <- o + (late - o) / 4`` after every sleep, ``0 <= o <= s / 2``), and returns
+    the seconds it really slept: the emulated interval is then ``f t`` to within the lateness's
+    jitter, and whatever is left is counted as the rank's compute, not lost.
     """
 
     factor: float = 1.0
     sleep: Callable[[float], None] = field(default=time.sleep, repr=False)
+    clock: Callable[[], float] = field(default=time.perf_counter, repr=False)
+    #: running estimate of how late ``sleep`` returns (seconds)
+    lateness: float = field(default=0.0, repr=False)
 
     def __post_init__(self):
         if isinstance(self.factor, bool) or not isinstance(self.factor, Real) \
@@ -59,11 +71,17 @@ class Slowdown:
         return (self.factor - 1.0) * max(float(elapsed), 0.0)
 
     def stretch(self, elapsed: float) -> float:
-        """Sleep ``(factor - 1) * elapsed`` after a compute interval; return the seconds slept."""
+        """Sleep about ``(factor - 1) * elapsed`` after a compute interval (the sleep's own
+        lateness allowed for); return the seconds really slept."""
         extra = self.extra_seconds(elapsed)
-        if extra > 0:
-            self.sleep(extra)
-        return extra
+        if extra <= 0:
+            return 0.0
+        asked = max(0.0, extra - min(self.lateness, 0.5 * extra))
+        start = self.clock()
+        self.sleep(asked)
+        slept = self.clock() - start
+        self.lateness = max(0.0, self.lateness + 0.25 * ((slept - asked) - self.lateness))
+        return slept
 
 
 def parse_slowdowns(text: str, world_size: int) -> list[float]:
