@@ -54,6 +54,7 @@ HDP_CONFIGS = {  # name -> (options, what it means)
     "auto": (["--speeds", "auto"], "measured speeds (`--speeds auto`)"),
     "rebalance": (["--speeds", "auto", "--rebalance"], "measured + re-fitted every 20 steps (`--speeds auto --rebalance`)"),
 }
+PAIR_EPOCHS = 5  # epochs of each 2-rank run: re-splits need two agreeing re-fits (every 20 steps)
 HOMOGENEOUS_STARTS = 10  # starts of 4 identical ranks, each with --speeds auto and --balance none
 NODE_K = (1, 10, 50, 200)
 NODE_STEPS = 200  # steps per epoch of the node experiment: a multiple of every K' above
@@ -429,23 +430,34 @@ def hdp_small_worlds(ctx: Context) -> tuple[dict, list[str]]:
                                    "NUMBA_NUM_THREADS")}
     epochs = plan.hdp_epochs
     warm = ds.argv + ["--epochs", "1", "--max-steps", "2", "--batch-size", "64", "--balance", "none"]
-    # ---- 2 ranks, 1 thread each, slowdowns 1,2
+    # ---- 2 ranks, 1 thread each, slowdowns 1,2: on the built-in scene and on the issue's
+    # 156-band 9x9 scene (a 4x larger step, so the exchange is a smaller part of it)
+    scenes = [("32x7x7 (built-in)", ds.argv)]
+    wide = ctx.work / "pair_data" / "synthetic_156x9x9.h5"
+    cmd = [PYTHON, "-m", "mpidl.data_tools", "synthetic", "--bands", "156", "--patch", "9", "--out", str(wide)]
+    if not wide.is_file():
+        code, _ = common.run(cmd, ctx.work / "pair_data" / "synthetic.log", 120)
+        if code != 0:
+            raise RuntimeError(f"writing the 156-band scene failed: {common.tail(ctx.work / 'pair_data' / 'synthetic.log', 3)}")
+    scenes.append(("156x9x9", ["--data", str(wide)]))
+    pair_epochs = epochs if ctx.args.quick else PAIR_EPOCHS
     pair = TrainBatch(ctx.work, "hdp_pair", ranks=2, throttle=not ctx.args.mpich_defaults, warmup=warm)
     pair.extra_env = one_thread
     names = {}
     for rep in range(plan.hdp_repeats + 1):
-        for cfg in HDP_CONFIGS:
-            name = f"pair_{cfg}_r{rep}"
-            argv = ds.argv + ["--epochs", epochs, "--batch-size", 64, "--lr", ds.lr, "--seed", 0,
-                              "--emulate-slowdown", "1,2", *HDP_CONFIGS[cfg][0]]
-            if plan.hdp_max_steps:
-                argv += ["--max-steps", plan.hdp_max_steps]
-            pair.add(name, argv)
-            names.setdefault(cfg, []).append(name)
+        for scene, scene_argv in scenes:
+            for cfg in HDP_CONFIGS:
+                name = f"pair_{scene.split()[0]}_{cfg}_r{rep}"
+                argv = scene_argv + ["--epochs", pair_epochs, "--batch-size", 64, "--lr", ds.lr, "--seed", 0,
+                                     "--emulate-slowdown", "1,2", *HDP_CONFIGS[cfg][0]]
+                if plan.hdp_max_steps:
+                    argv += ["--max-steps", plan.hdp_max_steps]
+                pair.add(name, argv)
+                names.setdefault((scene, cfg), []).append(name)
     runs = pair.launch(plan.timeout)
     rows, out = [], {"pair": {}, "homogeneous": {}}
-    for cfg, keys in names.items():
-        ratios, sizes = [], []
+    for (scene, cfg), keys in names.items():
+        ratios, sizes, comms, idles = [], [], [], []
         for key in keys:
             loaded = runs.get(key)
             if loaded is None:
@@ -453,10 +465,14 @@ def hdp_small_worlds(ctx: Context) -> tuple[dict, list[str]]:
             _, ep, _ = loaded
             for e in timed_epochs(ep):
                 ratios.append(e["time_s"] / ideal_epoch_s(e, (1.0, 2.0)))
+                comms.append(statistics.mean(e["comm_s"]) / e["time_s"])
+                idles.append(statistics.mean(e["idle_s"]) / e["time_s"])
             sizes.append(ep[-1]["batch_sizes"])
-        out["pair"][cfg] = {"ratio": ratios, "batch_sizes": sizes}
-        rows.append(["2 ranks x 1 thread (not oversubscribed)", "1,2", HDP_CONFIGS[cfg][1],
-                     str(sizes[-1]) if sizes else "n/a", med_spread(ratios), f"{len(ratios)}"])
+        out["pair"][f"{scene} {cfg}"] = {"ratio": ratios, "batch_sizes": sizes, "comm_share": comms,
+                                         "idle_share": idles}
+        rows.append([f"2 ranks x 1 thread, {scene}", "1,2", HDP_CONFIGS[cfg][1],
+                     str(sizes[-1]) if sizes else "n/a", med_spread(ratios), med_spread(comms, 100, 1),
+                     med_spread(idles, 100, 1), f"{len(ratios)}"])
     # ---- 4 identical ranks, many starts
     homo = ctx.batch("hdp_homogeneous", ds)
     starts = 2 if ctx.args.quick else HOMOGENEOUS_STARTS
@@ -489,8 +505,11 @@ def hdp_small_worlds(ctx: Context) -> tuple[dict, list[str]]:
                           "control_vs_none": control}
     body = ["## Two more setups (synthetic scene)", "",
             md_table(["setup", "slowdown (EMULATED)", "split", "batch sizes (last run)", "epoch / ideal",
-                      "epochs"], rows), "",
-            f"Exact command of a row: `{pair.train_command(names['auto'][0])}` with "
+                      "comm % of epoch", "idle % of epoch", "epochs"], rows), "",
+            f"The 156x9x9 scene: `{shown(cmd).replace(str(wide), wide.name)}`. {pair_epochs} epochs a run, "
+            "all but the first timed. *comm* and *idle* (rank means, as in the tables above) are the "
+            "exchange and the waiting for the other rank, as a share of the epoch.", "",
+            f"Exact command of a row: `{pair.train_command(names[(scenes[0][0], 'auto')][0])}` with "
             "`OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 NUMBA_NUM_THREADS=1` (one thread per rank, "
             f"2 ranks on {ctx.info['cores']} cores).", "",
             f"**4 identical ranks** (no emulation), {len(splits)} starts of `--speeds auto`, each next "
