@@ -17,3 +17,5 @@ __version__ = "0.1.0"
 from mpidl import threads as _threads  # noqa: E402
 
 _threads.set_wait_policy()
+# Freed array memory stays in the process (glibc), so each step does not page-fault it back in.
+_threads.set_malloc_policy()

@@ -57,6 +57,41 @@ def set_wait_policy() -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+#: glibc's ``mallopt`` parameters (malloc.h) and the values mpidl sets: keep freed blocks of up
+#: to 256 MiB in the heap and never trim it below 1 GiB of free top memory.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MALLOC_POLICY = {_M_MMAP_THRESHOLD: 256 << 20, _M_TRIM_THRESHOLD: 1 << 30}
+_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+
+
+def set_malloc_policy() -> bool:
+    """Make glibc's ``malloc`` keep freed array memory in the process instead of returning it to
+    the OS; returns whether the policy was set (not on another C library, or when the user set
+    either ``MALLOC_*_THRESHOLD_`` variable, which then stand).
+
+    Why: a training step allocates and frees many arrays of a few MiB (layer outputs and
+    gradients). By default glibc serves such a block with ``mmap`` and ``munmap``s it on free, or
+    trims the heap top, so the next step's array of the same size starts as fresh pages: a page
+    fault per 4 KiB on first touch, inside kernels that would otherwise run at memory speed.
+    Measured on resnet8 (benchmarks/step.py, batch 64, 2 threads, 3 rounds, a noisy 2-core VM):
+    89.5 -> 85.3 and 79.7 -> 74.2 ms per step in two before/after pairs (the same thresholds as
+    environment variables: 90.4 / 88.0 -> 78.4 / 77.0 ms); no change at one thread; the
+    FusedResidual backward (page-faulting fresh outputs) 5.6 -> 2.7 ms in profile_layers.py.
+    The peak resident size is unchanged (422 MB): the same blocks are reused step after step,
+    and the resident growth during the timed steps falls from 11-15 MB to 0.
+    """
+    if any(name in os.environ for name in _MALLOC_ENV):
+        return False
+    try:
+        import ctypes  # noqa: PLC0415
+
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (macOS, musl without mallopt)
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return all(mallopt(parameter, value) == 1 for parameter, value in _MALLOC_POLICY.items())
+
+
 def _positive_int(value) -> int | None:
     try:
         number = int(str(value).strip().split(",")[0])

@@ -58,10 +58,25 @@ def test_launcher_count_divides_the_cores():
 
 def test_threads_per_process_arithmetic(monkeypatch):
     from mpidl import threads
-
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(threads, "usable_cores", lambda: 8)
     assert threads.threads_per_process(3) == 2
     assert threads.threads_per_process(16) == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert threads.threads_per_process(16) == 3
+
+
+def test_malloc_policy_respects_the_users_variables(monkeypatch):
+    from mpidl import threads
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
+    assert threads.set_malloc_policy() is False
+
+
+def test_malloc_policy_is_set_on_glibc(monkeypatch):
+    from mpidl import threads
+    import platform
+
+    for name in threads._MALLOC_ENV:
+        monkeypatch.delenv(name, raising=False)
+    expected = platform.libc_ver()[0] == "glibc"
+    assert threads.set_malloc_policy() is expected
