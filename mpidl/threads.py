@@ -34,6 +34,10 @@ The policy
   BLAS worker exists to spin, so the policy works even when NumPy was imported (and OpenBLAS
   started its pool) before mpidl. When the user sets ``OPENBLAS_NUM_THREADS`` or
   ``MKL_NUM_THREADS``, BLAS keeps that count and mpidl does not split the products.
+* glibc's ``malloc`` keeps freed memory in the process (:func:`set_malloc_policy`, on ``import
+  mpidl``), unless ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_`` is set. Not a thread
+  setting, but the same kind of process-wide choice that decides a step's speed, so it lives
+  here. It goes through ``ctypes`` because no library exposes ``mallopt``.
 
 :func:`describe` says what was applied.
 """
@@ -89,7 +93,8 @@ def set_malloc_policy() -> bool:
     except (OSError, AttributeError):  # not glibc (macOS, musl without mallopt)
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    return all(mallopt(parameter, value) == 1 for parameter, value in _MALLOC_POLICY.items())
+    _state["malloc_policy"] = all(mallopt(parameter, value) == 1 for parameter, value in _MALLOC_POLICY.items())
+    return _state["malloc_policy"]
 
 
 def _positive_int(value) -> int | None:
@@ -163,11 +168,13 @@ def gemm_threads() -> int:
 
 def describe() -> dict:
     """The thread counts in force: ``threads`` (T), ``numba``, ``gemm_threads``, ``blas``
-    (per library), ``omp_wait_policy``."""
+    (per library), ``omp_wait_policy``; and ``malloc_policy`` (whether :func:`set_malloc_policy`
+    set glibc's thresholds)."""
     from threadpoolctl import threadpool_info  # noqa: PLC0415
 
     info: dict = {"threads": _state["applied"], "gemm_threads": _state["gemm_threads"],
-                  "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+                  "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                  "malloc_policy": _state.get("malloc_policy", False)}
     try:
         import numba  # noqa: PLC0415
 

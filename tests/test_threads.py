@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -41,12 +42,15 @@ def test_nothing_set_gives_one_blas_thread_and_passive_openmp():
     assert info["omp_wait_policy"] == "PASSIVE"
     assert info["threads"] == _cores() and info["numba"] == _cores() and info["gemm_threads"] == _cores()
     assert info["blas"] and all(count == 1 for count in info["blas"].values()), info["blas"]
+    assert info["malloc_policy"] is (platform.libc_ver()[0] == "glibc")
 
 
 @pytest.mark.slow
 def test_explicit_settings_win():
-    info = _policy(OMP_WAIT_POLICY="ACTIVE", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
+    info = _policy(OMP_WAIT_POLICY="ACTIVE", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
+                   MALLOC_MMAP_THRESHOLD_="131072")
     assert info["omp_wait_policy"] == "ACTIVE"
+    assert info["malloc_policy"] is False
     assert info["threads"] == 1 and info["numba"] == 1 and info["gemm_threads"] == 1
 
 
@@ -74,7 +78,6 @@ def test_malloc_policy_respects_the_users_variables(monkeypatch):
 
 def test_malloc_policy_is_set_on_glibc(monkeypatch):
     from mpidl import threads
-    import platform
 
     for name in threads._MALLOC_ENV:
         monkeypatch.delenv(name, raising=False)
