@@ -5,6 +5,7 @@ The numbers of a quick run mean nothing; what is checked is that each script run
 expected sections and table headers, into a temporary folder (never into benchmarks/results).
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -181,6 +182,19 @@ def test_step_benchmark_runs_the_mpidl_kinds(tmp_path):
     text = (out / "step.md").read_text()
     rows = _table_rows(text, "| model | input | api step ms | cli step ms |")
     assert len(rows) == 1 and rows[0].startswith("| `hsicnn` | 156x9x9 |"), text
+
+
+def test_homogeneous_starts_reports_the_split_of_identical_ranks(tmp_path):
+    """benchmarks/homogeneous_starts.py: one start of 2 identical ranks, its three jobs, the JSON."""
+    out = tmp_path / "homogeneous.json"
+    proc = _run([sys.executable, str(BENCH / "homogeneous_starts.py"), "--starts", "1", "--ranks", "2",
+                 "--epochs", "2", "--json", str(out)], timeout=600)
+    result = json.loads(out.read_text())
+    assert result["starts"] == 1 and len(result["rows"]) == 1
+    row = result["rows"][0]
+    assert sum(row["split"]) == 64 and len(row["split"]) == 2
+    assert row["auto_vs_none"] > 0 and row["control_vs_none"] > 0
+    assert f"in {result['equal']} of 1 starts" in proc.stdout
 
 
 def test_every_model_has_a_torch_twin_that_computes_its_logits():
