@@ -46,13 +46,17 @@ import common  # noqa: E402
 from common import (PYTHON, TrainBatch, epoch_samples, fmt_bytes, ideal_epoch_s, md_table,  # noqa: E402
                     mean_std, med_spread, median, shown, timed_epochs, unslowed_cost_per_sample)
 
+from mpidl.config import Config  # noqa: E402
+
 EXPERIMENTS = ("hdp", "balanced", "node")
 EXTERNAL = ("comm", "scaling", "peers", "overlap", "families")
 SLOWDOWNS = ("1,1,1,2", "1,1,2,4")
+REBALANCE_EVERY = Config.rebalance_every  # python -m mpidl.train's default --rebalance-every
 HDP_CONFIGS = {  # name -> (options, what it means)
     "none": (["--balance", "none"], "equal split (`--balance none`)"),
     "auto": (["--speeds", "auto"], "measured speeds (`--speeds auto`)"),
-    "rebalance": (["--speeds", "auto", "--rebalance"], "measured + re-fitted every 20 steps (`--speeds auto --rebalance`)"),
+    "rebalance": (["--speeds", "auto", "--rebalance"],
+                  f"measured + re-fitted every {REBALANCE_EVERY} steps (`--speeds auto --rebalance`)"),
 }
 PAIR_EPOCHS = 5  # epochs of each 2-rank run: re-splits need two agreeing re-fits (every 20 steps)
 HOMOGENEOUS_STARTS = 10  # starts of 4 identical ranks, each with --speeds auto and --balance none
@@ -371,6 +375,22 @@ def hdp(ctx: Context) -> dict:
                            "epoch s", "ideal s", "epoch / ideal", "idle s (rank mean)", "comm s (rank mean)",
                            "c (ms/sample)", "OA %",
                            "epochs / runs"], rows), ""]
+        # How often --rebalance re-split: a dataset of few steps an epoch may see no re-fit at all.
+        resplits = {}
+        for (slow, cfg, scale), keys in names.items():
+            if cfg == "rebalance":
+                resplits[slow] = sum(rebalance_events(batch.work / batch.tag / f"{key}.jsonl") for key in keys
+                                     if runs.get(key) is not None)
+        steps_per_epoch = -(-ds.num_train // 64)
+        steps_per_run = steps_per_epoch * plan.hdp_epochs
+        if plan.hdp_max_steps:
+            steps_per_run = min(steps_per_run, plan.hdp_max_steps)
+        body += [f"`--rebalance` re-fits every {REBALANCE_EVERY} steps; this dataset has {steps_per_epoch} steps "
+                 "an epoch. "
+                 "Re-splits taken over all runs of a row: "
+                 + ", ".join(f"{slow}: {n}" for slow, n in resplits.items())
+                 + (" (fewer steps than one re-fit period per run: these rows differ from `--speeds auto` only by "
+                    "the probe's outcome)." if steps_per_run < REBALANCE_EVERY else "."), ""]
         body += [f"Exact command of a row (here: 1,1,2,4, measured speeds): `{batch.train_command(names[(SLOWDOWNS[1], 'auto', k)][0])}`",
                  f"The batch of this dataset: `{shown(batch.command())}` ({batch.seconds:.0f} s, exit {batch.code}).", ""]
         results[ds.name] = {"batch_s": batch.seconds, "exit": batch.code}
@@ -522,6 +542,15 @@ def hdp_small_worlds(ctx: Context) -> tuple[dict, list[str]]:
             f"configuration. Splits: {', '.join(str(s) for s in splits)}.", "",
             f"Command: `{homo.train_command(f'homo_auto_0')}` (and the same with `--balance none`).", ""]
     return out, body
+
+
+def rebalance_events(metrics: Path) -> int:
+    """The re-splits a run's metrics logged (``{"event": "rebalance"}`` records)."""
+    try:
+        lines = metrics.read_text().splitlines()
+    except OSError:
+        return 0
+    return sum(json.loads(line).get("event") == "rebalance" for line in lines if line.strip())
 
 
 def hdp_splits_figure(runs: list, factors: list, title: str, png: Path) -> None:
