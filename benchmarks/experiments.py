@@ -58,7 +58,7 @@ HDP_CONFIGS = {  # name -> (options, what it means)
     "rebalance": (["--speeds", "auto", "--rebalance"],
                   f"measured + re-fitted every {REBALANCE_EVERY} steps (`--speeds auto --rebalance`)"),
 }
-PAIR_EPOCHS = 5  # epochs of each 2-rank run: re-splits need two agreeing re-fits (every 20 steps)
+PAIR_EPOCHS = 5  # epochs of each 2-rank run: a re-split needs two agreeing re-fits
 HOMOGENEOUS_STARTS = 10  # starts of 4 identical ranks, each with --speeds auto and --balance none
 NODE_K = (1, 10, 50, 200)
 NODE_STEPS = 200  # steps per epoch of the node experiment: a multiple of every K' above

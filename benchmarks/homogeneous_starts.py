@@ -12,8 +12,9 @@ first). At the end: in how many starts the split was equal within one sample, an
 ratios' median [min-max].
 
 The launcher is the one beside this Python (MPICH or Open MPI, with the flags of
-``tests/launcher.py``), with nothing else set (no MPICH throttling: a new user's job), so ``~/venv-openmpi/bin/python benchmarks/homogeneous_starts.py`` runs
-the same check under Open MPI.
+``tests/launcher.py``), with nothing else set (no MPICH throttling: a new user's job), so
+``~/venv-openmpi/bin/python benchmarks/homogeneous_starts.py`` runs the same check under Open
+MPI.
 """
 
 from __future__ import annotations

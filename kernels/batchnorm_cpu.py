@@ -27,7 +27,8 @@ __all__ = ["batchnorm_forward", "batchnorm_backward"]
 _SUM = {"reassoc", "contract"}
 
 
-@njit(inline="always", fastmath=_SUM)
+# The two helpers are inlined into the parallel kernels and compiled with their flags.
+@njit(inline="always")
 def _channel_statistics(x, c):
     """``(mean, var)`` of channel ``c`` of ``x : (N, C, H*W)`` (float64 sums, two passes)."""
     n_size, _, hw_size = x.shape
@@ -47,7 +48,7 @@ def _channel_statistics(x, c):
     return mu, squares / count
 
 
-@njit(inline="always", fastmath={"contract"})
+@njit(inline="always")
 def _channel_affine(x, c, scale, shift, relu, y):
     """``y[:, c] = relu?(scale * x[:, c] + shift)`` in ``x``'s dtype."""
     n_size, _, hw_size = x.shape
@@ -133,7 +134,7 @@ def batchnorm_forward(x, gamma, beta, eps: float, relu: bool = False, stats=None
     if stats is None:
         mean, var = np.empty(c), np.empty(c)
     else:
-        mean, var = (np.array(s, dtype=np.float64) for s in stats)
+        mean, var = (np.asarray(s, dtype=np.float64) for s in stats)
     y = np.empty_like(x)
     _forward(_rows(x), gamma.astype(np.float64), beta.astype(np.float64), float(eps), bool(relu),
              stats is None, mean, var, _rows(y))

@@ -53,7 +53,7 @@ LAUNCHER_LOCAL_SIZE = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_N
 #: A user's BLAS thread count: BLAS keeps it, and mpidl does not split products.
 BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
-_state: dict = {"applied": None, "gemm_threads": 1, "ranks": None}
+_state: dict = {"applied": None, "gemm_threads": 1, "ranks": None, "malloc_policy": False}
 
 
 def set_wait_policy() -> None:
@@ -174,7 +174,7 @@ def describe() -> dict:
 
     info: dict = {"threads": _state["applied"], "gemm_threads": _state["gemm_threads"],
                   "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-                  "malloc_policy": _state.get("malloc_policy", False)}
+                  "malloc_policy": _state["malloc_policy"]}
     try:
         import numba  # noqa: PLC0415
 

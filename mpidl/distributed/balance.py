@@ -213,8 +213,7 @@ def refit_cost(previous: RankCost, batch_sizes: Sequence[int], seconds: Sequence
     if not by_size:
         return previous
     if max(by_size) - min(by_size) >= MIN_SIZE_SPREAD * max(by_size):
-        kept = [(b, t) for b, ts in by_size.items() for t in ts]
-        return fit_cost([b for b, _ in kept], [t for _, t in kept])
+        return fit_cost([b for b, ts in by_size.items() for _ in ts], [t for ts in by_size.values() for t in ts])
     usual = max(by_size, key=lambda b: (len(by_size[b]), b))
     return scale_cost(previous, usual, by_size[usual])
 
