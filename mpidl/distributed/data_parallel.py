@@ -51,6 +51,7 @@ import numpy as np
 from mpidl import kernels
 from mpidl.backend import get_array_module, to_host
 from mpidl.distributed import balance
+from mpidl.distributed import probe as speed_probe
 from mpidl.distributed.compress import COMPRESSIONS, Compressor
 from mpidl.distributed.emulation import LinkModel, Slowdown, parse_link
 from mpidl.distributed.reducer_base import COUNT, NONFINITE, SLOTS, STOP, WEIGHTINGS
@@ -65,8 +66,6 @@ ON_NAN = ("stop", "skip")
 BUCKET_MB = 1.0
 #: how the ranks of one node combine (see the ``intra`` parameter)
 INTRA = ("mpi", "shm")
-#: timed rounds of the speed probe (each times every probe batch size once)
-PROBE_ROUNDS = 7
 #: default minimum predicted gain (a fraction of the step) for an uneven split or a re-split
 BALANCE_THRESHOLD = 0.05
 #: default samples every rank computes at least in a full global batch (``min_local_batch``):
@@ -104,7 +103,7 @@ class DataParallel:
     speeds : 'equal' | 'auto' | sequence of P positive numbers
         How ``B`` is split (:mod:`~mpidl.distributed.balance`): equally; by a cost model
         ``t_i(b) = a_i + c_i b`` of every rank fitted from timed ``probe`` passes at several
-        batch sizes, the split minimizing the slowest rank's step, kept equal unless it is
+        batch sizes (:mod:`~mpidl.distributed.probe`), the split minimizing the slowest rank's step, kept equal unless it is
         predicted to be more than ``balance_threshold`` faster; or in proportion to the given
         relative speeds (``t_i(b) = b / s_i``).
     probe : callable(n), optional
@@ -282,13 +281,11 @@ class DataParallel:
             if hasattr(self.reducer, "shared"):
                 self.reducer.shared = self.shared
         if probe is not None:
-            self._warm_up(probe)
+            speed_probe.warm_up(self, probe)
         if speeds == "auto":
             #: every rank's cost model t_i(b) = a_i + c_i b (seconds), indexed by rank
-            self.costs, self.noise = self._measure_costs(probe)
+            self.costs, self.noise, self.batch_sizes, self.predicted_step_s = speed_probe.measured_split(self, probe)
             self.speeds_source = "measured"
-            self.batch_sizes, self.predicted_step_s = self._split_from(self.costs, self.noise)
-            self._confirm_uneven_split(probe)
         else:
             self.costs = balance.costs_from_speeds(given if given is not None else [1.0] * topo.size)
             self.noise = 0.0
@@ -810,89 +807,6 @@ class DataParallel:
             offset += size
         self.model.load_buffers_host(averaged)
 
-    def _warm_up(self, probe) -> None:
-        """One untimed ``probe(2)`` per rank, the node's first rank first (see ``probe``)."""
-        saved = self._buffers_host()  # probe passes must not move batch-norm statistics
-        node = self.topology.node
-        for first_turn in (True, False):
-            if (node.Get_rank() == 0) == first_turn:
-                probe(min(2, self.batch_size))
-            if first_turn:
-                # A sleeping poll, not MPI_Barrier, whose busy-wait would take the cores
-                # from the compiling rank (default job, 4 ranks on 2 cores, cold cache: 56 s -> 26 s).
-                waiting = node.Ibarrier()
-                while not waiting.Test():
-                    time.sleep(0.005)
-        if saved:
-            self.model.load_buffers_host(saved)
-
-    def _measure_costs(self, probe) -> tuple[list[balance.RankCost], float]:
-        """Every rank's ``t_i(b) = a_i + c_i b`` and the measurements' spread: timed ``probe``
-        passes at the batch sizes of :func:`probe_sizes`, in :data:`PROBE_ROUNDS` rounds after
-        one untimed round, every pass started by all ranks together (a sleeping barrier) so
-        that each is measured under the contention of a real step; EMULATED slowdown included.
-        Fitted per rank by :func:`~mpidl.distributed.balance.fit_cost`, gathered on every rank.
-        The noise is the median over ranks of each rank's median over batch sizes of
-        :func:`~mpidl.distributed.balance.timing_noise`."""
-        saved = self._buffers_host()
-        sizes = probe_sizes(self.batch_size, self.size)
-        measured_sizes, measured_times = [], []
-        for round_ in range(PROBE_ROUNDS + 1):
-            for b in sizes[round_ % len(sizes):] + sizes[:round_ % len(sizes)]:  # rotate the order
-                self._sleeping_barrier()
-                t0 = time.perf_counter()
-                probe(b)
-                if self._backend is not None:
-                    self._backend.synchronize()
-                seconds = time.perf_counter() - t0
-                seconds += self.slowdown.stretch(seconds)
-                if round_ > 0:
-                    measured_sizes.append(b)
-                    measured_times.append(max(seconds, 1e-9))
-        if saved:
-            self.model.load_buffers_host(saved)
-        own = balance.fit_cost(measured_sizes, measured_times)
-        spread = statistics.median(
-            balance.timing_noise([t for b2, t in zip(measured_sizes, measured_times) if b2 == b])
-            for b in sizes)
-        gathered = self.all_gather_object((own.a, own.c, spread))
-        return ([balance.RankCost(a, c) for a, c, _ in gathered],
-                statistics.median(s for _, _, s in gathered))
-
-    def _split_from(self, costs, noise) -> tuple[list[int], float]:
-        """The start's split for these costs: equal unless measurably unequal."""
-        return balance.choose_split(costs, self.batch_size, self.balance_threshold,
-                                    minimum=self.min_local_batch, noise=noise)
-
-    def _confirm_uneven_split(self, probe) -> None:
-        """When the measured split is not the equal one, measure once more before leaving the
-        equal split (collective; every rank takes the same branch, since the decision is
-        computed from gathered numbers).
-
-        A rank descheduled by another process during its probe passes looks slow in all of
-        them alike, so their spread (the noise margin) does not reveal it; a rank that is
-        really slower is slower the second time too. The second measurement alone must also
-        choose an uneven split; then the split follows the two fits averaged, ``a_i`` and
-        ``c_i`` each the mean of its two values, with the larger of the two noise margins."""
-        equal = balance.equal_split(self.batch_size, self.size)
-        if self.batch_sizes == equal:
-            return
-        again, noise_again = self._measure_costs(probe)
-        if self._split_from(again, noise_again)[0] == equal:
-            self.costs, self.noise = again, noise_again
-            self.batch_sizes, self.predicted_step_s = equal, balance.step_time(again, equal)
-            return
-        self.costs = [balance.RankCost(0.5 * (x.a + y.a), 0.5 * (x.c + y.c)) for x, y in zip(self.costs, again)]
-        self.noise = max(self.noise, noise_again)
-        self.batch_sizes, self.predicted_step_s = self._split_from(self.costs, self.noise)
-
-    def _sleeping_barrier(self) -> None:
-        """A world barrier that sleeps while it waits: a busy-waiting MPI_Barrier would take
-        the cores from ranks still computing on an oversubscribed machine."""
-        waiting = self.topology.world.Ibarrier()
-        while not waiting.Test():
-            time.sleep(0.0005)
-
     def _compare_replicas(self) -> None:
         digest = hashlib.sha1(np.ascontiguousarray(to_host(self.params.data)).tobytes()).hexdigest()
         digests = self.all_gather_object(digest)
@@ -943,10 +857,3 @@ class DataParallel:
         if set(buffers) != set(own_buffers):
             raise ValueError(f"buffers {sorted(buffers)} do not match the model's {sorted(own_buffers)}")
         return params, opt_state, int(mine.get("samples", 0)), buffers
-
-
-def probe_sizes(batch_size: int, ranks: int) -> list[int]:
-    """The local batch sizes the speed probe times: half, one and two equal shares
-    ``m = ceil(B / P)`` (at most ``B``), so the fitted line covers the splits it will choose."""
-    share = -(-batch_size // ranks)
-    return sorted({max(1, share // 2), share, min(batch_size, 2 * share)})

@@ -17,7 +17,7 @@ from mpi4py import MPI
 from mpidl.backend import get_backend
 from mpidl.distributed import DataParallel, NonFiniteGradient, Topology
 from mpidl.distributed.balance import equal_split
-from mpidl.distributed.data_parallel import PROBE_ROUNDS, probe_sizes
+from mpidl.distributed.probe import PROBE_ROUNDS, probe_sizes
 from mpidl.models import build_model
 from mpidl.nn import SoftmaxCrossEntropy
 from mpidl.optim import SGD, Adam
