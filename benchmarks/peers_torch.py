@@ -310,6 +310,7 @@ def run_torch(dist, world, mode, train_set, test_set, lr, epochs, max_steps, syn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from mpidl.distributed import balance
+    from mpidl.distributed.data_parallel import MIN_LOCAL_BATCH
     from mpidl.metrics import classification_report, confusion_matrix
     from mpidl.models import build_model
     from mpidl.optim import make_schedule
@@ -346,7 +347,8 @@ def run_torch(dist, world, mode, train_set, test_set, lr, epochs, max_steps, syn
     total = epochs * steps_per_epoch if max_steps is None else min(max_steps, epochs * steps_per_epoch)
     schedule = make_schedule("cosine", lr, total)
     speeds = [float(s) for s in BALANCED_SPEEDS.split(",")] if mode == "balanced" else [1.0] * size
-    sizes = balance.batch_sizes(speeds, B)
+    # The split mpidl's DataParallel takes for given speeds (its default minimum per rank).
+    sizes = balance.solve_split(balance.costs_from_speeds(speeds), B, MIN_LOCAL_BATCH)
     loss_fn = torch.nn.CrossEntropyLoss()
     step, epoch_s, step_s = 0, [], []
     dummy_x, _ = train_set.read(np.arange(1))
