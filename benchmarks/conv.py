@@ -267,7 +267,7 @@ def sgemm_step(gemms, seed=2):
     def step():
         for a, b, out in work:
             if out.ndim == 3:
-                batched_matmul(a, b, out)  # as Conv2d does its Winograd products
+                batched_matmul(a, b, out)  # the stack of alpha^2 products, split between threads
             else:
                 np.matmul(a, b, out=out)
 

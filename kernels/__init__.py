@@ -10,8 +10,9 @@ module          runs on                    role
 ``cuda``        device arrays              Numba CUDA kernels (``numba.cuda.jit``)
 ==============  =========================  ===========================================
 
-The Winograd transforms have their own three files (``winograd_reference`` / ``winograd_cpu`` /
-``winograd_cuda``), batch normalization (+ ReLU) its own two (``batchnorm_reference``, which
+The Winograd convolution has its own three files (``winograd_reference`` / ``winograd_cpu`` /
+``winograd_cuda``; the CPU file has only the whole convolution, fused, so the four transforms
+alone run the reference on NumPy arrays), batch normalization (+ ReLU) its own two (``batchnorm_reference``, which
 also serves CuPy arrays, and ``batchnorm_cpu``), and so do the transformer layers' GELU, layer
 normalization and softmax (``transformer_reference``, ``transformer_cpu``) and the LSTM's loops
 over time (``recurrent_reference``, ``recurrent_cpu``); all are chosen by the same rule. The
@@ -54,6 +55,8 @@ __all__ = [
     "conv_output_size",
     "im2col",
     "col2im",
+    "conv2d_forward",
+    "conv2d_backward",
     "maxpool2d_forward",
     "maxpool2d_backward",
     "avgpool2d_forward",
@@ -64,6 +67,8 @@ __all__ = [
     "winograd_input_adjoint",
     "winograd_output",
     "winograd_output_adjoint",
+    "winograd_conv_forward",
+    "winograd_conv_backward",
     "batchnorm_forward",
     "batchnorm_backward",
     "all_finite",
@@ -163,12 +168,16 @@ def implementation_for(x):
     return module if module is not None else reference
 
 
-def _winograd_module(x):
-    """The Winograd file of the implementation :func:`implementation_for` picks for ``x``."""
+def _winograd_module(x, whole: bool = False):
+    """The Winograd file of the implementation :func:`implementation_for` picks for ``x``. The
+    CPU file has only the whole convolution (``whole``, its passes fused per block of
+    samples), so the four transforms alone run the reference on NumPy arrays."""
     module = implementation_for(x)
     if module is reference:
         return winograd_reference
     if module.__name__.endswith(".cpu"):
+        if not whole:
+            return winograd_reference
         from . import winograd_cpu  # noqa: PLC0415
 
         return winograd_cpu
@@ -294,6 +303,40 @@ def col2im(cols, x_shape, kh, kw, stride=1, pad=0, out=None):
     return implementation_for(cols).col2im(cols, x_shape, kh, kw, stride, pad, out=out)
 
 
+def conv2d_forward(x, weight, bias=None, stride=1, pad=0):
+    """The convolution ``x : (N, C, H, W)`` * ``weight : (F, C, kh, kw)`` (+ ``bias : (F,)``)
+    by im2col; returns ``(y, saved)``, ``y : (N, F, OH, OW)`` and what
+    :func:`conv2d_backward` needs (opaque: it belongs to the implementation that ran).
+    The math: :func:`mpidl.kernels.reference.conv2d_forward`."""
+    _, c, h, w = _check_4d(x)
+    if len(weight.shape) != 4 or weight.shape[1] != c:
+        raise ValueError(f"conv2d_forward: weight has shape {tuple(weight.shape)}, expected (F, {c}, kh, kw)")
+    if _array_kind(weight) != _array_kind(x) or weight.dtype != x.dtype:
+        raise ValueError(f"conv2d_forward: weight must be a {_array_kind(x)} array of dtype {x.dtype}")
+    f, _, kh, kw = _ints(*weight.shape)
+    stride, pad = _ints(stride, pad)
+    conv_output_size(h, kh, stride, pad), conv_output_size(w, kw, stride, pad)  # ValueError if empty
+    if bias is not None:
+        _check_shape(bias, (f,), "conv2d_forward: bias")
+    module = implementation_for(x)
+    y, state = module.conv2d_forward(x, weight, bias, stride, pad)
+    return y, (module, tuple(x.shape), state)
+
+
+def conv2d_backward(dy, weight, saved, stride=1, pad=0, input_grad=True):
+    """``(dW, dx)`` of the convolution :func:`conv2d_forward` ran and ``saved``: ``dW`` of
+    ``weight``'s shape, ``dx : (N, C, H, W)`` or None without ``input_grad``. The same
+    implementation runs backward as ran forward.
+    The math: :func:`mpidl.kernels.reference.conv2d_backward`."""
+    module, x_shape, state = saved
+    f, _, kh, kw = _ints(*weight.shape)
+    stride, pad = _ints(stride, pad)
+    n, _, h, w = x_shape
+    _check_shape(dy, (n, f, conv_output_size(h, kh, stride, pad), conv_output_size(w, kw, stride, pad)),
+                 "conv2d_backward: dy")
+    return module.conv2d_backward(dy, weight, state, x_shape, stride, pad, bool(input_grad))
+
+
 def maxpool2d_forward(x, k, stride, pad=0):
     """``x : (N, C, H, W)`` -> ``(y : (N, C, OH, OW), argmax : int32 (N, C, OH, OW))``.
     The math: :func:`mpidl.kernels.reference.maxpool2d_forward`."""
@@ -372,6 +415,45 @@ def winograd_output_adjoint(dy, m, r, out=None):
     m, r, _ = _winograd_args(m, r, 0)
     _check_out(out, dy, _transformed_shape(f, m, r, oh, ow, n), "winograd_output_adjoint")
     return _winograd_module(dy).winograd_output_adjoint(dy, m, r, out=out)
+
+
+def _check_filters(u, x, m, r, what: str) -> int:
+    """``u`` must be ``(alpha^2, F, C)`` of ``x``'s kind and dtype; returns F."""
+    alpha = m + r - 1
+    if len(u.shape) != 3 or u.shape[0] != alpha * alpha or u.shape[2] != x.shape[1]:
+        raise ValueError(f"{what}: u has shape {tuple(u.shape)}, expected ({alpha * alpha}, F, {x.shape[1]}) "
+                         f"for F({m}x{m}, {r}x{r}) and {x.shape[1]} input channels")
+    if _array_kind(u) != _array_kind(x) or u.dtype != x.dtype:
+        raise ValueError(f"{what}: u must be a {_array_kind(x)} array of dtype {x.dtype}")
+    return _ints(u.shape[1])[0]
+
+
+def winograd_conv_forward(x, u, m, r, pad=0, bias=None):
+    """The whole stride-1 ``r x r`` convolution of ``x : (N, C, H, W)`` with the transformed
+    filters ``u : (alpha^2, F, C)``; returns ``(y, saved)``, ``y : (N, F, OH, OW)`` and what
+    :func:`winograd_conv_backward` needs (opaque: it belongs to the implementation that ran).
+    The math: :func:`mpidl.kernels.winograd_reference.winograd_conv_forward`."""
+    _check_4d(x)
+    m, r, pad = _winograd_args(m, r, pad)
+    f = _check_filters(u, x, m, r, "winograd_conv_forward")
+    winograd_geometry(x.shape, m, r, pad)  # ValueError for an empty output
+    if bias is not None:
+        _check_shape(bias, (f,), "winograd_conv_forward: bias")
+    module = _winograd_module(x, whole=True)
+    y, v = module.winograd_conv_forward(x, u, m, r, pad, bias)
+    return y, (module, tuple(x.shape), v)
+
+
+def winograd_conv_backward(dy, u, saved, m, r, pad=0, input_grad=True):
+    """``(dU, dx)`` of the convolution :func:`winograd_conv_forward` ran and ``saved``:
+    ``dU : (alpha^2, F, C)`` (the filter gradient is ``G^T dU G``), ``dx : (N, C, H, W)`` or None
+    without ``input_grad``. The same implementation runs backward as ran forward.
+    The math: :func:`mpidl.kernels.winograd_reference.winograd_conv_backward`."""
+    module, x_shape, v = saved
+    m, r, pad = _winograd_args(m, r, pad)
+    oh, ow, _, _ = winograd_geometry(x_shape, m, r, pad)
+    _check_shape(dy, (x_shape[0], u.shape[1], oh, ow), "winograd_conv_backward: dy")
+    return module.winograd_conv_backward(dy, u, v, x_shape, m, r, pad, bool(input_grad))
 
 
 def batchnorm_forward(x, gamma, beta, eps, relu=False, stats=None):

@@ -1,4 +1,4 @@
-"""Numba CPU kernels: im2col / col2im, pooling and the Winograd transforms, ``@njit(parallel=True)``.
+"""Numba CPU kernels: im2col / col2im, the whole im2col convolution, pooling, ``@njit(parallel=True)``.
 
 Same functions, signatures and layouts as :mod:`mpidl.kernels.reference` (the math and the
 layouts are there); the tests compare the two on every shape they try. The arguments are
@@ -19,10 +19,9 @@ im2col               one row ``(c, i, j)`` of ``cols``       channel ``c`` of ev
 col2im               one input plane ``dx[n, c]``            the ``kh*kw`` rows of channel c
 pooling, forward     one output plane ``y[n, c]``            input plane ``x[n, c]``
 pooling, backward    one input plane ``dx[n, c]``            output plane ``dy[n, c]``
-winograd input       channel ``c``'s block ``V[c]``          channel ``c`` of every sample
-winograd input adj.  channel ``c`` of ``dx``                 ``dV[c]``
-winograd output      filter ``f`` of ``y``                   ``M[f]``
-winograd output adj. filter ``f``'s block ``dM[f]``          filter ``f`` of ``dy``
+conv2d, forward      a block of samples of ``y``             those samples of ``x``
+conv2d, backward     those samples of ``dx``, one partial    those samples of ``x``, ``dy``
+                     sum of ``dW``
 ===================  ======================================  ==============================
 
 ``col2im`` and the pooling backward passes are scatter-adds (several columns / windows add
@@ -35,13 +34,13 @@ Padding is never materialized: for each output row the valid range of output col
 computed once, so the innermost loop is branch-free (a plain strided copy / add that LLVM
 vectorizes) and the padded border is written as zeros (or skipped) outside it.
 
-No kernel fuses im2col with anything: im2col runs at the speed of a memory copy and col2im
-takes about 1 ms on the hsicnn shapes, next to about 10 ms for each GEMM, so fusing has little
-to gain. The transposed layout ``(N*OH*OW, C*kh*kw)`` ("im2row") was measured too: its GEMMs
-are a little faster with some BLAS kernels, but building it is a gather with short inner
-loops, 2-5x slower than im2col, and the convolution as a whole got slower. What did pay was a
-different algorithm: Winograd's transforms (below) cut the GEMM work of hsicnn's 3x3 layers to
-31 %; the output transform adds the bias on the way (no separate pass).
+The convolution itself (``conv2d_forward`` / ``conv2d_backward``) fuses im2col, the product
+and col2im per sample, so cols never leaves the cache and the output is written in NCHW
+directly (no transpose pass); why, below. The transposed layout ``(N*OH*OW, C*kh*kw)``
+("im2row") was measured too: its GEMMs are a little faster with some BLAS kernels, but building
+it is a gather with short inner loops, 2-5x slower than im2col, and the convolution as a whole
+got slower. Stride-1 3x3 layers of 8 or more channels take another algorithm, Winograd's
+(:mod:`mpidl.kernels.winograd_cpu`), which cuts their GEMM work to 31-41 %.
 
 Only float32 and float64 are compiled (one specialization each; ``cache=True`` keeps the
 machine code in ``__pycache__`` so later processes start at once). Any other dtype is handed
@@ -50,6 +49,7 @@ to the reference implementation, which defines the result for it.
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 from numba import njit, prange, uint64
 
@@ -60,6 +60,8 @@ __all__ = [
     "conv_output_size",
     "im2col",
     "col2im",
+    "conv2d_forward",
+    "conv2d_backward",
     "maxpool2d_forward",
     "maxpool2d_backward",
     "avgpool2d_forward",
@@ -108,42 +110,65 @@ def _valid_range(offset, stride, pad, in_size, out_size):
 # --------------------------------------------------------------------------------------------
 
 
+@njit(inline="always", cache=True)
+def _im2col_row(src, i, j, stride, pad, out_h, out_w, row, start):
+    """``row[start + oh*OW + ow] = src_padded[oh*stride + i, ow*stride + j]``: one input plane
+    ``src : (H, W)`` at kernel offset ``(i, j)``, i.e. one sample's stretch of one row of cols
+    (zeros where the window is in the padding)."""
+    oh_lo, oh_hi = _valid_range(i, stride, pad, src.shape[0], out_h)
+    ow_lo, ow_hi = _valid_range(j, stride, pad, src.shape[1], out_w)
+    # Output rows whose input row is in the padding: zeros.
+    for q in range(start, start + oh_lo * out_w):
+        row[_u(q)] = 0
+    for oh in range(oh_lo, oh_hi):
+        src_row = src[_u(oh * stride + i - pad)]
+        dst = start + oh * out_w
+        for ow in range(ow_lo):
+            row[_u(dst + ow)] = 0
+        for ow in range(ow_lo, ow_hi):
+            row[_u(dst + ow)] = src_row[_u(ow * stride + j - pad)]
+        for ow in range(ow_hi, out_w):
+            row[_u(dst + ow)] = 0
+    for q in range(start + oh_hi * out_w, start + out_h * out_w):
+        row[_u(q)] = 0
+
+
+@njit(inline="always", cache=True)
+def _col2im_plane(cols, c, kh, kw, stride, pad, out_h, out_w, start, dst):
+    """``dst : (H, W)`` = the scatter-add of input channel ``c``'s rows of ``cols``, columns
+    ``[start, start + OH*OW)`` (one sample): every pixel sums the windows that cover it."""
+    dst[:, :] = 0
+    for i in range(kh):
+        oh_lo, oh_hi = _valid_range(i, stride, pad, dst.shape[0], out_h)
+        for j in range(kw):
+            row = cols[_u((c * kh + i) * kw + j)]
+            ow_lo, ow_hi = _valid_range(j, stride, pad, dst.shape[1], out_w)
+            for oh in range(oh_lo, oh_hi):
+                dst_row = dst[_u(oh * stride + i - pad)]
+                first = start + oh * out_w
+                # Within one offset (i, j) each pixel is hit at most once: a plain add.
+                for ow in range(ow_lo, ow_hi):
+                    dst_row[_u(ow * stride + j - pad)] += row[_u(first + ow)]
+
+
 @njit(parallel=True, cache=True)
 def _im2col_kernel(x, kh, kw, stride, pad, out_h, out_w, cols):
-    n_size, c_size, h_size, w_size = x.shape
+    n_size = x.shape[0]
     plane = out_h * out_w
     # One iteration per row r = (c*kh + i)*kw + j of cols: the row is a contiguous stretch of
     # N*OH*OW elements written by this iteration alone (race-free).
-    for r in prange(c_size * kh * kw):
+    for r in prange(x.shape[1] * kh * kw):
         c = r // (kh * kw)
         i = (r // kw) % kh
         j = r % kw
-        oh_lo, oh_hi = _valid_range(i, stride, pad, h_size, out_h)
-        ow_lo, ow_hi = _valid_range(j, stride, pad, w_size, out_w)
         row = cols[r]
         for n in range(n_size):
-            src = x[n, c]
-            start = n * plane
-            # Output rows whose input row is in the padding: zeros.
-            for q in range(start, start + oh_lo * out_w):
-                row[_u(q)] = 0
-            for oh in range(oh_lo, oh_hi):
-                src_row = src[_u(oh * stride + i - pad)]
-                dst = start + oh * out_w
-                for ow in range(ow_lo):
-                    row[_u(dst + ow)] = 0
-                for ow in range(ow_lo, ow_hi):
-                    row[_u(dst + ow)] = src_row[_u(ow * stride + j - pad)]
-                for ow in range(ow_hi, out_w):
-                    row[_u(dst + ow)] = 0
-            for q in range(start + oh_hi * out_w, start + plane):
-                row[_u(q)] = 0
+            _im2col_row(x[n, c], i, j, stride, pad, out_h, out_w, row, n * plane)
 
 
 @njit(parallel=True, cache=True)
 def _col2im_kernel(cols, kh, kw, stride, pad, out_h, out_w, dx):
-    n_size, c_size, h_size, w_size = dx.shape
-    plane = out_h * out_w
+    n_size, c_size = dx.shape[0], dx.shape[1]
     # One iteration per input plane dx[n, c]: all the columns that touch a pixel of that plane
     # come from rows (c, i, j) and columns of sample n, and this iteration alone writes the
     # plane, so the scatter-add needs no atomics. p = c*N + n: a thread's contiguous block of
@@ -151,19 +176,68 @@ def _col2im_kernel(cols, kh, kw, stride, pad, out_h, out_w, dx):
     for p in prange(c_size * n_size):
         c = p // n_size
         n = p % n_size
-        dst = dx[n, c]
-        dst[:, :] = 0
-        for i in range(kh):
-            oh_lo, oh_hi = _valid_range(i, stride, pad, h_size, out_h)
-            for j in range(kw):
-                row = cols[(c * kh + i) * kw + j]
-                ow_lo, ow_hi = _valid_range(j, stride, pad, w_size, out_w)
-                for oh in range(oh_lo, oh_hi):
-                    dst_row = dst[_u(oh * stride + i - pad)]
-                    start = n * plane + oh * out_w
-                    # Within one offset (i, j) each pixel is hit at most once: a plain add.
-                    for ow in range(ow_lo, ow_hi):
-                        dst_row[_u(ow * stride + j - pad)] += row[_u(start + ow)]
+        _col2im_plane(cols, c, kh, kw, stride, pad, out_h, out_w, n * out_h * out_w, dx[n, c])
+
+
+# --------------------------------------------------------------------------------------------
+# the whole im2col convolution, per block of samples
+# --------------------------------------------------------------------------------------------
+#
+# Done as separate passes over the batch (as the reference does), a 3x3 layer writes cols, nine
+# times its input, reads it back for the product, and moves the output through an (F, N*OH*OW)
+# matrix and a transpose into NCHW; backward the same with dy and dcols. Here each parallel
+# iteration takes a block of samples, one at a time: sample n's cols block (C*kh*kw, OH*OW)
+# is built in cache and multiplied at once, ``y[n] (F, OH*OW) = W2 @ cols_n``, already in NCHW.
+# Backward builds it again from x (x is kept, as Linear keeps its input, instead of cols):
+# ``dW += dy[n] @ cols_n^T`` (one partial sum per block, added up in block order after the loop,
+# so the result does not depend on which thread ran which block), ``dcols_n = W2^T @ dy[n]``
+# and its scatter-add into dx[n]. Products by BLAS through Numba's np.dot (SciPy's OpenBLAS,
+# one thread per call under mpidl's thread policy); every iteration writes only its own
+# samples of y / dx and its own partial sum: race-free.
+
+
+@njit(parallel=True, cache=True)
+def _conv_forward_kernel(x, w2, bias, add_bias, kh, kw, stride, pad, out_h, out_w, nb, y):
+    n_size, c_size = x.shape[0], x.shape[1]
+    f_size, plane = w2.shape[0], out_h * out_w
+    for k in prange(-(-n_size // nb)):
+        cols = np.empty((w2.shape[1], plane), x.dtype)
+        for n in range(k * nb, min(n_size, k * nb + nb)):
+            for r in range(c_size * kh * kw):
+                _im2col_row(x[n, r // (kh * kw)], (r // kw) % kh, r % kw, stride, pad, out_h, out_w, cols[r], 0)
+            yn = y[n].reshape(f_size, plane)
+            np.dot(w2, cols, yn)
+            if add_bias:
+                for f in range(f_size):
+                    b = bias[f]
+                    row = yn[f]
+                    for q in range(plane):
+                        row[_u(q)] += b
+
+
+@njit(parallel=True, cache=True)
+def _conv_backward_kernel(dy, x, w2, kh, kw, stride, pad, nb, dw_blocks, input_grad, dx):
+    n_size, c_size = x.shape[0], x.shape[1]
+    f_size, out_h, out_w = dy.shape[1], dy.shape[2], dy.shape[3]
+    rows, plane = w2.shape[1], out_h * out_w
+    for k in prange(dw_blocks.shape[0]):
+        cols = np.empty((rows, plane), x.dtype)
+        part = np.empty((f_size, rows), x.dtype)
+        dcols = np.empty((rows if input_grad else 0, plane), x.dtype)
+        dwk = dw_blocks[k]
+        for n in range(k * nb, min(n_size, k * nb + nb)):
+            for r in range(rows):
+                _im2col_row(x[n, r // (kh * kw)], (r // kw) % kh, r % kw, stride, pad, out_h, out_w, cols[r], 0)
+            dyn = dy[n].reshape(f_size, plane)
+            if n == k * nb:
+                np.dot(dyn, cols.T, dwk)
+            else:
+                np.dot(dyn, cols.T, part)
+                dwk += part
+            if input_grad:
+                np.dot(w2.T, dyn, dcols)
+                for c in range(c_size):
+                    _col2im_plane(dcols, c, kh, kw, stride, pad, out_h, out_w, 0, dx[n, c])
 
 
 def _as_compiled(a):
@@ -195,6 +269,45 @@ def col2im(cols, x_shape, kh: int, kw: int, stride: int = 1, pad: int = 0, out=N
     dx = np.empty((n, c, h, w), dtype=cols.dtype) if out is None else out
     _col2im_kernel(_as_compiled(cols), kh, kw, stride, pad, out_h, out_w, dx)
     return dx
+
+
+def conv2d_forward(x, weight, bias=None, stride: int = 1, pad: int = 0):
+    """:func:`mpidl.kernels.reference.conv2d_forward`, parallel over blocks of samples; returns
+    ``(y, x)``: backward builds each sample's cols again from ``x`` (kept, not copied)."""
+    if x.dtype not in _COMPILED_DTYPES:
+        return reference.conv2d_forward(x, weight, bias, stride, pad)
+    n, _, h, w = x.shape
+    f, _, kh, kw = weight.shape
+    out_h, out_w = conv_output_size(h, kh, stride, pad), conv_output_size(w, kw, stride, pad)
+    y = np.empty((n, f, out_h, out_w), dtype=x.dtype)
+    add_bias = bias is not None
+    bias = np.ascontiguousarray(bias if add_bias else np.zeros(f), dtype=x.dtype).reshape(f)
+    x = _as_compiled(x)
+    _conv_forward_kernel(x, np.ascontiguousarray(weight, dtype=x.dtype).reshape(f, -1), bias, add_bias,
+                         kh, kw, stride, pad, out_h, out_w, _samples_per_block(n), y)
+    return y, x
+
+
+def conv2d_backward(dy, weight, x, x_shape, stride: int = 1, pad: int = 0, input_grad: bool = True):
+    """:func:`mpidl.kernels.reference.conv2d_backward`, parallel over blocks of samples; ``x`` is
+    what :func:`conv2d_forward` returned (of ``x_shape``). Returns ``(dW, dx)`` (``dx`` None
+    without ``input_grad``)."""
+    if dy.dtype not in _COMPILED_DTYPES:  # forward handed these to the reference: x is its cols
+        return reference.conv2d_backward(dy, weight, x, x_shape, stride, pad, input_grad)
+    n = x.shape[0]
+    f, _, kh, kw = weight.shape
+    nb = _samples_per_block(n)
+    dw_blocks = np.empty((-(-n // nb), f, weight[0].size), dtype=dy.dtype)
+    dx = np.empty(x.shape, dtype=dy.dtype) if input_grad else np.empty((0, 0, 0, 0), dtype=dy.dtype)
+    _conv_backward_kernel(_as_compiled(dy), x, np.ascontiguousarray(weight, dtype=dy.dtype).reshape(f, -1),
+                          kh, kw, stride, pad, nb, dw_blocks, bool(input_grad), dx)
+    dw = (dw_blocks[0] if dw_blocks.shape[0] == 1 else dw_blocks.sum(axis=0)).reshape(weight.shape)
+    return dw, (dx if input_grad else None)
+
+
+def _samples_per_block(n: int) -> int:
+    """One block of samples per Numba thread (fewer when there are fewer samples)."""
+    return max(1, -(-n // max(1, min(n, numba.get_num_threads()))))
 
 
 # --------------------------------------------------------------------------------------------

@@ -37,10 +37,13 @@ on a machine with neither.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 from numba import config as numba_config
 from numba import cuda
 
+from . import reference
 from .reference import conv_output_size
 
 __all__ = [
@@ -49,6 +52,8 @@ __all__ = [
     "conv_output_size",
     "im2col",
     "col2im",
+    "conv2d_forward",
+    "conv2d_backward",
     "maxpool2d_forward",
     "maxpool2d_backward",
     "avgpool2d_forward",
@@ -359,6 +364,17 @@ def col2im(cols, x_shape, kh: int, kw: int, stride: int = 1, pad: int = 0, out=N
     device.launch(_col2im_kernel, n * c * h * w, device.contiguous(cols), kh, kw, stride, pad, out_h, out_w, zero, dx)
     return dx
 
+
+
+def conv2d_forward(x, weight, bias=None, stride: int = 1, pad: int = 0):
+    """:func:`mpidl.kernels.reference.conv2d_forward` with :func:`im2col` above and cuBLAS's
+    product (CuPy); returns ``(y, cols)``."""
+    return reference.conv2d_forward(x, weight, bias, stride, pad, pieces=sys.modules[__name__])
+
+
+def conv2d_backward(dy, weight, cols, x_shape, stride: int = 1, pad: int = 0, input_grad: bool = True):
+    """:func:`mpidl.kernels.reference.conv2d_backward` with :func:`col2im` above."""
+    return reference.conv2d_backward(dy, weight, cols, x_shape, stride, pad, input_grad, pieces=sys.modules[__name__])
 
 
 def maxpool2d_forward(x, k: int, stride: int, pad: int = 0):

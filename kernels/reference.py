@@ -26,12 +26,16 @@ Layouts and conventions, shared by all three implementations (NCHW everywhere)
 
 from __future__ import annotations
 
+import sys
+
 from mpidl.backend import get_array_module
 
 __all__ = [
     "conv_output_size",
     "im2col",
     "col2im",
+    "conv2d_forward",
+    "conv2d_backward",
     "maxpool2d_forward",
     "maxpool2d_backward",
     "avgpool2d_forward",
@@ -166,6 +170,50 @@ def col2im(cols, x_shape, kh: int, kw: int, stride: int = 1, pad: int = 0, out=N
 # --------------------------------------------------------------------------------------------
 # max pooling
 # --------------------------------------------------------------------------------------------
+
+
+def conv2d_forward(x, weight, bias=None, stride: int = 1, pad: int = 0, pieces=None):
+    """The convolution as im2col and one product: ``Y2 = W2 @ cols (+ bias)``.
+
+    Parameters
+    ----------
+    x : (N, C, H, W); weight : (F, C, kh, kw), ``W2 = weight.reshape(F, C*kh*kw)``; bias : (F,)
+    pieces : the module whose ``im2col`` to use (default this one's; the CUDA module passes its own)
+
+    Returns
+    -------
+    (y, cols): ``y : (N, F, OH, OW)``, ``y[n, f] = Y2[f, n*OH*OW : (n+1)*OH*OW]`` as a plane, and
+    ``cols`` (see the layout above), saved for :func:`conv2d_backward`.
+    """
+    pieces = pieces or sys.modules[__name__]
+    xp = get_array_module(x)
+    n, _, h, w = x.shape
+    f, _, kh, kw = weight.shape
+    oh, ow = conv_output_size(h, kh, stride, pad), conv_output_size(w, kw, stride, pad)
+    cols = pieces.im2col(x, kh, kw, stride, pad)
+    y2 = xp.matmul(weight.reshape(f, -1), cols)
+    if bias is not None:
+        y2 += bias.reshape(f, 1)
+    return xp.ascontiguousarray(y2.reshape(f, n, oh, ow).transpose(1, 0, 2, 3)), cols
+
+
+def conv2d_backward(dy, weight, cols, x_shape, stride: int = 1, pad: int = 0, input_grad: bool = True, pieces=None):
+    """The adjoint of :func:`conv2d_forward`: with ``dY2 = dy`` as ``(F, N*OH*OW)``,
+    ``dW2 = dY2 @ cols^T`` and ``dx = col2im(W2^T @ dY2)``.
+
+    Returns
+    -------
+    (dW (F, C, kh, kw), dx (N, C, H, W) or None without ``input_grad``); the bias gradient,
+    ``dy.sum((0, 2, 3))``, is the caller's.
+    """
+    pieces = pieces or sys.modules[__name__]
+    xp = get_array_module(dy)
+    f, _, kh, kw = weight.shape
+    dy2 = xp.ascontiguousarray(dy.transpose(1, 0, 2, 3)).reshape(f, -1)
+    dw = xp.matmul(dy2, cols.T).reshape(weight.shape)
+    if not input_grad:
+        return dw, None
+    return dw, pieces.col2im(xp.matmul(weight.reshape(f, -1).T, dy2), x_shape, kh, kw, stride, pad)
 
 
 def _pool_geometry(x_shape, k: int, stride: int, pad: int):

@@ -6,14 +6,24 @@ the functions here check only what is theirs: float32 / float64 and ``m + r - 1 
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 from numba import cuda
 from numba import float64 as numba_float64
 
 from .cuda import _Device, _check_float, _nchw
+from . import winograd_reference as reference
 from .winograd_reference import winograd_geometry, winograd_matrices
 
-__all__ = ["winograd_input", "winograd_input_adjoint", "winograd_output", "winograd_output_adjoint"]
+__all__ = [
+    "winograd_input",
+    "winograd_input_adjoint",
+    "winograd_output",
+    "winograd_output_adjoint",
+    "winograd_conv_forward",
+    "winograd_conv_backward",
+]
 
 
 # --------------------------------------------------------------------------------------------
@@ -223,3 +233,14 @@ def winograd_output_adjoint(dy, m: int, r: int, out=None):
     at = _matrix(device, winograd_matrices(m, r)[0], dy.dtype)
     device.launch(_winograd_output_adjoint_kernel, f * columns, device.contiguous(dy), at, m, tiles_w, columns, dm)
     return dm
+
+
+def winograd_conv_forward(x, u, m: int, r: int, pad: int = 0, bias=None):
+    """:func:`mpidl.kernels.winograd_reference.winograd_conv_forward` with the transforms above
+    and cuBLAS's products (CuPy)."""
+    return reference.winograd_conv_forward(x, u, m, r, pad, bias, transforms=sys.modules[__name__])
+
+
+def winograd_conv_backward(dy, u, v, x_shape, m: int, r: int, pad: int = 0, input_grad: bool = True):
+    """:func:`mpidl.kernels.winograd_reference.winograd_conv_backward` with the transforms above."""
+    return reference.winograd_conv_backward(dy, u, v, x_shape, m, r, pad, input_grad, transforms=sys.modules[__name__])

@@ -9,6 +9,7 @@ dispatcher, :mod:`mpidl.kernels`; the transforms here take checked ones.
 from __future__ import annotations
 
 import functools
+import sys
 
 import numpy as np
 
@@ -23,6 +24,8 @@ __all__ = [
     "winograd_input_adjoint",
     "winograd_output",
     "winograd_output_adjoint",
+    "winograd_conv_forward",
+    "winograd_conv_backward",
 ]
 
 
@@ -60,7 +63,10 @@ __all__ = [
 #     winograd_output_adjoint  dy              -> dM (F, alpha, alpha, P)      dM = A dY A^T per tile
 #
 # The filter transform U = G g G^T and its adjoint dg = G^T dU G are tiny (F*C*alpha^2 values)
-# and stay in the layer.
+# and stay in the layer. A whole convolution, given U, is winograd_conv_forward (input transform,
+# products, output transform) and winograd_conv_backward (their adjoints); here they compose the
+# four transforms, and what forward saves for backward (V) is each implementation's own business:
+# the Numba CPU kernels fuse the passes per block of samples and keep V in another layout.
 
 _WINOGRAD_POINTS = (0.0, 1.0, -1.0, 2.0, -2.0, 0.5, -0.5, 3.0)
 
@@ -249,3 +255,60 @@ def winograd_output_adjoint(dy, m: int, r: int, out=None):
         return xp.ascontiguousarray(dm)
     out[...] = dm
     return out
+
+
+def _by_position(transformed):
+    """``(C, alpha, alpha, P)`` -> the ``(alpha^2, C, P)`` view the products take (no copy)."""
+    c, alpha, _, columns = transformed.shape
+    return transformed.reshape(c, alpha * alpha, columns).transpose(1, 0, 2)
+
+
+def winograd_conv_forward(x, u, m: int, r: int, pad: int = 0, bias=None, transforms=None):
+    """The whole stride-1 convolution given the transformed filters: ``V = B^T d B`` per tile,
+    ``M[:, xi] = U[xi] @ V[:, xi]`` at each of the alpha^2 positions, ``y = A^T M A + bias``.
+
+    Parameters
+    ----------
+    x : (N, C, H, W)
+    u : (alpha^2, F, C), ``U[a*alpha + b, f, c] = (G g_fc G^T)[a, b]``
+    bias : optional (F,)
+    transforms : the module whose four transforms to use (default: this one's; the CUDA module
+        passes its own)
+
+    Returns
+    -------
+    (y, V): y (N, F, OH, OW), and V (C, alpha, alpha, TH*TW*N), saved for
+    :func:`winograd_conv_backward`.
+    """
+    transforms = transforms or sys.modules[__name__]
+    xp = get_array_module(x)
+    n, _, _, _ = x.shape
+    f = u.shape[1]
+    oh, ow, th, tw = winograd_geometry(x.shape, m, r, pad)
+    alpha = m + r - 1
+    v = transforms.winograd_input(x, m, r, pad)
+    mt = xp.empty((f, alpha, alpha, th * tw * n), dtype=x.dtype)
+    _by_position(mt)[...] = xp.matmul(u, _by_position(v))
+    return transforms.winograd_output(mt, (n, f, oh, ow), m, r, bias=bias), v
+
+
+def winograd_conv_backward(dy, u, v, x_shape, m: int, r: int, pad: int = 0, input_grad: bool = True, transforms=None):
+    """The adjoints of :func:`winograd_conv_forward` in reverse order: ``dM = A dY A^T``,
+    ``dU[xi] = dM[:, xi] @ V[:, xi]^T``, ``dV[:, xi] = U[xi]^T @ dM[:, xi]``, ``dx`` = scatter-add
+    of ``B dV B^T``.
+
+    Returns
+    -------
+    (dU (alpha^2, F, C), dx (N, C, H, W) or None without ``input_grad``). The bias gradient is
+    ``dy.sum((0, 2, 3))`` and the filter gradient ``G^T dU G``: the caller's.
+    """
+    transforms = transforms or sys.modules[__name__]
+    xp = get_array_module(dy)
+    dm = transforms.winograd_output_adjoint(dy, m, r)
+    du = xp.matmul(_by_position(dm), _by_position(v).transpose(0, 2, 1))
+    if not input_grad:
+        return du, None
+    dv = xp.empty(v.shape, dtype=dy.dtype)
+    _by_position(dv)[...] = xp.matmul(u.transpose(0, 2, 1), _by_position(dm))
+    return du, transforms.winograd_input_adjoint(dv, x_shape, m, r, pad)
+

@@ -4,8 +4,8 @@ Under the thread policy (:mod:`mpidl.threads`) BLAS runs one thread per call, so
 worker spins on a core between calls while Numba's kernels need it. The parallelism of the
 products comes from here instead: :func:`matmul` cuts one large product ``a @ b`` into ``T``
 blocks of rows or columns of ``out`` (``T`` = :func:`mpidl.threads.gemm_threads`), and
-:func:`batched_matmul` gives each thread a contiguous share of a stack of products (Winograd's
-``alpha^2`` = 16 to 36 small GEMMs per pass, e.g. 25 of (64 x 156) @ (156 x 576) for hsicnn).
+:func:`batched_matmul` gives each thread a contiguous share of a stack of products (attention's
+one product per sample and head).
 NumPy releases the GIL inside ``matmul``, so the shares run in parallel. The calling thread
 computes the first share itself.
 

@@ -197,15 +197,6 @@ def test_homogeneous_starts_reports_the_split_of_identical_ranks(tmp_path):
     assert f"in {result['equal']} of 1 starts" in proc.stdout
 
 
-def test_winograd_pieces_times_every_winograd_layer():
-    """benchmarks/winograd_pieces.py on resnet8 at a tiny batch: one line per Winograd layer."""
-    proc = _run([sys.executable, str(BENCH / "winograd_pieces.py"), "--reps", "1", "--batch", "2"])
-    layers = [line for line in proc.stdout.splitlines() if line.startswith("C=")]
-    wholes = [line for line in proc.stdout.splitlines() if "whole layer: forward" in line]
-    assert len(layers) == len(wholes) == 4, proc.stdout  # resnet8's stride-1 3x3 convolutions of >= 8 channels
-    assert "in_adj" in layers[0] and proc.stdout.splitlines()[-1].startswith("all layers: filter"), proc.stdout
-
-
 def test_every_model_has_a_torch_twin_that_computes_its_logits():
     """Every model of MODELS has a twin, and at the benchmark's sample shape and widths the twin
     with mpidl's weights (``twin_of``) computes mpidl's logits (float32, training mode)."""

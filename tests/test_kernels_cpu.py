@@ -4,6 +4,9 @@ Every kernel is compared on a product of shapes (square and not, N = 1 and more)
 sizes, strides, paddings and both float dtypes. im2col copies values and argmax is an index,
 so both must match exactly; the float sums must agree to rtol 1e-6 (float32) / 1e-12
 (float64). (The kernels add in the reference's order, so in practice they agree to the bit.)
+The whole convolution sums its products in BLAS's order and its weight gradient over blocks of
+samples, so it is compared relative to each array's scale, with one block and with one block
+per sample.
 """
 
 from __future__ import annotations
@@ -146,6 +149,95 @@ def test_geometry_errors(monkeypatch):
 # --------------------------------------------------------------------------------------------
 # pooling
 # --------------------------------------------------------------------------------------------
+
+
+# --------------------------------------------------------------------------------------------
+# the whole im2col convolution
+# --------------------------------------------------------------------------------------------
+
+
+def _assert_scaled_close(actual, expected, dtype):
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    scale = float(np.abs(expected).max()) or 1.0
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=RTOL[dtype] * scale)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape, k, stride, pad, dtype", _cases())
+def test_conv2d_matches_reference(shape, k, stride, pad, dtype, threads, monkeypatch):
+    # threads: one block of samples, or as many blocks as the samples allow (up to 2)
+    monkeypatch.setattr(cpu.numba, "get_num_threads", lambda: threads)
+    n, c = shape[:2]
+    x, weight, bias = _random(shape, dtype), _random((3, c, k, k), dtype, seed=1), _random(3, dtype, seed=2)
+    for b in (None, bias):
+        y, state = cpu.conv2d_forward(x, weight, b, stride, pad)
+        expected_y, cols = reference.conv2d_forward(x, weight, b, stride, pad)
+        _assert_scaled_close(y, expected_y, dtype)
+    dy = _random(y.shape, dtype, seed=3)
+    dw, dx = cpu.conv2d_backward(dy, weight, state, shape, stride, pad)
+    expected_dw, expected_dx = reference.conv2d_backward(dy, weight, cols, shape, stride, pad)
+    _assert_scaled_close(dw, expected_dw, dtype)
+    _assert_scaled_close(dx, expected_dx, dtype)
+    dw_only, no_dx = cpu.conv2d_backward(dy, weight, state, shape, stride, pad, input_grad=False)
+    assert no_dx is None
+    np.testing.assert_array_equal(dw_only, dw)
+
+
+def test_reference_conv2d_is_a_convolution_and_its_backward_the_adjoint():
+    x, weight, bias = _random((2, 3, 7, 6), np.float64), _random((4, 3, 3, 3), np.float64, seed=1), _random(4, np.float64, seed=2)
+    y, cols = reference.conv2d_forward(x, weight, bias, 2, 1)
+    x_padded = np.pad(x, ((0, 0), (0, 0), (1, 1), (1, 1)))
+    direct = np.empty_like(y)
+    for oh, ow in itertools.product(range(y.shape[2]), range(y.shape[3])):
+        window = x_padded[:, :, 2 * oh : 2 * oh + 3, 2 * ow : 2 * ow + 3]
+        direct[:, :, oh, ow] = np.einsum("ncij,fcij->nf", window, weight) + bias
+    np.testing.assert_allclose(y, direct, rtol=1e-12)
+    dy = _random(y.shape, np.float64, seed=3)
+    dw, dx = reference.conv2d_backward(dy, weight, cols, x.shape, 2, 1)
+    # y - bias is bilinear in (x, weight): <y - b, dy> = <x, dx> = <weight, dw>
+    inner = np.vdot(y - bias.reshape(1, 4, 1, 1), dy)
+    assert inner == pytest.approx(np.vdot(x, dx), rel=1e-12)
+    assert inner == pytest.approx(np.vdot(weight, dw), rel=1e-12)
+
+
+def test_conv2d_is_dispatched_and_backward_follows_forward(monkeypatch):
+    x, weight = _random((2, 3, 7, 7), np.float32), _random((4, 3, 3, 3), np.float32, seed=1)
+    monkeypatch.delenv("MPIDL_KERNELS", raising=False)
+    y, saved = kernels.conv2d_forward(x, weight, None, 1, 1)
+    assert saved[0] is cpu
+    monkeypatch.setenv("MPIDL_KERNELS", "reference")
+    dy = _random(y.shape, np.float32, seed=2)
+    dw, dx = kernels.conv2d_backward(dy, weight, saved, 1, 1)  # still the CPU kernels: they kept x
+    expected_dw, expected_dx = reference.conv2d_backward(dy, weight, reference.im2col(x, 3, 3, 1, 1), x.shape, 1, 1)
+    _assert_scaled_close(dw, expected_dw, np.float32)
+    _assert_scaled_close(dx, expected_dx, np.float32)
+    assert kernels.conv2d_forward(x, weight, None, 1, 1)[1][0] is reference
+
+
+def test_conv2d_dispatch_refuses_bad_arguments():
+    x, weight = _random((2, 3, 7, 7), np.float32), _random((4, 3, 3, 3), np.float32, seed=1)
+    with pytest.raises(ValueError, match=r"weight has shape \(4, 2, 3, 3\), expected \(F, 3, kh, kw\)"):
+        kernels.conv2d_forward(x, weight[:, :2], None, 1, 1)
+    with pytest.raises(ValueError, match="weight must be a numpy array of dtype float32"):
+        kernels.conv2d_forward(x, weight.astype(np.float64), None, 1, 1)
+    with pytest.raises(ValueError, match="bias has shape"):
+        kernels.conv2d_forward(x, weight, np.zeros(3, np.float32), 1, 1)
+    with pytest.raises(ValueError):
+        kernels.conv2d_forward(x, _random((4, 3, 9, 9), np.float32), None, 1, 0)  # empty output
+    y, saved = kernels.conv2d_forward(x, weight, None, 1, 1)
+    with pytest.raises(ValueError, match="dy has shape"):
+        kernels.conv2d_backward(y[:, :3], weight, saved, 1, 1)
+
+
+def test_conv2d_hands_other_dtypes_to_the_reference():
+    x, weight = _random((1, 2, 5, 5), np.float16), _random((3, 2, 3, 3), np.float16, seed=1)
+    y, cols = cpu.conv2d_forward(x, weight, None, 1, 1)
+    expected_y, expected_cols = reference.conv2d_forward(x, weight, None, 1, 1)
+    np.testing.assert_array_equal(y, expected_y)
+    dy = _random(y.shape, np.float16, seed=2)
+    for actual, expected in zip(cpu.conv2d_backward(dy, weight, cols, x.shape, 1, 1),
+                                reference.conv2d_backward(dy, weight, expected_cols, x.shape, 1, 1)):
+        np.testing.assert_array_equal(actual, expected)
 
 
 @pytest.mark.parametrize("shape, k, stride, pad, dtype", _cases(max_pool=True))

@@ -1,13 +1,16 @@
-"""Winograd F(m x m, r x r): the transform matrices, the reference transforms and the Numba CPU
-transforms (mpidl.kernels.reference / cpu).
+"""Winograd F(m x m, r x r): the transform matrices, the reference transforms and convolution,
+and the Numba CPU convolution (mpidl.kernels.winograd_reference / winograd_cpu).
 
 * ``winograd_matrices`` satisfies its defining identity (1-D correlation) exactly in float64.
 * The reference transforms are what their docstrings say: each adjoint satisfies
   ``<T x, y> == <x, T* y>``, and ``input -> batched GEMM -> output`` equals a direct
-  convolution (im2col) in float64.
-* The CPU kernels equal the reference on a product of shapes, tiles, filter sizes and paddings:
-  float64 to 1e-12 and float32 to 1e-6 relative to the largest value (single elements can
-  cancel, so the tolerance is relative to the array's scale rather than elementwise).
+  convolution (im2col) in float64; the reference convolution's backward is the adjoint of its
+  forward.
+* The CPU convolution (all passes fused per block of samples) equals the reference on a product
+  of shapes, tiles, filter sizes and paddings, with one block per sample as well as the
+  default blocks: float64 to 1e-12 and float32 to 1e-6 relative to the largest value (single
+  elements can cancel, so the tolerance is relative to the array's scale rather than
+  elementwise).
 """
 
 from __future__ import annotations
@@ -137,50 +140,98 @@ def test_reference_fills_out_buffers_and_checks_shapes(monkeypatch):
         kernels.winograd_output(np.zeros((2, 5, 5, 3)), (2, 2, 5, 5), 3, 3)
 
 
+@pytest.mark.parametrize("shape, m, r, pad", CASES[:4])
+def test_reference_convolution_backward_is_the_adjoint_of_forward(shape, m, r, pad):
+    n, c, _, _, _, alpha = _geometry(shape, m, r, pad)
+    f = 2
+    x, u = _random(shape), _random((alpha * alpha, f, c), seed=1)
+    y, v = winograd_reference.winograd_conv_forward(x, u, m, r, pad)
+    dy = _random(y.shape, seed=2)
+    du, dx = winograd_reference.winograd_conv_backward(dy, u, v, shape, m, r, pad)
+    # y is bilinear in (x, u): <y, dy> = <x, dx> = <u, du>
+    assert np.vdot(y, dy) == pytest.approx(np.vdot(x, dx), rel=1e-12)
+    assert np.vdot(y, dy) == pytest.approx(np.vdot(u, du), rel=1e-12)
+    assert winograd_reference.winograd_conv_backward(dy, u, v, shape, m, r, pad, input_grad=False)[1] is None
+
+
 # --------------------------------------------------------------------------------------------
-# the Numba CPU kernels against the reference (and through the dispatch)
+# the Numba CPU convolution against the reference (and through the dispatch)
 # --------------------------------------------------------------------------------------------
 
 
+def _convolution_case(shape, m, r, dtype, f=3):
+    n, c = shape[:2]
+    alpha = m + r - 1
+    return _random(shape, dtype), _random((alpha * alpha, f, c), dtype, seed=1), _random(f, dtype, seed=2)
+
+
+@pytest.mark.parametrize("block_columns", [None, 1])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape, m, r, pad", CASES)
-def test_cpu_transforms_match_the_reference(shape, m, r, pad, dtype):
-    n, c, oh, ow, _, _ = _geometry(shape, m, r, pad)
-    x = _random(shape, dtype)
-    v = winograd_cpu.winograd_input(x, m, r, pad)
-    _assert_scaled_close(v, winograd_reference.winograd_input(x, m, r, pad), dtype)
-
-    dv = _random(v.shape, dtype, seed=1)
-    _assert_scaled_close(winograd_cpu.winograd_input_adjoint(dv, shape, m, r, pad),
-                         winograd_reference.winograd_input_adjoint(dv, shape, m, r, pad), dtype)
-
-    f = 3
-    mt, bias = _random((f, *v.shape[1:]), dtype, seed=2), _random(f, dtype, seed=3)
+def test_cpu_convolution_matches_the_reference(monkeypatch, shape, m, r, pad, dtype, block_columns):
+    if block_columns is not None:  # one sample per block: the most blocks, every one its own
+        monkeypatch.setattr(winograd_cpu, "_MAX_BLOCK_COLUMNS", block_columns)
+    x, u, bias = _convolution_case(shape, m, r, dtype)
     for b in (None, bias):
-        _assert_scaled_close(winograd_cpu.winograd_output(mt, (n, f, oh, ow), m, r, bias=b),
-                             winograd_reference.winograd_output(mt, (n, f, oh, ow), m, r, bias=b), dtype)
-    dy = _random((n, f, oh, ow), dtype, seed=4)
-    _assert_scaled_close(winograd_cpu.winograd_output_adjoint(dy, m, r), winograd_reference.winograd_output_adjoint(dy, m, r), dtype)
+        y, v = winograd_cpu.winograd_conv_forward(x, u, m, r, pad, b)
+        expected_y, expected_v = winograd_reference.winograd_conv_forward(x, u, m, r, pad, b)
+        _assert_scaled_close(y, expected_y, dtype)
+    dy = _random(y.shape, dtype, seed=3)
+    du, dx = winograd_cpu.winograd_conv_backward(dy, u, v, shape, m, r, pad)
+    expected_du, expected_dx = winograd_reference.winograd_conv_backward(dy, u, expected_v, shape, m, r, pad)
+    _assert_scaled_close(du, expected_du, dtype)
+    _assert_scaled_close(dx, expected_dx, dtype)
+    du_only, no_dx = winograd_cpu.winograd_conv_backward(dy, u, v, shape, m, r, pad, input_grad=False)
+    assert no_dx is None
+    np.testing.assert_array_equal(du_only, du)
 
 
-def test_cpu_kernels_fill_out_buffers_and_are_dispatched(monkeypatch):
-    x = _random((2, 3, 9, 9), np.float32)
-    out = np.full((3, 5, 5, 9 * 2), np.nan, np.float32)
+def test_cpu_blocks_cover_every_sample_once():
+    for n in (1, 2, 3, 5, 64, 65, 200):
+        for tiles in (1, 4, 64):
+            nb = winograd_cpu.samples_per_block(n, tiles)
+            blocks = -(-n // nb)
+            assert 1 <= nb <= n and (blocks - 1) * nb < n <= blocks * nb
+            assert nb * tiles <= max(tiles, winograd_cpu._MAX_BLOCK_COLUMNS)
+
+
+def test_cpu_convolution_is_dispatched_and_backward_follows_forward(monkeypatch):
+    x, u, bias = _convolution_case((2, 3, 9, 9), 3, 3, np.float32)
     monkeypatch.delenv("MPIDL_KERNELS", raising=False)
     assert kernels.implementation_for(x) is cpu
-    assert kernels.winograd_input(x, 3, 3, 1, out=out) is out
-    _assert_scaled_close(out, winograd_reference.winograd_input(x, 3, 3, 1), np.float32)
+    y, saved = kernels.winograd_conv_forward(x, u, 3, 3, 1, bias)
+    assert saved[0] is winograd_cpu
+    # The four transforms alone have no CPU kernel: NumPy arrays get the reference.
+    np.testing.assert_array_equal(kernels.winograd_input(x, 3, 3, 1), winograd_reference.winograd_input(x, 3, 3, 1))
     monkeypatch.setenv("MPIDL_KERNELS", "reference")
-    assert kernels.implementation_for(x) is reference
-    monkeypatch.setenv("MPIDL_KERNELS", "cpu")
-    with pytest.raises(ValueError, match="out has shape"):
-        kernels.winograd_input(x, 3, 3, 1, out=np.empty((3, 5, 5, 9), np.float32))
-    with pytest.raises(ValueError, match="expected"):
-        kernels.winograd_output(out, (2, 3, 9, 9), 2, 3)  # M for m = 3, asked for m = 2
+    dy = _random(y.shape, np.float32, seed=3)
+    du, dx = kernels.winograd_conv_backward(dy, u, saved, 3, 3, 1)  # still the CPU kernels: they saved V
+    expected = winograd_reference.winograd_conv_backward(dy, u, winograd_reference.winograd_conv_forward(x, u, 3, 3, 1)[1],
+                                                         x.shape, 3, 3, 1)
+    _assert_scaled_close(du, expected[0], np.float32)
+    _assert_scaled_close(dx, expected[1], np.float32)
+    assert kernels.winograd_conv_forward(x, u, 3, 3, 1)[1][0] is winograd_reference
 
 
-def test_cpu_kernels_hand_other_dtypes_to_the_reference():
-    x = _random((1, 2, 5, 5)).astype(np.float16)
-    v = winograd_cpu.winograd_input(x, 3, 3, 1)
-    assert v.dtype == np.float16
-    np.testing.assert_array_equal(v, winograd_reference.winograd_input(x, 3, 3, 1))
+def test_convolution_dispatch_refuses_bad_arguments():
+    x, u, bias = _convolution_case((2, 3, 9, 9), 3, 3, np.float32)
+    with pytest.raises(ValueError, match=r"u has shape \(25, 3, 3\), expected \(16, F, 3\)"):
+        kernels.winograd_conv_forward(x, u, 2, 3, 1)
+    with pytest.raises(ValueError, match="u must be a numpy array of dtype float32"):
+        kernels.winograd_conv_forward(x, u.astype(np.float64), 3, 3, 1)
+    with pytest.raises(ValueError, match="bias has shape"):
+        kernels.winograd_conv_forward(x, u, 3, 3, 1, bias[:2])
+    with pytest.raises(ValueError, match="must be 4-D"):
+        kernels.winograd_conv_forward(x[0], u, 3, 3, 1)
+    y, saved = kernels.winograd_conv_forward(x, u, 3, 3, 1)
+    with pytest.raises(ValueError, match="dy has shape"):
+        kernels.winograd_conv_backward(y[:, :, :-1], u, saved, 3, 3, 1)
+
+
+def test_cpu_convolution_hands_other_dtypes_to_the_reference():
+    x, u, _ = _convolution_case((1, 2, 5, 5), 3, 3, np.float16)
+    y, v = winograd_cpu.winograd_conv_forward(x, u, 3, 3, 1)
+    assert y.dtype == np.float16
+    expected_y, expected_v = winograd_reference.winograd_conv_forward(x, u, 3, 3, 1)
+    np.testing.assert_array_equal(y, expected_y)
+    np.testing.assert_array_equal(v, expected_v)

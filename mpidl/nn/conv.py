@@ -8,9 +8,8 @@ import os
 
 from mpidl import kernels
 from mpidl.backend import get_array_module, is_device_array
-from mpidl.blas import matmul
 from mpidl.nn import winograd
-from mpidl.nn.module import Module, workspace as _workspace
+from mpidl.nn.module import Module
 from mpidl.params import Initializer, Parameter, kaiming_uniform, uniform
 
 __all__ = ["Conv2d", "CONV_ALGORITHMS"]
@@ -55,8 +54,10 @@ class Conv2d(Module):
     * ``db  = dY2.sum(axis=1)``              (F,)
     * ``dcols = W2.T @ dY2``, ``dx = col2im(dcols)``   (col2im is the adjoint of im2col)
 
-    Only ``cols`` and the input shape are saved for backward. The kernels come from
-    :mod:`mpidl.kernels` (NumPy reference, Numba CPU or Numba CUDA, chosen by the array).
+    Each way is one call, :func:`mpidl.kernels.conv2d_forward` / ``conv2d_backward`` (NumPy
+    reference, Numba CPU or Numba CUDA, chosen by the array). The CPU kernels do im2col, the
+    product and col2im one sample at a time, so cols stays in cache, and keep ``x`` for backward
+    (as :class:`~mpidl.nn.Linear` keeps its input); the others keep ``cols``.
     Setting ``compute_input_grad = False`` skips ``dcols`` and ``col2im`` (the model does this
     for its first layer, whose input gradient nobody uses); backward then returns ``None``.
 
@@ -111,9 +112,8 @@ class Conv2d(Module):
         )
         self.algorithm = algorithm
         self.compute_input_grad = True
-        self._x_shape: tuple | None = None
-        self._cols = None
-        self._winograd = None  # (m, U, V) saved by a Winograd forward
+        self._saved = None  # the kernels' saved state of an im2col forward
+        self._winograd = None  # (m, U, the kernels' saved state) of a Winograd forward
         self._workspaces: dict = {}
 
     def output_shape(self, x_shape: tuple) -> tuple:
@@ -152,54 +152,32 @@ class Conv2d(Module):
         return min(_WINOGRAD_TILES, key=lambda m: (multiplies(m), m))
 
     def forward(self, x):
-        xp = get_array_module(x)
         if x.ndim != 4 or x.shape[1] != self.in_channels:
             raise ValueError(f"Conv2d expects (N, {self.in_channels}, H, W), got {tuple(x.shape)}")
         n, f, oh, ow = self.output_shape(x.shape)
-        k, s, p = self.kernel_size, self.stride, self.padding
-        self._cols = self._winograd = None
+        self._saved = self._winograd = None
         m = self.winograd_tile(oh, ow, on_gpu=is_device_array(x))
         if m is not None:
             return winograd.forward(self, x, m, (n, f, oh, ow))
-
-        cols = kernels.im2col(
-            x, k, k, s, p, out=_workspace(self._workspaces, "cols", (self.in_channels * k * k, n * oh * ow), x)
-        )
-        y2d = _workspace(self._workspaces, "y2d", (f, n * oh * ow), x)
-        matmul(self.weight.data.reshape(f, -1), cols, y2d)
-        if self.bias is not None:
-            y2d += self.bias.data[:, None]
-
-        self._x_shape, self._cols = tuple(x.shape), cols
-        # (F, N, OH, OW) -> (N, F, OH, OW): a fresh array, since the caller may keep it.
-        return xp.ascontiguousarray(y2d.reshape(f, n, oh, ow).transpose(1, 0, 2, 3))
+        bias = None if self.bias is None else self.bias.data
+        y, self._saved = kernels.conv2d_forward(x, self.weight.data, bias, self.stride, self.padding)
+        return y
 
     def backward(self, dy):
         if self._winograd is not None:
             return winograd.backward(self, dy)
-        if self._cols is None:
+        if self._saved is None:
             raise RuntimeError("Conv2d.backward called before forward")
-        xp = get_array_module(dy)
-        n, f, oh, ow = dy.shape
-        k, s, p = self.kernel_size, self.stride, self.padding
-
-        dy2d = _workspace(self._workspaces, "dy2d", (f, n * oh * ow), dy)
-        dy2d.reshape(f, n, oh, ow)[...] = dy.transpose(1, 0, 2, 3)
-
-        matmul(dy2d, self._cols.T, self.weight.grad.reshape(f, -1))
+        dw, dx = kernels.conv2d_backward(dy, self.weight.data, self._saved, self.stride, self.padding,
+                                         input_grad=self.compute_input_grad)
+        self.weight.grad[...] = dw
         if self.bias is not None:
-            xp.sum(dy2d, axis=1, out=self.bias.grad)
-        if not self.compute_input_grad:
-            return None
-
-        dcols = _workspace(self._workspaces, "dcols", self._cols.shape, dy)
-        matmul(self.weight.data.reshape(f, -1).T, dy2d, dcols)
-        # dx is returned to the previous layer, which may keep it: a fresh array.
-        return kernels.col2im(dcols, self._x_shape, k, k, s, p)
+            get_array_module(dy).sum(dy, axis=(0, 2, 3), out=self.bias.grad)
+        return dx
 
     def _drop_workspaces(self) -> None:
         self._workspaces = {}
-        self._cols = None
+        self._saved = None
         self._winograd = None
 
     def extra_repr(self) -> str:

@@ -10,11 +10,12 @@ from :func:`mpidl.kernels.winograd_matrices`):
 
 Every step is linear, so backward is the adjoints in reverse order:
 ``dM = A dY A^T``; ``dU[xi] = dM[:, xi] @ V[:, xi].T`` then ``dW = G^T dU G``;
-``dV[:, xi] = U[xi].T @ dM[:, xi]`` then ``dx`` = scatter-add of ``B dV B^T``. The transforms
-are kernels (:mod:`mpidl.kernels`, layout ``(C, alpha, alpha, P)``), the products
-:func:`mpidl.blas.batched_matmul`. The functions take the layer (its weights, gradients and
-workspaces) and are called by ``Conv2d.forward`` / ``backward`` when
-:meth:`Conv2d.winograd_tile` picks a tile.
+``dV[:, xi] = U[xi].T @ dM[:, xi]`` then ``dx`` = scatter-add of ``B dV B^T``. The filter
+transform and its adjoint are here (one small GEMM each); everything between ``U`` and ``y``
+is one kernel call each way, :func:`mpidl.kernels.winograd_conv_forward` / ``_backward`` (on
+the CPU all passes fused per block of samples, see :mod:`mpidl.kernels.winograd_cpu`). The
+functions take the layer (its weights, gradients and workspaces) and are called by
+``Conv2d.forward`` / ``backward`` when :meth:`Conv2d.winograd_tile` picks a tile.
 """
 
 from __future__ import annotations
@@ -23,16 +24,9 @@ import numpy as np
 
 from mpidl import kernels
 from mpidl.backend import get_array_module
-from mpidl.blas import batched_matmul
 from mpidl.nn.module import workspace as _workspace
 
 __all__ = ["forward", "backward"]
-
-
-def _by_position(transformed):
-    """``(C, alpha, alpha, P)`` -> the ``(alpha^2, C, P)`` view the batched GEMMs take (no copy)."""
-    c, alpha, _, columns = transformed.shape
-    return transformed.reshape(c, alpha * alpha, columns).transpose(1, 0, 2)
 
 
 def _filter_matrix(conv, m: int, like):
@@ -69,39 +63,21 @@ def _filter_transform_adjoint(conv, du, m: int) -> None:
 
 
 def forward(conv, x, m: int, y_shape: tuple):
-    """``y : y_shape = (N, F, OH, OW)`` of ``conv`` for ``x`` with tiles of ``m``; saves ``(m, U, V)``."""
-    n, f, oh, ow = y_shape
-    c, k, p = conv.in_channels, conv.kernel_size, conv.padding
-    alpha = m + k - 1
-    _, _, tiles_h, tiles_w = kernels.winograd_geometry(x.shape, m, k, p)
-    columns = tiles_h * tiles_w * n
+    """``y : y_shape = (N, F, OH, OW)`` of ``conv`` for ``x`` with tiles of ``m``; saves what
+    backward needs (``U`` and the kernels' own saved state)."""
     u = _filter_transform(conv, m, x)
-    v = kernels.winograd_input(x, m, k, p, out=_workspace(conv._workspaces, "V", (c, alpha, alpha, columns), x))
-    mt = _workspace(conv._workspaces, "M", (f, alpha, alpha, columns), x)
-    # The transforms keep the channel outermost (see mpidl.kernels.winograd_reference); the batched
-    # GEMM takes the (alpha^2, C, P) views with a row stride of alpha^2 * P.
-    batched_matmul(u, _by_position(v), _by_position(mt))
-    conv._x_shape, conv._winograd = tuple(x.shape), (m, u, v)
-    # A fresh array (the caller may keep it); the bias is added inside the output transform.
-    return kernels.winograd_output(mt, y_shape, m, k, bias=None if conv.bias is None else conv.bias.data)
+    bias = None if conv.bias is None else conv.bias.data
+    y, saved = kernels.winograd_conv_forward(x, u, m, conv.kernel_size, conv.padding, bias)
+    conv._x_shape, conv._winograd = tuple(x.shape), (m, u, saved)
+    return y
 
 
 def backward(conv, dy):
     """Fills ``conv``'s weight (and bias) gradient; returns ``dx`` (None without ``compute_input_grad``)."""
-    xp = get_array_module(dy)
-    m, u, v = conv._winograd
-    f, c, k, p = conv.out_channels, conv.in_channels, conv.kernel_size, conv.padding
-    alpha = m + k - 1
-    columns = v.shape[-1]
-    dm = kernels.winograd_output_adjoint(dy, m, k, out=_workspace(conv._workspaces, "dM", (f, alpha, alpha, columns), dy))
-    du = _workspace(conv._workspaces, "dU", (alpha * alpha, f, c), dy)
-    batched_matmul(_by_position(dm), _by_position(v).transpose(0, 2, 1), du)
+    m, u, saved = conv._winograd
+    du, dx = kernels.winograd_conv_backward(dy, u, saved, m, conv.kernel_size, conv.padding,
+                                            input_grad=conv.compute_input_grad)
     _filter_transform_adjoint(conv, du, m)
     if conv.bias is not None:
-        xp.sum(dy, axis=(0, 2, 3), out=conv.bias.grad)
-    if not conv.compute_input_grad:
-        return None
-    dv = _workspace(conv._workspaces, "dV", (c, alpha, alpha, columns), dy)
-    batched_matmul(u.transpose(0, 2, 1), _by_position(dm), _by_position(dv))
-    # dx is returned to the previous layer, which may keep it: a fresh array.
-    return kernels.winograd_input_adjoint(dv, conv._x_shape, m, k, p)
+        get_array_module(dy).sum(dy, axis=(0, 2, 3), out=conv.bias.grad)
+    return dx

@@ -159,6 +159,21 @@ def test_launch_geometry():
     assert kcuda.blocks_for(0) == 1  # an empty grid is not a valid launch
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape, k, stride, pad", [((2, 3, 7, 7), 3, 1, 1), ((1, 2, 8, 6), 3, 2, 1), ((2, 4, 5, 5), 1, 2, 0)])
+def test_conv2d_composes_im2col_and_col2im(shape, k, stride, pad, dtype):
+    # Host arrays: the products go through NumPy here (CuPy's on a real device).
+    x, weight, bias = _random(shape, dtype), _random((3, shape[1], k, k), dtype, seed=1), _random(3, dtype, seed=2)
+    y, cols = kcuda.conv2d_forward(x, weight, bias, stride, pad)
+    expected_y, expected_cols = reference.conv2d_forward(x, weight, bias, stride, pad)
+    _assert_scaled_close(y, expected_y, dtype)
+    dy = _random(expected_y.shape, dtype, seed=3)
+    dw, dx = kcuda.conv2d_backward(dy, weight, cols, shape, stride, pad)
+    expected_dw, expected_dx = reference.conv2d_backward(dy, weight, expected_cols, shape, stride, pad)
+    _assert_scaled_close(dw, expected_dw, dtype)
+    _assert_scaled_close(dx, expected_dx, dtype)
+
+
 # Winograd F(m x m, r x r): (N, C, H, W), m, r, pad -- an exact tiling, tiles sticking out, 2x2 filters.
 WINOGRAD_CASES = [((2, 2, 5, 5), 3, 3, 1), ((1, 2, 6, 5), 2, 3, 0), ((2, 1, 6, 6), 4, 3, 1), ((1, 1, 5, 4), 3, 2, 1)]
 
@@ -191,6 +206,22 @@ def test_winograd_transforms(transfer, shape, m, r, pad, dtype):
     dy = _random((n, f, oh, ow), dtype, seed=4)
     _assert_scaled_close(winograd_cuda.winograd_output_adjoint(_to(transfer, dy), m, r),
                          winograd_reference.winograd_output_adjoint(dy, m, r), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape, m, r, pad", WINOGRAD_CASES)
+def test_winograd_convolution_composes_the_transforms(shape, m, r, pad, dtype):
+    # Host arrays: the products go through NumPy here (CuPy's on a real device).
+    c, alpha, f = shape[1], m + r - 1, 2
+    x, u, bias = _random(shape, dtype), _random((alpha * alpha, f, c), dtype, seed=1), _random(f, dtype, seed=2)
+    y, v = winograd_cuda.winograd_conv_forward(x, u, m, r, pad, bias)
+    expected_y, expected_v = winograd_reference.winograd_conv_forward(x, u, m, r, pad, bias)
+    _assert_scaled_close(y, expected_y, dtype)
+    dy = _random(expected_y.shape, dtype, seed=3)
+    du, dx = winograd_cuda.winograd_conv_backward(dy, u, v, shape, m, r, pad)
+    expected_du, expected_dx = winograd_reference.winograd_conv_backward(dy, u, expected_v, shape, m, r, pad)
+    _assert_scaled_close(du, expected_du, dtype)
+    _assert_scaled_close(dx, expected_dx, dtype)
 
 
 def test_winograd_refuses_bad_arguments(monkeypatch):

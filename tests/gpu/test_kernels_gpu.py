@@ -67,6 +67,20 @@ def test_im2col_col2im(shape, k, stride, pad, dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape, k, stride, pad", CONV_LAYERS)
+def test_conv2d(shape, k, stride, pad, dtype):
+    x, weight, bias = _random(shape, dtype), _random((8, shape[1], k, k), dtype, seed=1), _random((8,), dtype, seed=2)
+    y, cols = kcuda.conv2d_forward(x, weight, bias, stride, pad)
+    expected_y, expected_cols = reference.conv2d_forward(x, weight, bias, stride, pad)
+    _assert_scaled_close(y, expected_y, dtype)
+    dy = _random(y.shape, dtype, seed=3)
+    dw, dx = kcuda.conv2d_backward(dy, weight, cols, shape, stride, pad)
+    expected_dw, expected_dx = reference.conv2d_backward(dy, weight, expected_cols, shape, stride, pad)
+    _assert_scaled_close(dw, expected_dw, dtype)
+    _assert_scaled_close(dx, expected_dx, dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("shape, k, stride, pad", POOLS)
 def test_pooling(shape, k, stride, pad, dtype):
     x = _random(shape, dtype)
@@ -140,3 +154,18 @@ def test_winograd_transforms(shape, m, pad, dtype):
                          winograd_reference.winograd_output(mt, (n, f, oh, ow), m, 3, bias=bias), dtype)
     dy = _random((n, f, oh, ow), dtype, seed=4)
     _assert_scaled_close(winograd_cuda.winograd_output_adjoint(dy, m, 3), winograd_reference.winograd_output_adjoint(dy, m, 3), dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape, m, pad", WINOGRAD_LAYERS)
+def test_winograd_convolution(shape, m, pad, dtype):
+    c, alpha, f = shape[1], m + 2, 32
+    x, u, bias = _random(shape, dtype), _random((alpha * alpha, f, c), dtype, seed=1), _random((f,), dtype, seed=2)
+    y, v = winograd_cuda.winograd_conv_forward(x, u, m, 3, pad, bias)
+    expected_y, expected_v = winograd_reference.winograd_conv_forward(x, u, m, 3, pad, bias)
+    _assert_scaled_close(y, expected_y, dtype)
+    dy = _random(y.shape, dtype, seed=3)
+    du, dx = winograd_cuda.winograd_conv_backward(dy, u, v, shape, m, 3, pad)
+    expected_du, expected_dx = winograd_reference.winograd_conv_backward(dy, u, expected_v, shape, m, 3, pad)
+    _assert_scaled_close(du, expected_du, dtype)
+    _assert_scaled_close(dx, expected_dx, dtype)
