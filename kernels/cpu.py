@@ -53,6 +53,8 @@ import numba
 import numpy as np
 from numba import njit, prange, uint64
 
+from mpidl import threads as _threads
+
 from . import reference
 from .reference import conv_output_size
 
@@ -283,8 +285,9 @@ def conv2d_forward(x, weight, bias=None, stride: int = 1, pad: int = 0):
     add_bias = bias is not None
     bias = np.ascontiguousarray(bias if add_bias else np.zeros(f), dtype=x.dtype).reshape(f)
     x = _as_compiled(x)
-    _conv_forward_kernel(x, np.ascontiguousarray(weight, dtype=x.dtype).reshape(f, -1), bias, add_bias,
-                         kh, kw, stride, pad, out_h, out_w, _samples_per_block(n), y)
+    with _threads.one_blas_thread():  # BLAS is called from the parallel threads
+        _conv_forward_kernel(x, np.ascontiguousarray(weight, dtype=x.dtype).reshape(f, -1), bias, add_bias,
+                             kh, kw, stride, pad, out_h, out_w, _samples_per_block(n), y)
     return y, x
 
 
@@ -299,8 +302,9 @@ def conv2d_backward(dy, weight, x, x_shape, stride: int = 1, pad: int = 0, input
     nb = _samples_per_block(n)
     dw_blocks = np.empty((-(-n // nb), f, weight[0].size), dtype=dy.dtype)
     dx = np.empty(x.shape, dtype=dy.dtype) if input_grad else np.empty((0, 0, 0, 0), dtype=dy.dtype)
-    _conv_backward_kernel(_as_compiled(dy), x, np.ascontiguousarray(weight, dtype=dy.dtype).reshape(f, -1),
-                          kh, kw, stride, pad, nb, dw_blocks, bool(input_grad), dx)
+    with _threads.one_blas_thread():  # BLAS is called from the parallel threads
+        _conv_backward_kernel(_as_compiled(dy), x, np.ascontiguousarray(weight, dtype=dy.dtype).reshape(f, -1),
+                              kh, kw, stride, pad, nb, dw_blocks, bool(input_grad), dx)
     dw = (dw_blocks[0] if dw_blocks.shape[0] == 1 else dw_blocks.sum(axis=0)).reshape(weight.shape)
     return dw, (dx if input_grad else None)
 

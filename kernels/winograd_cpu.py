@@ -12,6 +12,8 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from mpidl import threads as _threads
+
 from . import winograd_reference as reference
 from .cpu import _COMPILED_DTYPES, _as_compiled, _u
 
@@ -311,8 +313,9 @@ def winograd_conv_forward(x, u, m: int, r: int, pad: int = 0, bias=None):
     y = np.empty((n, f, oh, ow), dtype=x.dtype)
     bias = np.zeros(f, x.dtype) if bias is None else np.ascontiguousarray(bias, dtype=x.dtype).reshape(f)
     mats = reference.winograd_matrices(m, r)
-    _forward_kernel(_as_compiled(x), np.ascontiguousarray(u, dtype=x.dtype), mats[2].astype(x.dtype),
-                    mats[0].astype(x.dtype), bias, m, pad, tiles_h, tiles_w, v, y)
+    with _threads.one_blas_thread():  # BLAS is called from the parallel threads
+        _forward_kernel(_as_compiled(x), np.ascontiguousarray(u, dtype=x.dtype), mats[2].astype(x.dtype),
+                        mats[0].astype(x.dtype), bias, m, pad, tiles_h, tiles_w, v, y)
     return y, v
 
 
@@ -328,8 +331,9 @@ def winograd_conv_backward(dy, u, v, x_shape, m: int, r: int, pad: int = 0, inpu
     du_blocks = np.empty((blocks, a2, f, c), dtype=dy.dtype)
     dx = np.empty(x_shape, dtype=dy.dtype) if input_grad else np.empty((0, 0, 0, 0), dtype=dy.dtype)
     mats = reference.winograd_matrices(m, r)
-    _backward_kernel(_as_compiled(dy), np.ascontiguousarray(u, dtype=dy.dtype), v,
-                     np.ascontiguousarray(mats[0].T, dtype=dy.dtype), np.ascontiguousarray(mats[2].T, dtype=dy.dtype),
-                     m, pad, tiles_h, tiles_w, du_blocks, bool(input_grad), np.zeros(c, dy.dtype), dx)
+    with _threads.one_blas_thread():  # BLAS is called from the parallel threads
+        _backward_kernel(_as_compiled(dy), np.ascontiguousarray(u, dtype=dy.dtype), v,
+                         np.ascontiguousarray(mats[0].T, dtype=dy.dtype), np.ascontiguousarray(mats[2].T, dtype=dy.dtype),
+                         m, pad, tiles_h, tiles_w, du_blocks, bool(input_grad), np.zeros(c, dy.dtype), dx)
     du = du_blocks[0] if blocks == 1 else du_blocks.sum(axis=0)
     return du, (dx if input_grad else None)

@@ -33,7 +33,9 @@ The policy
   :mod:`mpidl.blas` splits each large product into ``T`` shares on its own Python threads. No
   BLAS worker exists to spin, so the policy works even when NumPy was imported (and OpenBLAS
   started its pool) before mpidl. When the user sets ``OPENBLAS_NUM_THREADS`` or
-  ``MKL_NUM_THREADS``, BLAS keeps that count and mpidl does not split the products.
+  ``MKL_NUM_THREADS``, BLAS keeps that count and mpidl does not split the products, except
+  inside the Numba kernels that call BLAS from their own parallel threads (the convolutions):
+  there it runs one thread for the call (:func:`one_blas_thread`).
 * glibc's ``malloc`` keeps freed memory in the process (:func:`set_malloc_policy`, on ``import
   mpidl``), unless ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_`` is set. Not a thread
   setting, but the same kind of process-wide choice that decides a step's speed, so it lives
@@ -44,16 +46,17 @@ The policy
 
 from __future__ import annotations
 
+import contextlib
 import os
 
-__all__ = ["apply", "describe", "gemm_threads", "threads_per_process", "set_wait_policy"]
+__all__ = ["apply", "describe", "gemm_threads", "one_blas_thread", "threads_per_process", "set_wait_policy"]
 
 #: Environment variables naming the processes a launcher put on this machine.
 LAUNCHER_LOCAL_SIZE = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
 #: A user's BLAS thread count: BLAS keeps it, and mpidl does not split products.
 BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
-_state: dict = {"applied": None, "gemm_threads": 1, "ranks": None, "malloc_policy": False}
+_state: dict = {"applied": None, "gemm_threads": 1, "ranks": None, "malloc_policy": False, "blas_controller": None}
 
 
 def set_wait_policy() -> None:
@@ -145,7 +148,7 @@ def apply(ranks_per_machine: int | None = None) -> dict:
 
     if "NUMBA_NUM_THREADS" not in os.environ:
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-    if any(name in os.environ for name in BLAS_THREAD_VARIABLES):
+    if _user_sets_blas_threads():
         _state["gemm_threads"] = 1
     else:
         try:  # Numba's kernels load SciPy's own OpenBLAS (for np.dot in jitted code): limit it too
@@ -164,6 +167,30 @@ def gemm_threads() -> int:
     if _state["applied"] is None:
         apply()
     return _state["gemm_threads"]
+
+
+def _user_sets_blas_threads() -> bool:
+    return any(name in os.environ for name in BLAS_THREAD_VARIABLES)
+
+
+def one_blas_thread():
+    """A context in which BLAS runs one thread, for a Numba kernel that calls BLAS (``np.dot``)
+    from its parallel threads: there a multithreaded BLAS oversubscribes the cores (resnet8's
+    step went from 66 to 100-137 ms with ``OPENBLAS_NUM_THREADS=2``, 2 cores) and OpenBLAS,
+    called inside an OpenMP region, warns that it may hang. Under the policy BLAS already runs
+    one thread and this does nothing; when the user's ``OPENBLAS_NUM_THREADS`` or
+    ``MKL_NUM_THREADS`` kept more, they are limited for the call and restored after
+    (``threadpoolctl``, about 20 us)."""
+    if _state["applied"] is None:
+        apply()
+    if not _user_sets_blas_threads():
+        return contextlib.nullcontext()
+    if _state["blas_controller"] is None:
+        import scipy.linalg.cython_blas  # noqa: PLC0415,F401 - loads the BLAS Numba's np.dot calls
+        from threadpoolctl import ThreadpoolController  # noqa: PLC0415
+
+        _state["blas_controller"] = ThreadpoolController()
+    return _state["blas_controller"].limit(limits=1, user_api="blas")
 
 
 def describe() -> dict:

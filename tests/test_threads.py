@@ -54,6 +54,33 @@ def test_explicit_settings_win():
     assert info["threads"] == 1 and info["numba"] == 1 and info["gemm_threads"] == 1
 
 
+_NESTED_BLAS_PROBE = """
+import json
+from threadpoolctl import threadpool_info
+from mpidl import threads
+
+def blas():
+    return {lib["filepath"].rsplit("/", 1)[-1]: lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"}
+
+with threads.one_blas_thread():
+    import scipy.linalg.cython_blas  # the BLAS Numba's np.dot calls: limited even if first loaded here
+    inside = blas()
+print(json.dumps({"inside": inside, "after": blas()}))
+"""
+
+
+@pytest.mark.slow
+def test_blas_called_from_parallel_kernels_runs_one_thread_even_when_the_user_sets_more():
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "OPENBLAS_", "MKL_", "NUMBA_NUM_THREADS"))}
+    clean.update(OPENBLAS_NUM_THREADS="2", PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", _NESTED_BLAS_PROBE], env=clean, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert any("scipy" in name for name in result["inside"]), result  # SciPy's BLAS was loaded and seen
+    assert result["inside"] and all(count == 1 for count in result["inside"].values()), result
+    assert all(count == 2 for count in result["after"].values()), result  # the user's count is back
+
+
 @pytest.mark.slow
 def test_launcher_count_divides_the_cores():
     info = _policy(MPI_LOCALNRANKS=str(_cores()))
