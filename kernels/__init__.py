@@ -39,7 +39,9 @@ only. Calling them directly, as the tests comparing them do, is for valid argume
 Every function here raises ``ValueError`` for an argument it cannot take: an array that is
 not 4-D or whose shape does not fit the geometry, ``k < 1``, ``stride < 1``, ``pad < 0``, a
 window larger than the padded input (an empty output), max pooling's ``pad > k // 2``, an
-``argmax`` that is not an integer array, Winograd's ``m < 1`` or ``r < 1``, an ``out``
+``argmax`` that is not an integer array, Winograd's ``m < 1`` or ``r < 1``, a convolution's
+``weight`` or transformed filters ``u`` not of the input's kind and dtype or of a shape that does
+not fit it (or a ``bias`` that does not), an ``out``
 workspace that is not an array of the input's kind, shape and dtype, or not C-contiguous,
 layer norm's ``gamma, beta`` not of shape ``(D,)`` (or statistics not of ``x.shape[:-1]``), a
 softmax ``scale <= 0``, or a backward pass's arrays whose shapes differ.

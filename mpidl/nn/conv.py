@@ -154,11 +154,11 @@ class Conv2d(Module):
     def forward(self, x):
         if x.ndim != 4 or x.shape[1] != self.in_channels:
             raise ValueError(f"Conv2d expects (N, {self.in_channels}, H, W), got {tuple(x.shape)}")
-        n, f, oh, ow = self.output_shape(x.shape)
+        _, _, oh, ow = self.output_shape(x.shape)
         self._saved = self._winograd = None
         m = self.winograd_tile(oh, ow, on_gpu=is_device_array(x))
         if m is not None:
-            return winograd.forward(self, x, m, (n, f, oh, ow))
+            return winograd.forward(self, x, m)
         bias = None if self.bias is None else self.bias.data
         y, self._saved = kernels.conv2d_forward(x, self.weight.data, bias, self.stride, self.padding)
         return y

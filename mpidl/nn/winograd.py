@@ -62,13 +62,13 @@ def _filter_transform_adjoint(conv, du, m: int) -> None:
     )
 
 
-def forward(conv, x, m: int, y_shape: tuple):
-    """``y : y_shape = (N, F, OH, OW)`` of ``conv`` for ``x`` with tiles of ``m``; saves what
-    backward needs (``U`` and the kernels' own saved state)."""
+def forward(conv, x, m: int):
+    """``y : (N, F, OH, OW)`` of ``conv`` for ``x`` with tiles of ``m``; saves what backward
+    needs (``U`` and the kernels' own saved state)."""
     u = _filter_transform(conv, m, x)
     bias = None if conv.bias is None else conv.bias.data
     y, saved = kernels.winograd_conv_forward(x, u, m, conv.kernel_size, conv.padding, bias)
-    conv._x_shape, conv._winograd = tuple(x.shape), (m, u, saved)
+    conv._winograd = (m, u, saved)
     return y
 
 
