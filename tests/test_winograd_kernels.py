@@ -16,6 +16,11 @@ and the Numba CPU convolution (mpidl.kernels.winograd_reference / winograd_cpu).
 from __future__ import annotations
 
 import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -235,3 +240,44 @@ def test_cpu_convolution_hands_other_dtypes_to_the_reference():
     expected_y, expected_v = winograd_reference.winograd_conv_forward(x, u, 3, 3, 1)
     np.testing.assert_array_equal(y, expected_y)
     np.testing.assert_array_equal(v, expected_v)
+
+
+_THREADED_PROBE = """
+import json
+import numba
+import numpy as np
+from mpidl.kernels import cpu, reference, winograd_cpu, winograd_reference
+
+rng = np.random.default_rng(0)
+errors = {}
+for dtype in (np.float32, np.float64):
+    x = rng.standard_normal((9, 8, 12, 12)).astype(dtype)
+    u = rng.standard_normal((36, 5, 8)).astype(dtype)
+    w = rng.standard_normal((5, 8, 3, 3)).astype(dtype)
+    y, v = winograd_cpu.winograd_conv_forward(x, u, 4, 3, 1)
+    ry, rv = winograd_reference.winograd_conv_forward(x, u, 4, 3, 1)
+    dy = rng.standard_normal(y.shape).astype(dtype)
+    got = (y, *winograd_cpu.winograd_conv_backward(dy, u, v, x.shape, 4, 3, 1))
+    want = (ry, *winograd_reference.winograd_conv_backward(dy, u, rv, x.shape, 4, 3, 1))
+    y2, state = cpu.conv2d_forward(x, w, None, 2, 1)
+    ry2, cols = reference.conv2d_forward(x, w, None, 2, 1)
+    dy2 = rng.standard_normal(y2.shape).astype(dtype)
+    got += (y2, *cpu.conv2d_backward(dy2, w, state, x.shape, 2, 1))
+    want += (ry2, *reference.conv2d_backward(dy2, w, cols, x.shape, 2, 1))
+    errors[np.dtype(dtype).name] = max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(got, want))
+print(json.dumps({"threads": numba.get_num_threads(), "errors": errors}))
+"""
+
+
+@pytest.mark.slow
+def test_fused_convolutions_on_two_threads_match_the_reference():
+    """The suite runs Numba on one thread; here two threads run blocks at once (each calling
+    BLAS from its own thread), in a fresh interpreter."""
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "OPENBLAS_", "MKL_", "NUMBA_NUM_THREADS"))}
+    env.update(NUMBA_NUM_THREADS="2", OMP_NUM_THREADS="2", PYTHONPATH=str(root))
+    out = subprocess.run([sys.executable, "-c", _THREADED_PROBE], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["threads"] == 2
+    assert result["errors"]["float32"] < SCALE_RTOL[np.float32] and result["errors"]["float64"] < SCALE_RTOL[np.float64], result
