@@ -242,6 +242,12 @@ def _array_kind(a) -> str:
     return type(a).__module__.split(".")[0]
 
 
+def _check_like(array, like, what: str) -> None:
+    """``array`` (a convolution's weights) must be of ``like``'s kind and dtype."""
+    if _array_kind(array) != _array_kind(like) or array.dtype != like.dtype:
+        raise ValueError(f"{what} must be a {_array_kind(like)} array of dtype {like.dtype}")
+
+
 def _check_out(out, like, shape: tuple, what: str) -> None:
     """A caller's result buffer (or None): an array of ``like``'s kind and dtype and of the exact
     ``shape``, written in place. It must be C-contiguous: the implementations reshape it, and
@@ -313,8 +319,7 @@ def conv2d_forward(x, weight, bias=None, stride=1, pad=0):
     _, c, h, w = _check_4d(x)
     if len(weight.shape) != 4 or weight.shape[1] != c:
         raise ValueError(f"conv2d_forward: weight has shape {tuple(weight.shape)}, expected (F, {c}, kh, kw)")
-    if _array_kind(weight) != _array_kind(x) or weight.dtype != x.dtype:
-        raise ValueError(f"conv2d_forward: weight must be a {_array_kind(x)} array of dtype {x.dtype}")
+    _check_like(weight, x, "conv2d_forward: weight")
     f, _, kh, kw = _ints(*weight.shape)
     stride, pad = _ints(stride, pad)
     conv_output_size(h, kh, stride, pad), conv_output_size(w, kw, stride, pad)  # ValueError if empty
@@ -425,8 +430,7 @@ def _check_filters(u, x, m, r, what: str) -> int:
     if len(u.shape) != 3 or u.shape[0] != alpha * alpha or u.shape[2] != x.shape[1]:
         raise ValueError(f"{what}: u has shape {tuple(u.shape)}, expected ({alpha * alpha}, F, {x.shape[1]}) "
                          f"for F({m}x{m}, {r}x{r}) and {x.shape[1]} input channels")
-    if _array_kind(u) != _array_kind(x) or u.dtype != x.dtype:
-        raise ValueError(f"{what}: u must be a {_array_kind(x)} array of dtype {x.dtype}")
+    _check_like(u, x, f"{what}: u")
     return _ints(u.shape[1])[0]
 
 

@@ -309,9 +309,11 @@ def conv2d_backward(dy, weight, x, x_shape, stride: int = 1, pad: int = 0, input
     return dw, (dx if input_grad else None)
 
 
-def _samples_per_block(n: int) -> int:
-    """One block of samples per Numba thread (fewer when there are fewer samples)."""
-    return max(1, -(-n // max(1, min(n, numba.get_num_threads()))))
+def _samples_per_block(n: int, min_blocks: int = 1) -> int:
+    """``nb`` for ``n`` samples: at least one block per Numba thread and ``min_blocks`` blocks,
+    never more blocks than samples."""
+    blocks = max(numba.get_num_threads(), min_blocks)
+    return max(1, -(-n // max(1, min(n, blocks))))
 
 
 # --------------------------------------------------------------------------------------------

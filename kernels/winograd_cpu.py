@@ -8,14 +8,13 @@ transforms; these kernels compute the same); the arguments are checked by the di
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numba import njit, prange
 
 from mpidl import threads as _threads
 
 from . import winograd_reference as reference
-from .cpu import _COMPILED_DTYPES, _as_compiled, _u
+from .cpu import _COMPILED_DTYPES, _as_compiled, _samples_per_block, _u
 
 __all__ = ["winograd_conv_forward", "winograd_conv_backward"]
 
@@ -294,8 +293,7 @@ _MAX_BLOCK_COLUMNS = 2048
 def samples_per_block(n: int, tiles: int) -> int:
     """``nb``: one block per thread (``numba.get_num_threads()``), more when a block would
     pass ``_MAX_BLOCK_COLUMNS`` columns; never more blocks than samples."""
-    blocks = max(numba.get_num_threads(), -(-n * tiles // _MAX_BLOCK_COLUMNS))
-    return max(1, -(-n // max(1, min(n, blocks))))
+    return _samples_per_block(n, -(-n * tiles // _MAX_BLOCK_COLUMNS))
 
 
 def winograd_conv_forward(x, u, m: int, r: int, pad: int = 0, bias=None):

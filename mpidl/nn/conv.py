@@ -165,12 +165,13 @@ class Conv2d(Module):
 
     def backward(self, dy):
         if self._winograd is not None:
-            return winograd.backward(self, dy)
-        if self._saved is None:
+            dx = winograd.backward(self, dy)
+        elif self._saved is not None:
+            dw, dx = kernels.conv2d_backward(dy, self.weight.data, self._saved, self.stride, self.padding,
+                                             input_grad=self.compute_input_grad)
+            self.weight.grad[...] = dw
+        else:
             raise RuntimeError("Conv2d.backward called before forward")
-        dw, dx = kernels.conv2d_backward(dy, self.weight.data, self._saved, self.stride, self.padding,
-                                         input_grad=self.compute_input_grad)
-        self.weight.grad[...] = dw
         if self.bias is not None:
             get_array_module(dy).sum(dy, axis=(0, 2, 3), out=self.bias.grad)
         return dx

@@ -73,11 +73,9 @@ def forward(conv, x, m: int):
 
 
 def backward(conv, dy):
-    """Fills ``conv``'s weight (and bias) gradient; returns ``dx`` (None without ``compute_input_grad``)."""
+    """Fills ``conv``'s weight gradient; returns ``dx`` (None without ``compute_input_grad``)."""
     m, u, saved = conv._winograd
     du, dx = kernels.winograd_conv_backward(dy, u, saved, m, conv.kernel_size, conv.padding,
                                             input_grad=conv.compute_input_grad)
     _filter_transform_adjoint(conv, du, m)
-    if conv.bias is not None:
-        get_array_module(dy).sum(dy, axis=(0, 2, 3), out=conv.bias.grad)
     return dx
