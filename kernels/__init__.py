@@ -16,6 +16,8 @@ alone run the reference on NumPy arrays), batch normalization (+ ReLU) its own t
 also serves CuPy arrays, and ``batchnorm_cpu``), and so do the transformer layers' GELU, layer
 normalization and softmax (``transformer_reference``, ``transformer_cpu``) and the LSTM's loops
 over time (``recurrent_reference``, ``recurrent_cpu``); all are chosen by the same rule. The
+last two share ``vector_math``: ``exp``, sigmoid and tanh written out so that Numba's loops
+vectorize (it would call libm one element at a time). The
 finiteness check of a gradient buffer (``all_finite``) and the element-wise passes of a residual
 block (``add_relu``, ``relu_backward``, ``add``) have their own two (``elementwise_reference``,
 which also serves CuPy arrays, and ``elementwise_cpu``). The math

@@ -27,20 +27,20 @@ at least ``MIN_BLOCK_ROWS`` rows, so a small batch runs as one block.
 
 The element-wise passes compute in float64 and store in the arrays' dtype; the sigmoids and
 tanhs are built from ``exp`` of a non-positive number (no overflow), itself written out in
-arithmetic so that the loops vectorize (see :func:`_exp_parts`). ``error_model="numpy"``:
+arithmetic so that the loops vectorize (:mod:`mpidl.kernels.vector_math`). ``error_model="numpy"``:
 a division by zero gives inf/nan instead of raising, so the divisions carry no branch that
 would stop the vectorizer (none can be by zero here).
 """
 
 from __future__ import annotations
 
-import math
-
 import numba
 import numpy as np
 from numba import njit, prange
 
 from mpidl.blas import matmul, run_shares
+
+from .vector_math import sigmoid, tanh
 
 __all__ = ["lstm_forward", "lstm_backward", "MIN_BLOCK_ROWS"]
 
@@ -49,69 +49,6 @@ MIN_BLOCK_ROWS = 16
 #: The weight gradients are sums over this many ranges of steps, one thread each (a fixed
 #: count, so the sums are the same whatever the thread count).
 WEIGHT_GRADIENT_PARTS = 2
-
-
-# --------------------------------------------------------------------------------------------
-# exp, sigmoid and tanh that vectorize
-# --------------------------------------------------------------------------------------------
-# Numba calls libm for math.exp and math.tanh one element at a time (no SIMD without Intel's
-# SVML): 11 ns per tanh, more than the step's GEMM for the forward's 5 N*H nonlinearities.
-# Written out in arithmetic (Cody-Waite reduction, a Taylor polynomial, the exponent built
-# from its bits), LLVM vectorizes the loop that calls them. All in float64.
-
-_LOG2_E = 1.4426950408889634
-_LN2_HI = 6.93147180369123816490e-01  # ln 2 = _LN2_HI + _LN2_LO; _LN2_HI has 32 significant
-_LN2_LO = 1.90821492927058770002e-10  # bits, so n * _LN2_HI is exact for |n| < 2^21 (fdlibm)
-_EXP_MIN = -708.0  # exp(-708) ~ 3e-308, the smallest power kept normal; below, clamped
-
-
-@njit(cache=True, inline="always", error_model="numpy")
-def _exp_parts(x):
-    """``(2^n, expm1(r))`` with ``exp(x) = 2^n e^r``, for ``x <= 0`` (float64).
-
-    ``n = round(x / ln 2)``, ``r = x - n ln 2`` (``|r| <= ln(2)/2``, in two pieces so it is
-    exact), ``expm1(r) = r + r^2/2! + ... + r^13/13!`` (the rest is below ``0.35^14/14! < 5e-18``,
-    under float64's rounding), ``2^n`` from its exponent bits ``(n + 1023) << 52``. ``x`` below
-    ``-708`` is taken as ``-708`` (``exp`` ~ 3e-308, as good as 0 next to 1).
-    """
-    x = max(x, _EXP_MIN)
-    n = math.floor(x * _LOG2_E + 0.5)
-    r = (x - n * _LN2_HI) - n * _LN2_LO
-    q = 1.0 / 6227020800.0  # 1/13!
-    q = 1.0 / 479001600.0 + r * q
-    q = 1.0 / 39916800.0 + r * q
-    q = 1.0 / 3628800.0 + r * q
-    q = 1.0 / 362880.0 + r * q
-    q = 1.0 / 40320.0 + r * q
-    q = 1.0 / 5040.0 + r * q
-    q = 1.0 / 720.0 + r * q
-    q = 1.0 / 120.0 + r * q
-    q = 1.0 / 24.0 + r * q
-    q = 1.0 / 6.0 + r * q
-    q = 0.5 + r * q
-    q = r + r * (r * q)
-    scale = np.int64(np.int64(n + 1023.0) << 52).view(np.float64)
-    return scale, q
-
-
-@njit(cache=True, inline="always", error_model="numpy")
-def _sigmoid(z):
-    """``1 / (1 + exp(-z))`` from ``e = exp(-|z|)``: ``1/(1 + e)`` for ``z >= 0``, ``e/(1 + e)``
-    below (never an overflow, never a cancellation)."""
-    scale, q = _exp_parts(-abs(z))
-    e = scale + scale * q
-    s = 1.0 / (1.0 + e)
-    return s if z >= 0 else e * s
-
-
-@njit(cache=True, inline="always", error_model="numpy")
-def _tanh(z):
-    """``sign(z) (1 - e)/(1 + e)`` with ``e = exp(-2|z|)``, the numerator ``-expm1(-2|z|)``
-    computed as such (``1 - e`` would cancel for small ``z``)."""
-    scale, q = _exp_parts(-2.0 * abs(z))
-    em1 = (scale - 1.0) + scale * q  # expm1(-2|z|), in (-1, 0]
-    t = -em1 / (2.0 + em1)
-    return t if z >= 0 else -t
 
 
 # --------------------------------------------------------------------------------------------
@@ -138,17 +75,17 @@ def _forward_step(z, z_in, c_prev, gate, cell, tanh_cell, hidden):
     for r in range(rows):
         gate_row, z_row, z_in_row = gate[r], z[r], z_in[r]
         for k in range(2 * hid):  # i, f
-            gate_row[k] = _sigmoid(np.float64(z_row[k] + z_in_row[k]))
+            gate_row[k] = sigmoid(np.float64(z_row[k] + z_in_row[k]))
         for k in range(2 * hid, 3 * hid):  # g
-            gate_row[k] = _tanh(np.float64(z_row[k] + z_in_row[k]))
+            gate_row[k] = tanh(np.float64(z_row[k] + z_in_row[k]))
         for k in range(3 * hid, four_h):  # o
-            gate_row[k] = _sigmoid(np.float64(z_row[k] + z_in_row[k]))
+            gate_row[k] = sigmoid(np.float64(z_row[k] + z_in_row[k]))
         cell_row, c_prev_row = cell[r], c_prev[r]
         for j in range(hid):
             cell_row[j] = np.float64(gate_row[hid + j]) * c_prev_row[j] + np.float64(gate_row[j]) * gate_row[2 * hid + j]
         tanh_row, hidden_row = tanh_cell[r], hidden[r]
         for j in range(hid):
-            tc = _tanh(np.float64(cell_row[j]))
+            tc = tanh(np.float64(cell_row[j]))
             tanh_row[j] = tc
             hidden_row[j] = gate_row[3 * hid + j] * tc
 
