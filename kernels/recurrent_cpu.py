@@ -38,6 +38,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from mpidl import threads as _threads
 from mpidl.blas import matmul, run_shares
 
 from .vector_math import sigmoid, tanh
@@ -224,7 +225,8 @@ def lstm_forward(x, weight_ih, weight_hh, bias, workspaces=None):
     tanh_c = _buffer(workspaces, "tanh_c", (steps, n, hid), dtype)
     hiddens = _buffer(workspaces, "hiddens", (steps + 1, n, hid), dtype)
     hiddens[0] = 0
-    _forward(z_in, np.ascontiguousarray(weight_hh.T), _blocks(n), gates, cells, tanh_c, hiddens)
+    with _threads.one_blas_thread():  # BLAS is called from the parallel threads
+        _forward(z_in, np.ascontiguousarray(weight_hh.T), _blocks(n), gates, cells, tanh_c, hiddens)
     return gates, cells, tanh_c, hiddens
 
 
@@ -235,8 +237,9 @@ def lstm_backward(dy, x, weight_ih, weight_hh, gates, cells, tanh_c, hiddens, se
     dtype = x.dtype
     dy3 = np.ascontiguousarray(dy).reshape(n, steps if sequence else 1, hid)
     dz = _buffer(workspaces, "dz", (steps, n, 4 * hid), dtype)
-    _backward(dy3, bool(sequence), np.ascontiguousarray(weight_hh), np.ascontiguousarray(gates), np.ascontiguousarray(cells),
-              np.ascontiguousarray(tanh_c), _blocks(n), dz)
+    with _threads.one_blas_thread():  # BLAS is called from the parallel threads
+        _backward(dy3, bool(sequence), np.ascontiguousarray(weight_hh), np.ascontiguousarray(gates),
+                  np.ascontiguousarray(cells), np.ascontiguousarray(tanh_c), _blocks(n), dz)
     dz2 = dz.reshape(steps * n, 4 * hid)
     inputs = _inputs_with_ones(x, _buffer(workspaces, "inputs", (steps * n, d + 1), dtype))
     hidden_prev = np.ascontiguousarray(hiddens[:steps]).reshape(steps * n, hid)

@@ -1,19 +1,22 @@
-"""Matrix products split between mpidl's own threads, each running a one-thread BLAS call.
+"""Matrix products, parallel in the way the thread policy (:mod:`mpidl.threads`) chose.
 
-Under the thread policy (:mod:`mpidl.threads`) BLAS runs one thread per call, so no BLAS
-worker spins on a core between calls while Numba's kernels need it. The parallelism of the
-products comes from here instead: :func:`matmul` cuts one large product ``a @ b`` into ``T``
-blocks of rows or columns of ``out`` (``T`` = :func:`mpidl.threads.gemm_threads`), and
-:func:`batched_matmul` gives each thread a contiguous share of a stack of products (attention's
-one product per sample and head).
-NumPy releases the GIL inside ``matmul``, so the shares run in parallel. The calling thread
-computes the first share itself.
+:func:`matmul` computes one product ``a @ b``. Under the policy's default BLAS runs ``T``
+threads and its idle workers sleep right after a call, so the product is one BLAS call. Where
+the workers could not be made to sleep, BLAS runs one thread per call and the parallelism comes
+from here instead: the product is cut into ``T`` blocks of rows or columns of ``out`` (``T`` =
+:func:`mpidl.threads.gemm_threads`), one one-thread BLAS call each on mpidl's own Python
+threads (NumPy releases the GIL inside ``matmul``, so the shares run in parallel; the calling
+thread computes the first share itself). Each element of ``out`` is then computed by one
+single-threaded BLAS call over the whole inner dimension, so the result does not depend on
+``T`` beyond the blocking BLAS picks for a given block shape.
 
-Each element of ``out`` is computed by one single-threaded BLAS call over the whole inner
-dimension, so the result does not depend on ``T`` beyond the blocking BLAS picks for a given
-block shape. CuPy arrays go straight to ``cupy.matmul`` (cuBLAS parallelizes on its own); so
-do products too small to be worth a thread hand-off, and everything when ``T == 1``.
-:func:`run_shares` runs a caller's own split the same way (the LSTM's weight gradients).
+:func:`batched_matmul` computes a stack of products too small for BLAS's threads (attention's
+one product per sample and head): each of ``T`` Python threads takes a contiguous share of the
+stack, BLAS running one thread meanwhile (:func:`mpidl.threads.one_blas_thread`).
+
+CuPy arrays go straight to ``cupy.matmul`` (cuBLAS parallelizes on its own); so do products
+too small to be worth a thread hand-off, and everything when ``T == 1``. :func:`run_shares`
+runs a caller's own split the same way (the LSTM's weight gradients).
 
 Not re-entrant: it assumes no other Python thread calls it concurrently (mpidl does all its
 numerics on the main thread).
@@ -103,12 +106,14 @@ def matmul(a, b, out):
 
 
 def batched_matmul(a, b, out):
-    """``out[i] = a[i] @ b[i]`` for every ``i`` of the leading (batch) axis; returns ``out``.
+    """``out[i...] = a[i...] @ b[i...]`` for every index of the leading (batch) axes; returns
+    ``out``. The stack is shared among threads along the first axis.
 
     Parameters
     ----------
-    a : (B, M, K), b : (B, K, N), out : (B, M, N); any strides BLAS accepts (a transposed
-        view, or a leading dimension larger than the row: the Winograd layouts use both).
+    a : (B, ..., M, K), b : (B, ..., K, N), out : (B, ..., M, N); any strides BLAS accepts in
+        the last two axes (a transposed view, or a leading dimension larger than the row:
+        attention's heads use both), any in the others.
     """
     if _is_device(a):
         import cupy  # noqa: PLC0415 - only reached with CuPy arrays
@@ -118,9 +123,10 @@ def batched_matmul(a, b, out):
         out[...] = cupy.matmul(a, b)
         return out
     batch = a.shape[0]
-    workers = min(_threads.gemm_threads(), batch)
-    if workers < 2:
-        return np.matmul(a, b, out=out)
-    bounds = [(batch * i // workers, batch * (i + 1) // workers) for i in range(workers)]
-    _run_shares(lambda lo, hi: np.matmul(a[lo:hi], b[lo:hi], out=out[lo:hi]), bounds)
+    workers = min(_threads.threads_per_stack(), batch)
+    with _threads.one_blas_thread():  # each product is too small for BLAS's own threads
+        if workers < 2:
+            return np.matmul(a, b, out=out)
+        bounds = [(batch * i // workers, batch * (i + 1) // workers) for i in range(workers)]
+        _run_shares(lambda lo, hi: np.matmul(a[lo:hi], b[lo:hi], out=out[lo:hi]), bounds)
     return out

@@ -28,14 +28,33 @@ The policy
   already set; libgomp reads it when Numba first starts a parallel kernel, which is later).
 * Numba's kernels run on ``T`` threads (``numba.set_num_threads``), unless
   ``NUMBA_NUM_THREADS`` is set, which then decides.
-* BLAS runs one thread per call (set at run time with ``threadpoolctl``, which finds the
-  OpenBLAS or MKL that NumPy and SciPy loaded, whatever its symbol names), and
-  :mod:`mpidl.blas` splits each large product into ``T`` shares on its own Python threads. No
-  BLAS worker exists to spin, so the policy works even when NumPy was imported (and OpenBLAS
-  started its pool) before mpidl. When the user sets ``OPENBLAS_NUM_THREADS`` or
-  ``MKL_NUM_THREADS``, BLAS keeps that count and mpidl does not split the products, except
-  inside the Numba kernels that call BLAS from their own parallel threads (the convolutions):
-  there it runs one thread for the call (:func:`one_blas_thread`).
+* BLAS runs ``T`` threads for each large product, and its idle workers sleep as soon as a call
+  ends: mpidl sets ``OPENBLAS_THREAD_TIMEOUT=4`` (unless set) and, because OpenBLAS read its
+  environment when it loaded (with NumPy, usually before mpidl), has each loaded OpenBLAS
+  re-read it and restart its pool (:func:`_openblas_workers_sleep`; the counts are set at run
+  time with ``threadpoolctl``, which finds the OpenBLAS or MKL that NumPy and SciPy loaded,
+  whatever its symbol names). Inside the Numba kernels that call BLAS from their own parallel
+  threads (convolutions, the LSTM) and for stacks of small products (attention's per-head
+  products, which :mod:`mpidl.blas` shares among ``T`` Python threads), BLAS runs one thread
+  for the call (:func:`one_blas_thread`).
+* Where the workers cannot be made to sleep (MKL, an OpenMP build of OpenBLAS, an OpenBLAS
+  without those symbols), BLAS runs one thread per call and :mod:`mpidl.blas` splits each
+  large product into ``T`` shares on its own Python threads: no BLAS worker exists to spin.
+  When the user sets ``OPENBLAS_NUM_THREADS`` or ``MKL_NUM_THREADS``, BLAS keeps that count and
+  mpidl does not split single products; :func:`one_blas_thread` still applies.
+
+Why BLAS's own threads rather than mpidl's split, measured on a 2-core AMD EPYC (Zen 1, AVX2)
+VM: the weight gradient of vit's Linear layers, ``dy^T x`` of (128, 3200) by (3200, 64) in
+float32, takes 0.95 ms on OpenBLAS's 2 threads (PyTorch: 0.90 ms) but 2.4-2.7 ms split in two
+one-thread calls on two Python threads, slower than one thread alone (1.7-2.0 ms); the same two
+halves run 0.83 ms each in two processes at once, so it is two threads of one process calling
+OpenBLAS, not the cores. One training step (``benchmarks/profile_layers.py``, fresh process,
+nothing set), split -> BLAS threads: vit 81 -> 67 ms, resnet8 124-128 -> 119, hsicnn 47 -> 44,
+mlp 1.3 -> 0.9. Re-reading the environment and restarting the pool go through ``ctypes``:
+OpenBLAS exports both (``openblas_read_env``, ``blas_thread_shutdown_``, the latter what it
+runs itself before a ``fork``) but documents neither, so the result is checked and the
+fallback above taken when it does not hold. Call :func:`apply` when no other thread is inside
+a BLAS call (mpidl calls it before the first step).
 * glibc's ``malloc`` keeps freed memory in the process (:func:`set_malloc_policy`, on ``import
   mpidl``), unless ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_`` is set. Not a thread
   setting, but the same kind of process-wide choice that decides a step's speed, so it lives
@@ -49,14 +68,16 @@ from __future__ import annotations
 import contextlib
 import os
 
-__all__ = ["apply", "describe", "gemm_threads", "one_blas_thread", "threads_per_process", "set_wait_policy"]
+__all__ = ["apply", "describe", "gemm_threads", "one_blas_thread", "threads_per_process", "threads_per_stack",
+           "set_wait_policy"]
 
 #: Environment variables naming the processes a launcher put on this machine.
 LAUNCHER_LOCAL_SIZE = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
 #: A user's BLAS thread count: BLAS keeps it, and mpidl does not split products.
 BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
-_state: dict = {"applied": None, "gemm_threads": 1, "ranks": None, "malloc_policy": False, "blas_controller": None}
+_state: dict = {"applied": None, "gemm_threads": 1, "stack_threads": 1, "blas_threads": 1, "ranks": None,
+               "malloc_policy": False, "blas_controller": None, "openblas_sleeps": None}
 
 
 def set_wait_policy() -> None:
@@ -149,16 +170,65 @@ def apply(ranks_per_machine: int | None = None) -> dict:
     if "NUMBA_NUM_THREADS" not in os.environ:
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     if _user_sets_blas_threads():
-        _state["gemm_threads"] = 1
+        _state["gemm_threads"], _state["blas_threads"] = 1, None
     else:
         try:  # Numba's kernels load SciPy's own OpenBLAS (for np.dot in jitted code): limit it too
             import scipy.linalg  # noqa: PLC0415,F401
         except ImportError:
             pass
-        threadpool_limits(limits=1, user_api="blas")
-        _state["gemm_threads"] = threads
-    _state["applied"] = threads
+        if threads > 1 and _openblas_workers_sleep():
+            threadpool_limits(limits=threads, user_api="blas")
+            _state["gemm_threads"], _state["blas_threads"] = 1, threads
+        else:
+            threadpool_limits(limits=1, user_api="blas")
+            _state["gemm_threads"], _state["blas_threads"] = threads, 1
+    _state["applied"] = _state["stack_threads"] = threads
     return describe()
+
+
+#: OpenBLAS's ``OPENBLAS_THREAD_TIMEOUT``: its idle workers spin ``2^4`` cycles (the least it
+#: takes), then sleep until the next call. Its default, 28, spins them about 0.1 s.
+OPENBLAS_TIMEOUT = 4
+
+
+def _openblas_workers_sleep() -> bool:
+    """Make every loaded BLAS's idle workers sleep right after a call; whether that worked.
+
+    OpenBLAS reads ``OPENBLAS_THREAD_TIMEOUT`` when it loads, usually with NumPy, before mpidl
+    is imported. So the variable is set (unless the user set it), then each OpenBLAS re-reads its
+    environment (``openblas_read_env``) and stops its thread pool (``blas_thread_shutdown_``,
+    what OpenBLAS itself does before a ``fork``); its next multithreaded call starts the pool
+    again, with the timeout. Both are exported by every OpenBLAS 0.3 but are not a documented
+    interface, so the result is checked (``openblas_thread_timeout``); anything else (MKL, an
+    OpenMP build of OpenBLAS, a missing symbol) returns False and BLAS runs one thread.
+    """
+    if _state["openblas_sleeps"] is not None:
+        return _state["openblas_sleeps"]
+    import ctypes  # noqa: PLC0415
+
+    from threadpoolctl import threadpool_info  # noqa: PLC0415
+
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", str(OPENBLAS_TIMEOUT))
+    wanted = _positive_int(os.environ["OPENBLAS_THREAD_TIMEOUT"])
+    pools = [pool for pool in threadpool_info() if pool.get("user_api") == "blas"]
+    sleeps = bool(pools) and wanted is not None
+    for pool in pools:
+        if pool.get("internal_api") != "openblas" or pool.get("threading_layer") != "pthreads":
+            sleeps = False
+            break
+        try:
+            library = ctypes.CDLL(pool["filepath"])
+            read_env, shutdown, timeout = (library.openblas_read_env, library.blas_thread_shutdown_,
+                                           library.openblas_thread_timeout)
+        except (OSError, AttributeError):
+            sleeps = False
+            break
+        timeout.restype = ctypes.c_int
+        read_env()
+        shutdown()
+        sleeps = sleeps and timeout() == wanted
+    _state["openblas_sleeps"] = sleeps
+    return sleeps
 
 
 def gemm_threads() -> int:
@@ -169,37 +239,60 @@ def gemm_threads() -> int:
     return _state["gemm_threads"]
 
 
+def threads_per_stack() -> int:
+    """How many Python threads :func:`mpidl.blas.batched_matmul` gives a stack of small
+    products (``T``; each product runs one BLAS thread)."""
+    if _state["applied"] is None:
+        apply()
+    return _state["stack_threads"]
+
+
 def _user_sets_blas_threads() -> bool:
     return any(name in os.environ for name in BLAS_THREAD_VARIABLES)
 
 
 def one_blas_thread():
-    """A context in which BLAS runs one thread, for a Numba kernel that calls BLAS (``np.dot``)
-    from its parallel threads: there a multithreaded BLAS oversubscribes the cores (resnet8's
+    """A context in which BLAS runs one thread: for a Numba kernel that calls BLAS (``np.dot``)
+    from its parallel threads, where a multithreaded BLAS oversubscribes the cores (resnet8's
     step went from 66 to 100-137 ms with ``OPENBLAS_NUM_THREADS=2``, 2 cores) and OpenBLAS,
-    called inside an OpenMP region, warns that it may hang. Under the policy BLAS already runs
-    one thread and this does nothing; when the user's ``OPENBLAS_NUM_THREADS`` or
-    ``MKL_NUM_THREADS`` kept more, they are limited for the call and restored after
-    (``threadpoolctl``, about 20 us)."""
+    called inside an OpenMP region, warns that it may hang; and for a stack of products too
+    small for BLAS's threads (:func:`mpidl.blas.batched_matmul`). When BLAS already runs one
+    thread this does nothing; else every BLAS library's count is set to 1 for the context and
+    restored after (through ``threadpoolctl``'s controllers of the loaded libraries, kept from
+    the first call: about 5 us each way)."""
     if _state["applied"] is None:
         apply()
-    if not _user_sets_blas_threads():
+    if _state["blas_threads"] == 1:
         return contextlib.nullcontext()
     if _state["blas_controller"] is None:
         import scipy.linalg.cython_blas  # noqa: PLC0415,F401 - loads the BLAS Numba's np.dot calls
         from threadpoolctl import ThreadpoolController  # noqa: PLC0415
 
-        _state["blas_controller"] = ThreadpoolController()
-    return _state["blas_controller"].limit(limits=1, user_api="blas")
+        _state["blas_controller"] = [lib for lib in ThreadpoolController().lib_controllers if lib.user_api == "blas"]
+    return _blas_threads(_state["blas_controller"], 1)
+
+
+@contextlib.contextmanager
+def _blas_threads(libraries, count: int):
+    before = [library.get_num_threads() for library in libraries]
+    for library in libraries:
+        library.set_num_threads(count)
+    try:
+        yield
+    finally:
+        for library, threads in zip(libraries, before):
+            library.set_num_threads(threads)
 
 
 def describe() -> dict:
     """The thread counts in force: ``threads`` (T), ``numba``, ``gemm_threads``, ``blas``
-    (per library), ``omp_wait_policy``; and ``malloc_policy`` (whether :func:`set_malloc_policy`
-    set glibc's thresholds)."""
+    (per library), ``blas_workers_sleep`` (whether OpenBLAS's idle workers sleep right after a
+    call; None until it was needed), ``omp_wait_policy``; and ``malloc_policy`` (whether
+    :func:`set_malloc_policy` set glibc's thresholds)."""
     from threadpoolctl import threadpool_info  # noqa: PLC0415
 
     info: dict = {"threads": _state["applied"], "gemm_threads": _state["gemm_threads"],
+                  "blas_workers_sleep": _state["openblas_sleeps"],
                   "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
                   "malloc_policy": _state["malloc_policy"]}
     try:

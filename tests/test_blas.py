@@ -14,9 +14,11 @@ def _random(shape, seed):
 
 @pytest.fixture(params=[1, 2, 3])
 def gemm_threads(request, monkeypatch):
-    """Run the test with the products split between 1, 2 and 3 threads."""
-    threads.gemm_threads()  # apply the policy once, then override its split count
+    """Run the test with the products (and stacks of products) split between 1, 2 and 3
+    threads."""
+    threads.gemm_threads()  # apply the policy once, then override its split counts
     monkeypatch.setitem(threads._state, "gemm_threads", request.param)
+    monkeypatch.setitem(threads._state, "stack_threads", request.param)
     return request.param
 
 

@@ -13,21 +13,29 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 _PROBE = """
-import json, numpy
+import json, time, numpy
 from mpidl.models import build_model
 from mpidl import threads
+{setup}
 build_model("hsicnn", (4, 4, 4), 3)
-print(json.dumps(threads.describe()))
+a = numpy.ones((512, 512), numpy.float32)
+a @ a  # a product large enough for BLAS's threads, whatever their count
+start = time.process_time()
+time.sleep(0.3)  # BLAS's idle workers spin now, or sleep
+info = threads.describe()
+info["idle_cpu_s"] = time.process_time() - start
+print(json.dumps(info))
 """
 
 
-def _policy(**env) -> dict:
+def _policy(setup: str = "", **env) -> dict:
     clean = {k: v for k, v in os.environ.items()
              if not k.startswith(("OMP_", "OPENBLAS_", "MKL_", "NUMBA_NUM_THREADS", "MPI_LOCALNRANKS",
                                   "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"))}
     clean.update(env)
     clean["PYTHONPATH"] = str(ROOT)
-    out = subprocess.run([sys.executable, "-c", _PROBE], env=clean, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", _PROBE.format(setup=setup)], env=clean, capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -37,12 +45,30 @@ def _cores() -> int:
 
 
 @pytest.mark.slow
-def test_nothing_set_gives_one_blas_thread_and_passive_openmp():
+def test_nothing_set_gives_blas_threads_that_sleep_and_passive_openmp():
+    """NumPy imported before mpidl (as a user would): BLAS still runs T threads whose idle
+    workers sleep right after a call (OpenBLAS's default keeps them spinning about 0.1 s, which
+    would show as CPU time while the process sleeps), and mpidl does not split products."""
     info = _policy()
+    cores = _cores()
     assert info["omp_wait_policy"] == "PASSIVE"
-    assert info["threads"] == _cores() and info["numba"] == _cores() and info["gemm_threads"] == _cores()
-    assert info["blas"] and all(count == 1 for count in info["blas"].values()), info["blas"]
+    assert info["threads"] == cores and info["numba"] == cores
     assert info["malloc_policy"] is (platform.libc_ver()[0] == "glibc")
+    assert info["blas"], info
+    if cores == 1:
+        assert all(count == 1 for count in info["blas"].values()), info["blas"]
+        return
+    assert info["blas_workers_sleep"] is True, info
+    assert info["gemm_threads"] == 1 and all(count == cores for count in info["blas"].values()), info
+    assert info["idle_cpu_s"] < 0.03, info
+
+
+@pytest.mark.slow
+def test_blas_that_cannot_sleep_runs_one_thread_and_mpidl_splits_the_products():
+    info = _policy(setup="threads._openblas_workers_sleep = lambda: False")
+    assert info["threads"] == _cores() and info["gemm_threads"] == _cores()
+    assert all(count == 1 for count in info["blas"].values()), info["blas"]
+    assert info["idle_cpu_s"] < 0.03, info  # one thread per call: no worker exists to spin
 
 
 @pytest.mark.slow
