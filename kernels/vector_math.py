@@ -21,7 +21,9 @@ their maximum, the Gaussian ``exp(-x^2/2)``, the sigmoid and tanh below, GELU's 
                                                      (the rest < 0.35^14/14! < 5e-18)
     2^n    = the float64 whose exponent bits are n + 1023, i.e. (n + 1023) << 52
 
-Within 4e-16 relative of the exact value (tested against NumPy). ``x`` below ``-708`` is taken
+Within 4e-16 relative of the exact value (tested against NumPy). ``exp_single`` stops the
+polynomial at degree 7 (within 6e-9, for results stored in float32: 40 % less work), and
+``exp_for(x, array)`` picks one of the two by ``array``'s dtype when the caller is compiled. ``x`` below ``-708`` is taken
 as ``-708`` (``exp(-708)`` ~ 3e-308, the smallest power of two kept normal): 0 would be exact,
 3e-308 is as good next to any sum it enters. ``x = nan`` gives nan.
 
@@ -32,9 +34,10 @@ when this file changes: after editing it, delete the ``__pycache__`` folder besi
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 
-__all__ = ["exp_parts", "exp", "sigmoid", "tanh"]
+__all__ = ["exp_parts", "exp", "exp_single", "exp_for", "sigmoid", "tanh"]
 
 _LOG2_E = 1.4426950408889634
 _LN2_HI = 6.93147180369123816490e-01  # ln 2 = _LN2_HI + _LN2_LO; _LN2_HI has 32 significant
@@ -82,6 +85,43 @@ def exp(x):
     """``exp(x)`` for ``x <= 0`` (float64), as the module docstring says."""
     scale, q = exp_parts(x)
     return scale + scale * q
+
+
+@njit(**_INLINE)
+def exp_single(x):
+    """``exp(x)`` for ``x <= 0`` to single precision, for a result stored in float32: the same
+    reduction as :func:`exp`, the Taylor polynomial to degree 7 (the rest is below
+    ``0.35^8/8! < 6e-9`` relative, a tenth of float32's rounding), float64 arithmetic. About 40 %
+    less work than :func:`exp`. ``x = nan`` gives nan."""
+    clamped = max(x, _EXP_MIN)
+    shifted = clamped * _LOG2_E + _ROUNDER
+    n = shifted - _ROUNDER
+    r = (clamped - n * _LN2_HI) - n * _LN2_LO
+    q = 1.0 / 5040.0
+    q = 1.0 / 720.0 + r * q
+    q = 1.0 / 120.0 + r * q
+    q = 1.0 / 24.0 + r * q
+    q = 1.0 / 6.0 + r * q
+    q = 0.5 + r * q
+    q = r + r * (r * q)
+    if x != x:
+        q = x
+    scale = np.int64((np.float64(shifted).view(np.int64) - _ROUNDER_BITS + 1023) << 52).view(np.float64)
+    return scale + scale * q
+
+
+def exp_for(x, array):
+    """``exp(x)`` (``x <= 0``, float64) to the precision of ``array``'s dtype: :func:`exp_single`
+    for float32, :func:`exp` otherwise. Only callable from Numba-compiled code, where the choice
+    is made when the caller is compiled for its array types."""
+    raise NotImplementedError("vector_math.exp_for is for Numba-compiled code")
+
+
+@overload(exp_for, inline="always")
+def _exp_for(x, array):
+    if isinstance(array, types.Array) and array.dtype == types.float32:
+        return lambda x, array: exp_single(x)
+    return lambda x, array: exp(x)
 
 
 @njit(**_INLINE)

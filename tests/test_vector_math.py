@@ -60,3 +60,25 @@ def test_a_loop_that_calls_exp_vectorizes():
     asm = _exp_loop.inspect_asm(_exp_loop.signatures[0])
     assert "mulpd" in asm
     assert "exp" not in [line.split()[-1] for line in asm.splitlines() if "call" in line]
+
+
+@njit(error_model="numpy")
+def _apply_single(x, single, for32, for64, full):
+    for k in range(x.size):
+        single[k] = vector_math.exp_single(x[k])
+        for32[k] = vector_math.exp_for(x[k], for32)
+        for64[k] = vector_math.exp_for(x[k], for64)
+        full[k] = vector_math.exp(x[k])
+
+
+def test_exp_single_and_the_choice_by_dtype():
+    """``exp_single`` within 1e-8 relative (float32 rounds at 6e-8); ``exp_for`` picks it for a
+    float32 destination and the full ``exp`` otherwise."""
+    x = np.concatenate([-np.linspace(0, 708, 20001), -np.geomspace(1e-12, 1, 200), [np.nan]])
+    single, full = np.empty_like(x), np.empty_like(x)
+    for32, for64 = np.empty(x.size, np.float32), np.empty_like(x)
+    _apply_single(x, single, for32, for64, full)
+    np.testing.assert_allclose(single[:-1], np.exp(x[:-1]), rtol=1e-8, atol=0)
+    assert np.isnan(single[-1]) and np.isnan(for32[-1])
+    np.testing.assert_array_equal(for32, single.astype(np.float32))
+    np.testing.assert_array_equal(for64, full)
