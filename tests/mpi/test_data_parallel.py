@@ -357,7 +357,11 @@ def test_measured_costs_split_away_from_a_slow_rank_identically_everywhere():
 def test_a_rank_disturbed_during_the_first_probe_only_keeps_the_equal_split():
     """The last rank is slow (8x the per-sample sleep) through the whole first measurement and
     normal afterwards, as a rank descheduled by another job would be: the confirming second
-    measurement finds the ranks alike, so the start keeps the equal split on every rank."""
+    measurement finds the ranks alike, so the start keeps the equal split on every rank. The
+    threshold is 20 % here, not the default 5 %: the 8x slowdown predicts a gain far above
+    either, while 4 ranks oversubscribing 2 cores can make the undisturbed second measurement
+    differ by more than 5 % (seen once in a full run: both measurements then chose uneven
+    splits), which is the noise the default threshold is for, not what this test checks."""
     loss_fn = SoftmaxCrossEntropy()
     model = tiny_model()
     first_measurement = 1 + (PROBE_ROUNDS + 1) * len(probe_sizes(B, P))  # the warm-up call too
@@ -371,7 +375,8 @@ def test_a_rank_disturbed_during_the_first_probe_only_keeps_the_equal_split():
         disturbed = RANK == P - 1 and calls[0] <= first_measurement
         time.sleep(SLEEP_PER_SAMPLE * n * (8 if disturbed else 1))
 
-    dp = DataParallel(model, SGD(model.params, lr=0.05), batch_size=B, speeds="auto", probe=probe)
+    dp = DataParallel(model, SGD(model.params, lr=0.05), batch_size=B, speeds="auto", probe=probe,
+                      balance_threshold=0.2)
     measured_twice = calls[0] == 1 + 2 * (first_measurement - 1)
     ok = dp.batch_sizes == equal_split(B, P) and (P == 1 or measured_twice)
     assert all_agree(WORLD, ok), (calls[0], dp.describe_split())
