@@ -53,14 +53,23 @@ _INLINE = dict(cache=True, inline="always", error_model="numpy")
 
 
 @njit(**_INLINE)
-def exp_parts(x):
-    """``(2^n, expm1(r))`` with ``exp(x) = 2^n (1 + expm1(r))``, for ``x <= 0`` (float64): the
-    two parts separately, so that ``expm1(x) = (2^n - 1) + 2^n expm1(r)`` can be formed without
-    the cancellation of ``exp(x) - 1`` (:func:`tanh` needs it). A nan ``x`` gives nan parts."""
+def _reduce(x):
+    """``(2^n, r)`` with ``x = n ln 2 + r``, ``n = round(x / ln 2)``, ``|r| <= ln(2)/2`` (``x``
+    clamped below at -708; a nan comes out as -708's): the reduction both polynomials share."""
     clamped = max(x, _EXP_MIN)
     shifted = clamped * _LOG2_E + _ROUNDER
     n = shifted - _ROUNDER  # round(clamped / ln 2), as a float64
     r = (clamped - n * _LN2_HI) - n * _LN2_LO
+    scale = np.int64((np.float64(shifted).view(np.int64) - _ROUNDER_BITS + 1023) << 52).view(np.float64)
+    return scale, r
+
+
+@njit(**_INLINE)
+def exp_parts(x):
+    """``(2^n, expm1(r))`` with ``exp(x) = 2^n (1 + expm1(r))``, for ``x <= 0`` (float64): the
+    two parts separately, so that ``expm1(x) = (2^n - 1) + 2^n expm1(r)`` can be formed without
+    the cancellation of ``exp(x) - 1`` (:func:`tanh` needs it). A nan ``x`` gives nan parts."""
+    scale, r = _reduce(x)
     q = 1.0 / 6227020800.0  # 1/13!
     q = 1.0 / 479001600.0 + r * q
     q = 1.0 / 39916800.0 + r * q
@@ -74,9 +83,8 @@ def exp_parts(x):
     q = 1.0 / 6.0 + r * q
     q = 0.5 + r * q
     q = r + r * (r * q)
-    if x != x:  # max() above turned a nan into -708; hand it on instead (a select, no branch)
+    if x != x:  # _reduce turned a nan into -708; hand it on instead (a select, no branch)
         q = x
-    scale = np.int64((np.float64(shifted).view(np.int64) - _ROUNDER_BITS + 1023) << 52).view(np.float64)
     return scale, q
 
 
@@ -93,10 +101,7 @@ def exp_single(x):
     reduction as :func:`exp`, the Taylor polynomial to degree 7 (the rest is below
     ``0.35^8/8! < 6e-9`` relative, a tenth of float32's rounding), float64 arithmetic. About 40 %
     less work than :func:`exp`. ``x = nan`` gives nan."""
-    clamped = max(x, _EXP_MIN)
-    shifted = clamped * _LOG2_E + _ROUNDER
-    n = shifted - _ROUNDER
-    r = (clamped - n * _LN2_HI) - n * _LN2_LO
+    scale, r = _reduce(x)
     q = 1.0 / 5040.0
     q = 1.0 / 720.0 + r * q
     q = 1.0 / 120.0 + r * q
@@ -106,7 +111,6 @@ def exp_single(x):
     q = r + r * (r * q)
     if x != x:
         q = x
-    scale = np.int64((np.float64(shifted).view(np.int64) - _ROUNDER_BITS + 1023) << 52).view(np.float64)
     return scale + scale * q
 
 
