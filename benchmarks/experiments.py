@@ -59,7 +59,6 @@ HDP_CONFIGS = {  # name -> (options, what it means)
                   f"measured + re-fitted every {REBALANCE_EVERY} steps (`--speeds auto --rebalance`)"),
 }
 PAIR_EPOCHS = 5  # epochs of each 2-rank run: a re-split needs two agreeing re-fits
-HOMOGENEOUS_STARTS = 10  # starts of 4 identical ranks, each with --speeds auto and --balance none
 NODE_K = (1, 10, 50, 200)
 NODE_STEPS = 200  # steps per epoch of the node experiment: a multiple of every K' above
 NODE_LR = 0.005  # for its small global batches (lr 0.01-0.02 diverged, NaN, with node-local batches of 4-5)
@@ -91,6 +90,8 @@ class Plan:
 
     hdp_epochs: int
     hdp_repeats: int
+    pair_repeats: int  # runs of each 2-rank configuration
+    homogeneous_starts: int  # starts of 4 identical ranks
     hdp_max_steps: int | None
     bal_epochs: int
     bal_seeds: tuple
@@ -105,13 +106,13 @@ class Plan:
     extra: dict = field(default_factory=dict)
 
 
-FULL = Plan(hdp_epochs=3, hdp_repeats=2, hdp_max_steps=None, bal_epochs=4, bal_seeds=(0, 1, 2),
-            bal_skews=("1,1,2,4", "1,1,1,13"), node_epochs=4, node_seeds=(0, 1),
-            node_links=LINKS, max_steps=None, samson_sizes=(320, 640),
+FULL = Plan(hdp_epochs=3, hdp_repeats=2, pair_repeats=3, homogeneous_starts=10, hdp_max_steps=None,
+            bal_epochs=4, bal_seeds=(0, 1, 2), bal_skews=("1,1,2,4", "1,1,1,13"), node_epochs=4,
+            node_seeds=(0, 1), node_links=LINKS, max_steps=None, samson_sizes=(320, 640),
             samson_hdp_repeats=1, timeout=1500)
-QUICK = Plan(hdp_epochs=1, hdp_repeats=1, hdp_max_steps=3, bal_epochs=2, bal_seeds=(0, 1),
-             bal_skews=("1,1,2,4",), node_epochs=1, node_seeds=(0,), node_links=(None,),
-             max_steps=3, samson_sizes=(96, 96), samson_hdp_repeats=1, timeout=240)
+QUICK = Plan(hdp_epochs=1, hdp_repeats=1, pair_repeats=1, homogeneous_starts=1, hdp_max_steps=3,
+             bal_epochs=2, bal_seeds=(0, 1), bal_skews=("1,1,2,4",), node_epochs=1, node_seeds=(0,),
+             node_links=(None,), max_steps=3, samson_sizes=(96, 96), samson_hdp_repeats=1, timeout=240)
 
 
 def parse_args(argv=None):
@@ -464,7 +465,7 @@ def hdp_small_worlds(ctx: Context) -> tuple[dict, list[str]]:
     pair = TrainBatch(ctx.work, "hdp_pair", ranks=2, throttle=not ctx.args.mpich_defaults, warmup=warm)
     pair.extra_env = one_thread
     names = {}
-    for rep in range(plan.hdp_repeats + 1):
+    for rep in range(plan.pair_repeats):
         for scene, scene_argv in scenes:
             for cfg in HDP_CONFIGS:
                 name = f"pair_{scene.split()[0]}_{cfg}_r{rep}"
@@ -495,7 +496,7 @@ def hdp_small_worlds(ctx: Context) -> tuple[dict, list[str]]:
                      med_spread(idles, 100, 1), f"{len(ratios)}"])
     # ---- 4 identical ranks, many starts
     homo = ctx.batch("hdp_homogeneous", ds)
-    starts = 2 if ctx.args.quick else HOMOGENEOUS_STARTS
+    starts = plan.homogeneous_starts
     # Each start: --speeds auto, --balance none, and --balance none again (the control: two
     # runs of one configuration, whose ratio is this machine's own spread).
     for k in range(starts):
