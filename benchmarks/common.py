@@ -288,6 +288,23 @@ def ideal_epoch_s(record: dict, factors) -> float:
             / sum(1.0 / f for f in factors))
 
 
+def ideal_ratio_factors(record: dict, factors) -> tuple[float, float, float]:
+    """``epoch / ideal`` of ``record`` as the product of three factors, each ``>= 1``::
+
+        split     = max_i comp_i / ideal        the ranks' compute totals differ: the split's error
+        variation = S / max_i comp_i            each step waits for that step's slowest rank
+        rest      = time_s / S                  exchange, optimizer, epoch-end collectives
+
+    with ``S = sum_t max_i c_it`` the sum over steps of the slowest rank's compute, which is
+    ``comp_i + idle_i`` for every rank ``i`` (the trainer's ``idle_i = sum_t (max_j c_jt -
+    c_it)``). A split right on average has ``split = 1`` and still pays ``variation``: on a shared
+    machine the ranks' step times vary independently, and no fixed split removes that."""
+    ideal = ideal_epoch_s(record, factors)
+    slowest_total = max(record["comp_s"])
+    critical = statistics.fmean(c + i for c, i in zip(record["comp_s"], record["idle_s"]))
+    return slowest_total / ideal, critical / slowest_total, record["time_s"] / critical
+
+
 def unslowed_cost_per_sample(record: dict, factors, samples) -> float:
     """Seconds of unslowed compute per sample of the epoch: ``sum_i comp_s_i / F_i / sum_i n_i``."""
     return sum(comp / f for comp, f in zip(record["comp_s"], factors)) / max(sum(samples), 1)

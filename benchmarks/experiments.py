@@ -43,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from common import (PYTHON, TrainBatch, epoch_samples, fmt_bytes, ideal_epoch_s, md_table,  # noqa: E402
+from common import (PYTHON, TrainBatch, epoch_samples, fmt_bytes, ideal_epoch_s, ideal_ratio_factors, md_table,  # noqa: E402
                     mean_std, med_spread, median, shown, timed_epochs, unslowed_cost_per_sample)
 
 from mpidl.config import Config  # noqa: E402
@@ -478,7 +478,7 @@ def hdp_small_worlds(ctx: Context) -> tuple[dict, list[str]]:
     runs = pair.launch(plan.timeout)
     rows, out = [], {"pair": {}, "homogeneous": {}}
     for (scene, cfg), keys in names.items():
-        ratios, sizes, comms, idles = [], [], [], []
+        ratios, sizes, comms, idles, parts = [], [], [], [], []
         for key in keys:
             loaded = runs.get(key)
             if loaded is None:
@@ -488,11 +488,13 @@ def hdp_small_worlds(ctx: Context) -> tuple[dict, list[str]]:
                 ratios.append(e["time_s"] / ideal_epoch_s(e, (1.0, 2.0)))
                 comms.append(statistics.mean(e["comm_s"]) / e["time_s"])
                 idles.append(statistics.mean(e["idle_s"]) / e["time_s"])
+                parts.append(ideal_ratio_factors(e, (1.0, 2.0)))
             sizes.append(ep[-1]["batch_sizes"])
         out["pair"][f"{scene} {cfg}"] = {"ratio": ratios, "batch_sizes": sizes, "comm_share": comms,
-                                         "idle_share": idles}
+                                         "idle_share": idles, "split_variation_rest": parts}
+        factors = " x ".join(f"{statistics.median(p[j] for p in parts):.3f}" for j in range(3)) if parts else "n/a"
         rows.append([f"2 ranks x 1 thread, {scene}", "1,2", HDP_CONFIGS[cfg][1],
-                     str(sizes[-1]) if sizes else "n/a", med_spread(ratios), med_spread(comms, 100, 1),
+                     str(sizes[-1]) if sizes else "n/a", med_spread(ratios), factors, med_spread(comms, 100, 1),
                      med_spread(idles, 100, 1), f"{len(ratios)}"])
     # ---- 4 identical ranks, many starts
     homo = ctx.batch("hdp_homogeneous", ds)
@@ -526,10 +528,17 @@ def hdp_small_worlds(ctx: Context) -> tuple[dict, list[str]]:
                           "control_vs_none": control}
     body = ["## Two more setups (synthetic scene)", "",
             md_table(["setup", "slowdown (EMULATED)", "split", "batch sizes (last run)", "epoch / ideal",
-                      "comm % of epoch", "idle % of epoch", "epochs"], rows), "",
+                      "= split x variation x rest (medians)", "comm % of epoch", "idle % of epoch", "epochs"],
+                     rows), "",
             f"The 156x9x9 scene: `{shown(cmd).replace(str(wide), wide.name)}`. {pair_epochs} epochs a run, "
             "all but the first timed. *comm* and *idle* (rank means, as in the tables above) are the "
-            "exchange and the waiting for the other rank, as a share of the epoch.", "",
+            "exchange and the waiting for the other rank, as a share of the epoch. *epoch / ideal* is the "
+            "product of three factors (`ideal_ratio_factors` in `benchmarks/common.py`; their medians are "
+            "shown, so their product is near, not equal to, the median ratio): *split*, the slower rank's "
+            "compute total over the ideal (the split's error: 1 when the ranks' totals are equal); "
+            "*variation*, the sum over steps of each step's slowest compute over that total (every step "
+            "waits for its own slowest rank; no fixed split removes it); *rest*, the epoch over that sum "
+            "(exchange, optimizer, epoch-end collectives).", "",
             f"Exact command of a row: `{pair.train_command(names[(scenes[0][0], 'auto')][0])}` with "
             "`OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 NUMBA_NUM_THREADS=1` (one thread per rank, "
             f"2 ranks on {ctx.info['cores']} cores).", "",

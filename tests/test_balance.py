@@ -160,8 +160,14 @@ def test_fit_cost_refuses_bad_input():
 
 
 def test_scale_cost_keeps_the_models_shape():
-    cost = scale_cost(RankCost(2.0, 1.0), 8, [20.0, 21.0, 19.0])  # predicted 10, measured 20
+    cost = scale_cost(RankCost(2.0, 1.0), [8, 8, 8], [20.0, 21.0, 19.0])  # predicted 10, measured 20
     assert cost == RankCost(4.0, 2.0)
+    # several sizes: the median of measured / predicted (8: 10 -> 20 and 30; 18: 20 -> 44)
+    assert scale_cost(RankCost(2.0, 1.0), [8, 8, 18], [20.0, 30.0, 44.0]) == RankCost(4.4, 2.2)
+    with pytest.raises(ValueError, match="entries"):
+        scale_cost(RankCost(2.0, 1.0), [8, 8], [20.0])
+    with pytest.raises(ValueError, match=r"batch_sizes\[0\]"):
+        scale_cost(RankCost(2.0, 1.0), [0], [20.0])
 
 
 def test_refit_cost_separates_a_from_c_with_the_two_sizes_around_a_resplit():
@@ -178,11 +184,24 @@ def test_refit_cost_separates_a_from_c_with_the_two_sizes_around_a_resplit():
 
 def test_refit_cost_with_one_size_scales_the_previous_model_through_it():
     prior = RankCost(2e-3, 0.5e-3)  # predicts 10 ms at 16
-    assert refit_cost(prior, [16] * 8, [20e-3] * 8) == scale_cost(prior, 16, [20e-3] * 8)
-    # sizes too close to separate a from c (48 vs 46), or a size seen in too few steps (30),
-    # count as one size: the most frequent one
-    cost = refit_cost(prior, [48] * 3 + [46] * 5 + [30] * 2, [0.1] * 10)
-    assert cost == scale_cost(prior, 46, [0.1] * 5)
+    assert refit_cost(prior, [16] * 8, [20e-3] * 8) == scale_cost(prior, [16] * 8, [20e-3] * 8)
+    # sizes too close to separate a from c (48 vs 46; 30 is seen in too few steps to be a
+    # point): the model is scaled through all the steps
+    sizes = [48] * 3 + [46] * 5 + [30] * 2
+    assert refit_cost(prior, sizes, [0.1] * 10) == scale_cost(prior, sizes, [0.1] * 10)
+
+
+def test_refit_cost_does_not_take_a_slow_phase_for_a_slope():
+    # The probe measured the shape over 16..64 samples. The steps: 20 at 19 samples during a
+    # slow phase of the machine (1.6x), then 20 at 12 samples at the usual speed. A line
+    # through the two medians would have a negative intercept; sizes 12..19 span too little
+    # to tell, so the probe's shape is kept and scaled.
+    probe = RankCost(12e-3, 1.2e-3)
+    sizes = [19] * 20 + [12] * 20
+    times = [1.6 * probe.time(19)] * 20 + [probe.time(12)] * 20
+    cost = refit_cost(probe, sizes, times)
+    assert cost.a / cost.c == pytest.approx(probe.a / probe.c, rel=1e-12)
+    assert 1.0 <= cost.c / probe.c <= 1.6
 
 
 def test_refit_cost_ignores_empty_steps_and_keeps_the_model_without_data():

@@ -253,3 +253,27 @@ def test_the_fitted_intra_latency_reproduces_the_calibration_run():
                       steps=32, algorithm="ring", emulated=True, epoch=1)
         assert predict(sc, strategy, k).comm_step_s == pytest.approx(rest, rel=1e-9), strategy
         assert alpha > 0
+
+
+def test_the_ideal_ratio_is_split_times_variation_times_rest():
+    sys.path.insert(0, str(BENCH))
+    try:
+        from common import ideal_epoch_s, ideal_ratio_factors
+    finally:
+        sys.path.remove(str(BENCH))
+
+    def record(steps_per_rank, time_s):  # what the trainer logs, from per-step compute times
+        slowest = [max(step) for step in zip(*steps_per_rank)]
+        return {"comp_s": [sum(s) for s in steps_per_rank], "time_s": time_s,
+                "idle_s": [sum(m - c for m, c in zip(slowest, s)) for s in steps_per_rank]}
+
+    # equal totals (32 each; rank 1 EMULATED 2x slower), but each step waits for its own
+    # slowest rank: 10 + 14 + 10 = 34; 2 s of exchange on top
+    balanced = record([[10, 12, 10], [10, 14, 8]], time_s=36.0)
+    assert ideal_epoch_s(balanced, (1.0, 2.0)) == pytest.approx(32.0)
+    assert ideal_ratio_factors(balanced, (1.0, 2.0)) == pytest.approx((1.0, 34 / 32, 36 / 34))
+    # unequal totals, no variation: ideal (20 + 28 / 2) / 1.5
+    skewed = record([[10, 10], [14, 14]], time_s=30.0)
+    split, variation, rest = ideal_ratio_factors(skewed, (1.0, 2.0))
+    assert (split, variation, rest) == pytest.approx((28 / (34 / 1.5), 1.0, 30 / 28))
+    assert split * variation * rest == pytest.approx(30.0 / ideal_epoch_s(skewed, (1.0, 2.0)))

@@ -48,13 +48,20 @@ Re-fitting while training
 -------------------------
 The probe measures each rank before training; the steps themselves keep measuring it.
 :func:`refit_cost` fits ``t_i(b) = a_i + c_i b`` again from a rank's own steps (their local
-batch sizes and compute times): every batch size seen in at least
-:data:`MIN_STEPS_PER_SIZE` steps is a point ``(b_j, median_j)``, and when the points' sizes
-differ by at least :data:`MIN_SIZE_SPREAD` of the largest, the least-squares line through them
-separates ``a_i`` from ``c_i``. A re-split changes the sizes, so the window of steps that spans
-it (the re-fit uses the steps of its own period and of the one before) holds two sizes. With one
-size only, ``t_i(b_j)`` cannot tell the fixed part from the per-sample part: the previous model
-is scaled through the point (``a_i`` and ``c_i`` by the same factor, :func:`scale_cost`).
+batch sizes and compute times). Every batch size seen in at least :data:`MIN_STEPS_PER_SIZE`
+steps is a point ``(b_j, median_j)``. Only when the points' sizes span at least
+:data:`MIN_SIZE_SPREAD` of the largest (half of it: the probe spans three quarters) does the
+least-squares line through them separate ``a_i`` from ``c_i``. Over a narrower span the slope
+is mostly noise: the medians of 20 steps that vary by 10 % are each uncertain by about 3 %, so
+between sizes 12 and 19 of a 45 ms step the slope is known to about 0.25 ms per sample, a
+quarter of its value; and a slow phase of the machine during one of the two periods (the
+shared 2-core machine of the README's tables has them, tens of steps long) becomes a slope (in
+one run, sizes 19 then 12 samples: a negative intercept, clipped to ``a = 0``; it kept for 80
+more steps a split that left the slow rank idle a quarter of the time). So otherwise the
+previous model keeps its shape and is scaled through the steps: ``a_i`` and ``c_i`` both times
+the median over steps of ``seconds_k / t_i(b_k)`` (:func:`scale_cost`). The shape was measured
+by the probe over a wide span, and a re-split moves the sizes only near the points that scale
+it.
 
 A re-split must beat the *current* split by the same margin, ``1 - T(opt) / T(current) >
 max(threshold, noise)`` (hysteresis), and, since the steps of one period share a slow phase
@@ -83,7 +90,7 @@ __all__ = ["RankCost", "fit_cost", "refit_cost", "relative_spread", "timing_nois
 #: steps of one local batch size a re-fit needs before that size is a point of its line
 MIN_STEPS_PER_SIZE = 3
 #: a re-fit separates a_i from c_i only when its sizes differ by this fraction of the largest
-MIN_SIZE_SPREAD = 0.25
+MIN_SIZE_SPREAD = 0.5
 
 
 # --------------------------------------------------------------------------- validation
@@ -180,11 +187,15 @@ def timing_noise(seconds: Sequence[float]) -> float:
     return math.sqrt(2.0) * 1.2533 / 1.349 * relative_spread(times) / math.sqrt(max(len(times), 1))
 
 
-def scale_cost(cost: RankCost, batch: int, seconds: Sequence[float]) -> RankCost:
-    """Re-fit a model from steps that all had one local batch size: ``t(batch)`` alone cannot
-    separate ``a`` from ``c``, so both are scaled by ``median(seconds) / t(batch)``."""
-    batch = _as_count(batch, "batch", 1)
-    factor = statistics.median(_positive_finite(seconds, "seconds")) / cost.time(batch)
+def scale_cost(cost: RankCost, batch_sizes: Sequence[int], seconds: Sequence[float]) -> RankCost:
+    """Re-fit a model through steps whose sizes cannot separate ``a`` from ``c``: both are
+    scaled by ``median_k(seconds[k] / t(batch_sizes[k]))``, the model's typical error on the
+    steps (with one size: ``median(seconds) / t(b)``)."""
+    sizes = [_as_count(b, f"batch_sizes[{k}]", 1) for k, b in enumerate(batch_sizes)]
+    times = _positive_finite(seconds, "seconds")
+    if len(sizes) != len(times):
+        raise ValueError(f"batch_sizes has {len(sizes)} entries, seconds {len(times)}")
+    factor = statistics.median(t / cost.time(b) for b, t in zip(sizes, times))
     return RankCost(cost.a * factor, cost.c * factor)
 
 
@@ -192,12 +203,11 @@ def refit_cost(previous: RankCost, batch_sizes: Sequence[int], seconds: Sequence
     """Re-fit a rank's ``t(b) = a + c b`` from its own training steps: step ``k`` computed
     ``batch_sizes[k]`` samples in ``seconds[k]``.
 
-    Steps without samples are left out (``t(0) = 0`` by definition), and so is every batch
-    size seen in fewer than :data:`MIN_STEPS_PER_SIZE` steps (a median of one or two steps is
-    a guess). With the remaining sizes spanning ``max - min >= MIN_SIZE_SPREAD * max``:
-    :func:`fit_cost` of their steps (medians per size, least squares). Otherwise: ``previous``
-    scaled through the most frequent size (:func:`scale_cost`; ties to the larger size); with
-    no size left, ``previous`` itself.
+    Steps without samples are left out (``t(0) = 0`` by definition). Every batch size seen in
+    at least :data:`MIN_STEPS_PER_SIZE` steps is a point; when the points span ``max - min >=
+    MIN_SIZE_SPREAD * max``: :func:`fit_cost` of their steps (medians per size, least squares).
+    Otherwise: ``previous`` scaled through all the steps (:func:`scale_cost`); with fewer than
+    :data:`MIN_STEPS_PER_SIZE` steps left, ``previous`` itself.
     """
     if not isinstance(previous, RankCost):
         raise ValueError(f"previous must be a RankCost, got {previous!r}")
@@ -205,17 +215,17 @@ def refit_cost(previous: RankCost, batch_sizes: Sequence[int], seconds: Sequence
     times = list(seconds)
     if len(sizes) != len(times):
         raise ValueError(f"batch_sizes has {len(sizes)} entries, seconds {len(times)}")
-    by_size: dict[int, list[float]] = {}
-    for b, t in zip(sizes, times):
-        if b > 0:
-            by_size.setdefault(b, []).append(t)
-    by_size = {b: ts for b, ts in by_size.items() if len(ts) >= MIN_STEPS_PER_SIZE}
-    if not by_size:
+    steps = [(b, t) for b, t in zip(sizes, times) if b > 0]
+    if len(steps) < MIN_STEPS_PER_SIZE:  # a median of one or two steps is a guess
         return previous
-    if max(by_size) - min(by_size) >= MIN_SIZE_SPREAD * max(by_size):
-        return fit_cost([b for b, ts in by_size.items() for _ in ts], [t for ts in by_size.values() for t in ts])
-    usual = max(by_size, key=lambda b: (len(by_size[b]), b))
-    return scale_cost(previous, usual, by_size[usual])
+    counts: dict[int, int] = {}
+    for b, _ in steps:
+        counts[b] = counts.get(b, 0) + 1
+    points = [b for b, n in counts.items() if n >= MIN_STEPS_PER_SIZE]
+    if points and max(points) - min(points) >= MIN_SIZE_SPREAD * max(points):
+        fitted = [(b, t) for b, t in steps if counts[b] >= MIN_STEPS_PER_SIZE]
+        return fit_cost([b for b, _ in fitted], [t for _, t in fitted])
+    return scale_cost(previous, [b for b, _ in steps], [t for _, t in steps])
 
 
 def costs_from_speeds(speeds: Sequence[float]) -> list[RankCost]:

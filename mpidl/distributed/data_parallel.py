@@ -591,9 +591,9 @@ class DataParallel:
         new)`` batch sizes when they changed, else None.
 
         Each rank re-fits from the steps since the last call and the ones of the call before
-        (:func:`~mpidl.distributed.balance.refit_cost`): after a re-split that window holds
-        two local batch sizes, whose medians separate ``a_i`` from ``c_i``; with one size the
-        model is scaled through it. The margin is ``max(balance_threshold, noise)`` (``noise``:
+        (:func:`~mpidl.distributed.balance.refit_cost`): when its batch sizes span at least half
+        of the largest, their medians separate ``a_i`` from ``c_i``; otherwise the model keeps
+        its shape and is scaled through the window's steps. The margin is ``max(balance_threshold, noise)`` (``noise``:
         the median over ranks of their steps' :func:`~mpidl.distributed.balance.timing_noise`),
         and a gain must pass it in two consecutive calls, or pass twice the margin in one
         (:func:`~mpidl.distributed.balance.confirm_resplit`): no move on one noisy period."""
