@@ -192,19 +192,19 @@ def test_train_eval_and_buffers_round_trip():
         fresh.load_buffers_host({})
 
 
-def test_spectral_lstm_skips_the_input_gradients_before_its_lstm():
-    """CenterPixel and BandGroups have no parameters, so the LSTM, the first layer with
-    some, computes no dx; backward stops there, and the parameter gradients are those of a
-    model that computes every input gradient."""
-    from mpidl.nn import LSTM  # noqa: PLC0415
-
-    model = build_model("spectral_lstm", num_classes=3, **TINY["spectral_lstm"])
-    lstm = next(layer for layer in model.net.layers if isinstance(layer, LSTM))
-    assert not lstm.compute_input_grad
-    x, y = batch(TINY["spectral_lstm"]["input_shape"])
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_the_first_layer_with_parameters_computes_no_input_gradient(name):
+    """Nobody needs dL/dx of the data (PyTorch's autograd does not compute it either): the
+    first layer with parameters (hsicnn's convolution, mlp's Linear, spectral_lstm's LSTM,
+    vit's token embedding) is told not to compute it, backward stops there, and the parameter
+    gradients are those of a model that computes every input gradient."""
+    model = build_model(name, num_classes=3, **TINY[name])
+    first = next(layer for layer in model.net.layers if layer.named_parameters())
+    assert first.compute_input_grad is False
+    x, y = batch(TINY[name]["input_shape"])
     loss_fn = SoftmaxCrossEntropy()
     loss_fn.forward(model.forward(x), y)
-    model.backward(loss_fn.backward())
+    assert model.net.backward(model.backend.asarray(loss_fn.backward())) is None
     skipped = np.array(model.params.grad, copy=True)
     for layer in model.net.layers:
         if hasattr(layer, "compute_input_grad"):

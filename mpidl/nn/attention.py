@@ -26,12 +26,23 @@ class Tokenwise(Module):
     -----
     ``y[n, t] = f(x[n, t])``: ``x`` is reshaped to (N*T, D), ``f`` applied, the result
     reshaped to (N, T, D'); backward reshapes the same way around ``f``'s backward.
+    ``compute_input_grad`` is ``f``'s (vit's token embedding skips ``dx`` of the data).
     """
 
     def __init__(self, layer: Module) -> None:
         super().__init__()
         self.layer = layer
         self._shape: tuple | None = None
+
+    @property
+    def compute_input_grad(self) -> bool:
+        return self.layer.compute_input_grad  # AttributeError when f has no such switch
+
+    @compute_input_grad.setter
+    def compute_input_grad(self, value: bool) -> None:
+        if not hasattr(self.layer, "compute_input_grad"):
+            raise AttributeError(f"{type(self.layer).__name__} always computes its input gradient")
+        self.layer.compute_input_grad = bool(value)
 
     def forward(self, x):
         if x.ndim != 3:

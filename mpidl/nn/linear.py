@@ -31,6 +31,8 @@ class Linear(Module):
     ``dW = dy.T @ x`` (K, D), ``db = dy.sum(axis=0)`` (K,), ``dx = dy @ W`` (N, D).
     Only ``x`` is saved for backward. The three products go through
     :func:`mpidl.blas.matmul`, which splits a large one between the thread policy's threads.
+    With ``compute_input_grad = False`` backward skips ``dx`` and returns None (the model sets
+    this on its first layer with parameters: nobody needs ``dx`` of the data).
     """
 
     def __init__(
@@ -53,6 +55,7 @@ class Linear(Module):
             if bias
             else None
         )
+        self.compute_input_grad = True
         self._x = None
 
     def forward(self, x):
@@ -73,6 +76,8 @@ class Linear(Module):
         matmul(dy.T, self._x, out=self.weight.grad)
         if self.bias is not None:
             xp.sum(dy, axis=0, out=self.bias.grad)
+        if not self.compute_input_grad:
+            return None
         dtype = xp.result_type(dy, self.weight.data)
         return matmul(dy, self.weight.data, out=xp.empty((dy.shape[0], self.in_features), dtype=dtype))
 
