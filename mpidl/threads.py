@@ -55,6 +55,13 @@ OpenBLAS exports both (``openblas_read_env``, ``blas_thread_shutdown_``, the lat
 runs itself before a ``fork``) but documents neither, so the result is checked and the
 fallback above taken when it does not hold. Call :func:`apply` when no other thread is inside
 a BLAS call (mpidl calls it before the first step).
+* Every loaded OpenBLAS (NumPy's, and SciPy's, which Numba's ``np.dot`` calls) runs one
+  multithreaded ``sgemm`` and ``dgemm`` once (:func:`_prime_openblas`), whatever ``T``: a
+  one-thread product with a long inner dimension is 2-3x slower in a process whose OpenBLAS
+  never ran a multithreaded one of that precision, and a process running one thread never
+  does (``OMP_NUM_THREADS=1``, or as many ranks as cores), nor does SciPy's OpenBLAS in any
+  process (mpidl calls it with one thread). The counts in force are not changed; where
+  the idle workers cannot be made to sleep (below), nothing is primed, as they would spin.
 * glibc's ``malloc`` keeps freed memory in the process (:func:`set_malloc_policy`, on ``import
   mpidl``), unless ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_`` is set. Not a thread
   setting, but the same kind of process-wide choice that decides a step's speed, so it lives
@@ -77,7 +84,8 @@ LAUNCHER_LOCAL_SIZE = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_N
 BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 _state: dict = {"applied": None, "gemm_threads": 1, "stack_threads": 1, "blas_threads": 1, "ranks": None,
-               "malloc_policy": False, "blas_controller": None, "openblas_sleeps": None}
+               "malloc_policy": False, "blas_controller": None, "openblas_sleeps": None,
+               "openblas_primed": None}
 
 
 def set_wait_policy() -> None:
@@ -182,8 +190,53 @@ def apply(ranks_per_machine: int | None = None) -> dict:
         else:
             threadpool_limits(limits=1, user_api="blas")
             _state["gemm_threads"], _state["blas_threads"] = threads, 1
+    if _state["openblas_primed"] is None:
+        # Only where the workers the primer starts go to sleep right after (else they spin).
+        _state["openblas_primed"] = _prime_openblas() if _openblas_workers_sleep() else []
     _state["applied"] = _state["stack_threads"] = threads
     return describe()
+
+
+#: The product each OpenBLAS runs once on PRIME_THREADS threads (n x n times n x n, about a
+#: millisecond): large enough that OpenBLAS gives it more than one thread.
+PRIME_SIZE, PRIME_THREADS = 256, 2
+
+
+def _prime_openblas() -> list[str]:
+    """Run one ``PRIME_THREADS``-thread ``sgemm`` and ``dgemm`` on every loaded OpenBLAS, the
+    thread counts restored after; returns the libraries' file names.
+
+    Why, measured on the 2-core Zen 1 VM (OpenBLAS 0.3.31, NumPy's and SciPy's wheels):
+    vit's weight gradient ``dy^T x``, (128, 3200) by (3200, 64) in float32 on one thread,
+    takes 4.4 ms in a process whose OpenBLAS never ran a multithreaded ``sgemm`` and 1.5-1.8
+    ms after one (4.4 and 8.5 ms without, 1.7 ms with, when the process is pinned to one
+    core); the float64 product 3.8 -> 3.3 ms after a ``dgemm``, which an ``sgemm`` does not
+    change. Each library needs its own call (SciPy's, behind Numba's ``np.dot``, stays slow
+    after NumPy's was primed). With the kernel's transparent huge pages set to ``always``
+    instead of this machine's ``madvise``, the product takes 1.5 ms unprimed: consistent with
+    OpenBLAS's multithreaded path leaving its buffers on huge pages (not checked in its
+    source). Effect on one training step, one thread (``OMP_NUM_THREADS=1``, fresh
+    processes): vit 111-116 -> 83-91 ms, spectral_lstm 9.1 -> 6.3 ms, resnet8 223 -> 198 ms,
+    hsicnn 55 -> 53 ms; none at two threads. A library that is not OpenBLAS is left alone.
+    """
+    import numpy as np  # noqa: PLC0415
+    from threadpoolctl import threadpool_info, threadpool_limits  # noqa: PLC0415
+
+    try:
+        import scipy.linalg.blas as scipy_blas  # noqa: PLC0415 - the OpenBLAS of Numba's np.dot
+    except ImportError:
+        scipy_blas = None
+    names = [pool["filepath"].rsplit("/", 1)[-1] for pool in threadpool_info()
+             if pool.get("user_api") == "blas" and pool.get("internal_api") == "openblas"]
+    if not names:
+        return []
+    with threadpool_limits(limits=PRIME_THREADS, user_api="blas"):
+        for dtype, gemm in ((np.float32, "sgemm"), (np.float64, "dgemm")):
+            a = np.ones((PRIME_SIZE, PRIME_SIZE), dtype=dtype)
+            np.matmul(a, a)  # NumPy's OpenBLAS
+            if scipy_blas is not None:
+                getattr(scipy_blas, gemm)(1.0, a, a)  # SciPy's
+    return names
 
 
 #: OpenBLAS's ``OPENBLAS_THREAD_TIMEOUT``: its idle workers spin ``2^4`` cycles (the least it
@@ -287,14 +340,15 @@ def _blas_threads(libraries, count: int):
 def describe() -> dict:
     """The thread counts in force: ``threads`` (T), ``numba``, ``gemm_threads``, ``blas``
     (per library), ``blas_workers_sleep`` (whether OpenBLAS's idle workers sleep right after a
-    call; None until it was needed), ``omp_wait_policy``; and ``malloc_policy`` (whether
-    :func:`set_malloc_policy` set glibc's thresholds)."""
+    call; None until it was needed), ``omp_wait_policy``, ``openblas_primed`` (the OpenBLAS
+    libraries :func:`_prime_openblas` primed; None before :func:`apply`); and ``malloc_policy``
+    (whether :func:`set_malloc_policy` set glibc's thresholds)."""
     from threadpoolctl import threadpool_info  # noqa: PLC0415
 
     info: dict = {"threads": _state["applied"], "gemm_threads": _state["gemm_threads"],
                   "blas_workers_sleep": _state["openblas_sleeps"],
                   "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-                  "malloc_policy": _state["malloc_policy"]}
+                  "malloc_policy": _state["malloc_policy"], "openblas_primed": _state["openblas_primed"]}
     try:
         import numba  # noqa: PLC0415
 

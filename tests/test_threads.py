@@ -80,6 +80,22 @@ def test_explicit_settings_win():
     assert info["threads"] == 1 and info["numba"] == 1 and info["gemm_threads"] == 1
 
 
+@pytest.mark.slow
+def test_every_openblas_runs_one_multithreaded_product_and_keeps_the_users_count():
+    """A process on one thread never runs a multithreaded product by itself, and its OpenBLAS
+    then runs long one-thread products 2-3x slower (mpidl/threads.py, ``_prime_openblas``):
+    the policy primes NumPy's and SciPy's OpenBLAS (Numba's ``np.dot``) all the same, and
+    both still run the user's one thread after."""
+    info = _policy(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    if not any("openblas" in name for name in info["blas"]):
+        pytest.skip(f"no OpenBLAS loaded: {info['blas']}")
+    assert info["threads"] == 1
+    assert sorted(info["openblas_primed"]) == sorted(name for name in info["blas"] if "openblas" in name), info
+    assert any("scipy_openblas64" in name for name in info["openblas_primed"]), info  # NumPy's
+    assert len(info["openblas_primed"]) >= 2, info  # and SciPy's
+    assert all(count == 1 for count in info["blas"].values()), info
+
+
 _NESTED_BLAS_PROBE = """
 import json
 from threadpoolctl import threadpool_info
