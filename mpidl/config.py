@@ -148,6 +148,9 @@ class Config:
         if self.sync_overlap and self.intra != "mpi":
             raise ConfigError("--sync-overlap works with --intra mpi")
         _choice("--balance", self.balance, BALANCES)
+        if self.rebalance and self.balance == "none":
+            raise ConfigError("--balance none keeps the equal split, and --rebalance would re-split it "
+                              "by the measured step times: give one of them")
         _choice("--on-nan", self.on_nan, ON_NAN)
         _choice("--log-level", self.log_level, LOG_LEVELS)
         _choice("--dtype", self.dtype, tuple(DTYPES))
