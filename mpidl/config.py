@@ -20,7 +20,7 @@ from mpidl.distributed.compress import COMPRESSIONS
 from mpidl.distributed.data_parallel import BUCKET_MB, INTRA
 from mpidl.distributed.overlap import OVERLAP_STRATEGIES
 from mpidl.distributed.balance import parse_speeds
-from mpidl.distributed.emulation import parse_link, parse_slowdowns
+from mpidl.distributed.emulation import EMULATION_CLOCKS, parse_link, parse_slowdowns
 from mpidl.log import LEVELS
 from mpidl.models import MODELS
 from mpidl.optim import OPTIMIZERS, SCHEDULES
@@ -82,6 +82,7 @@ class Config:
     sync_overlap: int = 0
     # emulation (experiments on one machine)
     emulate_slowdown: str | None = None
+    emulate_clock: str = "wall"
     emulate_link: str | None = None
     # output
     metrics: str | None = None
@@ -123,6 +124,10 @@ class Config:
         _choice("--strategy", self.strategy, STRATEGIES)
         _choice("--weighting", self.weighting, WEIGHTINGS)
         _choice("--intra", self.intra, INTRA)
+        _choice("--emulate-clock", self.emulate_clock, EMULATION_CLOCKS)
+        if self.emulate_clock != "wall" and self.emulate_slowdown is None:
+            raise ConfigError(f"--emulate-clock {self.emulate_clock} says what --emulate-slowdown "
+                              "multiplies: give --emulate-slowdown too")
         _choice("--compress", self.compress, COMPRESSIONS)
         if not (isinstance(self.bucket_mb, (int, float)) and math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
             raise ConfigError(f"--bucket-mb must be a positive number of MiB, got {self.bucket_mb}")
@@ -373,6 +378,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("emulation (experiments on one machine; always reported as emulation)")
     g.add_argument("--emulate-slowdown", default=None, metavar="F0,F1,...",
                    help="stretch rank i's compute time by factor f_i >= 1 (default: none)")
+    g.add_argument("--emulate-clock", default=d.emulate_clock, choices=EMULATION_CLOCKS,
+                   help="what --emulate-slowdown multiplies: each compute's wall time, or its CPU "
+                        "time (the compute then lasts max(wall, f x cpu); with more ranks than "
+                        f"cores the wall time includes waiting for a core) (default {d.emulate_clock})")
     g.add_argument("--emulate-link", default=None, metavar="LATENCY_US,GBIT_S",
                    help="add the alpha-beta modelled time of each inter-node collective (default: none)")
 

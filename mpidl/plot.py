@@ -131,7 +131,8 @@ def load_run(path, label: str | None = None) -> Run:
 
 
 def emulation_note(run: Run) -> str | None:
-    """``"emulated slowdown 1,1,2,4; emulated link 5 us, 10 Gbit/s"`` for an emulated run, else None.
+    """``"emulated slowdown 1,1,2,4; emulated link 5 us, 10 Gbit/s"`` for an emulated run, else None
+    (``"emulated slowdown 1,1,2,4 (cpu clock)"`` when the slowdown multiplied CPU time).
 
     Taken from the start record's ``emulation`` field, or from its config when that field is
     missing; a run without a start record is reported as not emulated.
@@ -147,7 +148,9 @@ def emulation_note(run: Run) -> str | None:
         link = config.get("emulate_link")
     parts = []
     if slowdown:
-        parts.append("emulated slowdown " + _number_list(slowdown))
+        clock = emulation.get("clock")
+        parts.append("emulated slowdown " + _number_list(slowdown)
+                     + (f" ({clock} clock)" if clock and clock != "wall" else ""))
     if link:
         latency_us, gbit_s = _parse_list(link)
         parts.append(f"emulated link {latency_us:g} us, {gbit_s:g} Gbit/s")

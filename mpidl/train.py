@@ -222,7 +222,8 @@ def _print_header(printer, cfg, model, train_set, desc, trainer) -> None:
                  f"{trainer.steps_per_epoch} steps/epoch")
     printer.info(dp.describe_split())
     if cfg.slowdown_list:
-        printer.info(f"EMULATION: compute slowdown per rank {cfg.slowdown_list}")
+        printer.info(f"EMULATION: compute slowdown per rank {cfg.slowdown_list} "
+                     f"(multiplying each compute's {cfg.emulate_clock} time)")
     if cfg.link:
         printer.info(f"EMULATION: inter-node link {cfg.link[0]} us latency, {cfg.link[1]} Gbit/s")
 
@@ -232,7 +233,8 @@ def _start_record(cfg, topo, model, desc) -> dict:
         "event": "start", "config": cfg.to_dict(), "world_size": topo.size,
         "num_nodes": topo.num_nodes, "node_sizes": list(topo.node_sizes), "model": model.name,
         "num_params": int(model.params.size), "data": desc,
-        "emulation": {"slowdown": cfg.slowdown_list, "link": list(cfg.link) if cfg.link else None},
+        "emulation": {"slowdown": cfg.slowdown_list, "clock": cfg.emulate_clock if cfg.slowdown_list else None,
+                      "link": list(cfg.link) if cfg.link else None},
     }
 
 

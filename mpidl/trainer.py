@@ -148,7 +148,8 @@ class Trainer:
             rebalance_every=cfg.rebalance_every if cfg.rebalance else None,
             sync_optimizer_state=cfg.sync_optimizer_state,
             on_nan=cfg.on_nan, check_replicas=cfg.check_replicas,
-            emulate_slowdown=cfg.slowdown_list or 1.0, emulate_link=cfg.emulate_link,
+            emulate_slowdown=cfg.slowdown_list or 1.0, emulate_clock=cfg.emulate_clock,
+            emulate_link=cfg.emulate_link,
             intra=cfg.intra, overlap=cfg.overlap, bucket_mb=cfg.bucket_mb,
             compress=cfg.compress, sync_overlap=cfg.sync_overlap,
         )

@@ -47,6 +47,26 @@ def test_slowdown_of_one_never_sleeps():
     assert clock.asked == []
 
 
+def test_slowdown_on_the_cpu_clock_makes_the_interval_last_factor_times_its_cpu_seconds():
+    clock = FakeClock()
+    slow = Slowdown(3.0, "cpu", sleep=clock.sleep, clock=clock)
+    # a rank that had its core: wall = cpu, the same sleep as on the wall clock
+    assert slow.stretch(0.5, 0.5) == pytest.approx(1.0)
+    # a rank that waited 0.5 s for a core another rank held: that wait is not multiplied
+    assert slow.stretch(1.0, 0.5) == pytest.approx(0.5)
+    # waiting longer than the emulated interval: no sleep, the interval is its wall time
+    assert slow.stretch(2.0, 0.5) == 0.0
+    assert clock.asked == pytest.approx([1.0, 0.5])
+    assert Slowdown(1.0, "cpu").extra_seconds(2.0) == 0.0  # factor 1 needs no CPU time
+    with pytest.raises(ValueError, match="needs the interval's cpu_seconds"):
+        slow.extra_seconds(1.0)
+
+
+def test_slowdown_refuses_an_unknown_clock():
+    with pytest.raises(ValueError, match="emulation clock must be one of wall, cpu"):
+        Slowdown(2.0, "gpu")
+
+
 @pytest.mark.parametrize("factor", [0.5, 0, -1, float("inf"), float("nan"), True, "2"])
 def test_slowdown_refuses_bad_factors(factor):
     with pytest.raises(ValueError, match="slowdown factor"):

@@ -33,7 +33,7 @@ needs_matplotlib = pytest.mark.skipif(
 )
 
 
-def write_metrics(path, slowdown, batch_sizes, strategy="flat", epochs=3, emulated=True, end=True):
+def write_metrics(path, slowdown, batch_sizes, strategy="flat", epochs=3, emulated=True, end=True, clock="wall"):
     """A metrics file as rank 0 writes it: start, one record per epoch, end.
 
     Each rank's compute time is its batch times its slowdown; idle time is what it waits
@@ -46,7 +46,8 @@ def write_metrics(path, slowdown, batch_sizes, strategy="flat", epochs=3, emulat
                    "emulate_slowdown": ",".join(map(str, slowdown)) if emulated else None},
         "world_size": ranks, "num_nodes": 2, "node_sizes": [ranks // 2, ranks - ranks // 2],
         "model": "hsicnn", "num_params": 1234, "data": "synthetic",
-        "emulation": {"slowdown": slowdown if emulated else None, "link": [5.0, 10.0] if emulated else None},
+        "emulation": {"slowdown": slowdown if emulated else None, "clock": clock if emulated else None,
+                      "link": [5.0, 10.0] if emulated else None},
     }]
     for epoch in range(1, epochs + 1):
         comp = [0.01 * b * f for b, f in zip(batch_sizes, slowdown)]
@@ -117,6 +118,8 @@ def test_emulation_note(tmp_path):
     assert emulation_note(emulated) == "emulated slowdown 1,1,2,4; emulated link 5 us, 10 Gbit/s"
     plain = load_run(write_metrics(tmp_path / "p.jsonl", [1, 1], [4, 4], emulated=False))
     assert emulation_note(plain) is None
+    on_cpu = load_run(write_metrics(tmp_path / "c.jsonl", [1, 2], [4, 4], clock="cpu"))
+    assert emulation_note(on_cpu) == "emulated slowdown 1,2 (cpu clock); emulated link 5 us, 10 Gbit/s"
 
 
 def test_missing_file_is_named(tmp_path):

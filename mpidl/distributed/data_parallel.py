@@ -53,7 +53,7 @@ from mpidl.backend import get_array_module, to_host
 from mpidl.distributed import balance
 from mpidl.distributed import probe as speed_probe
 from mpidl.distributed.compress import COMPRESSIONS, Compressor
-from mpidl.distributed.emulation import LinkModel, Slowdown, parse_link
+from mpidl.distributed.emulation import LinkModel, Slowdown, check_clock, parse_link
 from mpidl.distributed.reducer_base import COUNT, NONFINITE, SLOTS, STOP, WEIGHTINGS
 from mpidl.distributed.reducers import STRATEGIES, make_reducer
 from mpidl.distributed.overlap import OVERLAP_STRATEGIES, OverlappedExchange, plan_buckets
@@ -139,6 +139,10 @@ class DataParallel:
         Debug: compare a checksum of every replica's parameters whenever they must agree.
     emulate_slowdown : float or sequence of P floats >= 1
         EMULATION: this rank's compute takes that factor longer (it sleeps).
+    emulate_clock : 'wall' | 'cpu'
+        What ``emulate_slowdown`` multiplies: the compute's wall time, or its CPU time (then
+        the compute lasts ``max(wall, f * cpu)``: on a machine with more ranks than cores the
+        wall time includes waiting for a core; see :class:`~mpidl.distributed.emulation.Slowdown`).
     emulate_link : LinkModel, 'LATENCY_US,GBIT_S' or None
         EMULATION: every inter-node collective also sleeps its alpha-beta time.
     intra : 'mpi' | 'shm'
@@ -177,6 +181,7 @@ class DataParallel:
                  rebalance_every: int | None = None,
                  sync_optimizer_state: bool = False, on_nan: str = "stop",
                  check_replicas: bool = False, emulate_slowdown: float | Sequence[float] = 1.0,
+                 emulate_clock: str = "wall",
                  emulate_link: LinkModel | str | None = None, intra: str = "mpi",
                  overlap: bool = False, bucket_mb: float = BUCKET_MB, compress: str = "none",
                  sync_overlap: int = 0):
@@ -260,7 +265,7 @@ class DataParallel:
         factors = [emulate_slowdown] * topo.size if isinstance(emulate_slowdown, Real) else list(emulate_slowdown)
         if len(factors) != topo.size:
             raise ValueError(f"emulate_slowdown has {len(factors)} factors for {topo.size} ranks")
-        self.slowdown = Slowdown(factors[topo.rank])
+        self.slowdown = Slowdown(factors[topo.rank], check_clock(emulate_clock))
         self.reducer = make_reducer(strategy, topo, weighting=weighting, sync_every=sync_every,
                                     emulate_link=emulate_link, sync_overlap=sync_overlap)
         if compress != "none":
@@ -323,7 +328,12 @@ class DataParallel:
                 if module is not model.net and hasattr(module, "backward_hook"):
                     module.backward_hook = self.exchange.poll  # progress inside the blocks
         self.reset_counters()
+        self._start_compute_clock()
+
+    def _start_compute_clock(self) -> None:
+        """Start timing this rank's compute: wall seconds, and CPU seconds for the emulation."""
         self._mark = time.perf_counter()
+        self._cpu_mark = time.process_time()
 
     # ------------------------------------------------------------------ who is where
     @property
@@ -370,7 +380,7 @@ class DataParallel:
         counts = self.split(len(batch))
         lo = sum(counts[: self.rank])
         self._local_count = counts[self.rank]
-        self._mark = time.perf_counter()
+        self._start_compute_clock()
         return batch[lo: lo + counts[self.rank]]
 
     def shard(self, n: int) -> tuple[int, int]:
@@ -400,7 +410,8 @@ class DataParallel:
         if self._backend is not None:
             self._backend.synchronize()  # the clock stops when the device has finished
         seconds = time.perf_counter() - self._mark
-        seconds += self.slowdown.stretch(seconds)  # EMULATION: sleeps (f - 1) * seconds
+        # EMULATION: sleeps (f - 1) * seconds, or f * cpu - seconds on the CPU clock
+        seconds += self.slowdown.stretch(seconds, time.process_time() - self._cpu_mark)
         self._step_compute.append(seconds)
         self._recent.append((int(count), seconds))
 
@@ -438,7 +449,7 @@ class DataParallel:
         if self.rebalance_every is not None and self.steps % self.rebalance_every == 0:
             self.rebalance()
         self._wait_seconds += time.perf_counter() - t0
-        self._mark = time.perf_counter()
+        self._start_compute_clock()
         return result is not None
 
     def _reduce_replicated(self, count) -> tuple[bool, float]:
@@ -533,7 +544,7 @@ class DataParallel:
         if self.check_replicas:
             self._compare_replicas()
         self._wait_seconds += time.perf_counter() - t0
-        self._mark = time.perf_counter()
+        self._start_compute_clock()
 
     def consensus(self) -> np.ndarray:
         """A host copy of the parameters every replica agrees on (collective): the replicas'

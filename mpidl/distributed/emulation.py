@@ -5,7 +5,8 @@ framework is built for (uneven rank speeds, a slow network between nodes) can be
 tested on a laptop. Every number produced under emulation must be reported as emulated.
 
 * :class:`Slowdown` makes a rank ``f`` times slower: after a compute interval of ``t``
-  seconds it sleeps ``(f - 1) t``, so the interval takes ``f t`` in total.
+  seconds it sleeps ``(f - 1) t``, so the interval takes ``f t`` in total (or, on the CPU
+  clock, ``f`` times the interval's CPU seconds).
 * :class:`LinkModel` is the alpha-beta (latency-bandwidth) model of an inter-node link; the
   reducers sleep the modelled time of every BLOCKING collective on the inter-node level.
 * :class:`LinkTimeline` schedules the modelled time of NON-BLOCKING inter-node collectives
@@ -35,6 +36,10 @@ def _parse_numbers(text: str, what: str) -> list[float]:
 
 
 # --------------------------------------------------------------------------- slow ranks
+#: what a slowdown multiplies: an interval's wall seconds, or its CPU seconds
+EMULATION_CLOCKS = ("wall", "cpu")
+
+
 @dataclass
 class Slowdown:
     """EMULATED slow rank: stretch every measured compute interval by ``factor``.
@@ -42,7 +47,22 @@ class Slowdown:
     ``factor = 1`` is a no-op; ``factor = 3`` makes the rank three times slower. ``sleep`` and
     ``clock`` are injectable so tests can record instead of wait.
 
-    Usage: ``t = measured compute seconds; t += slowdown.stretch(t)``.
+    Usage: ``t = measured compute seconds; t += slowdown.stretch(t, cpu_seconds)``.
+
+    What is multiplied (``basis``)
+    ------------------------------
+    ``"wall"`` (default): the interval's wall time ``t``; it lasts ``f t``. ``"cpu"``: its CPU
+    time ``u`` (``time.process_time()``, every thread of the process); it lasts ``max(t, f u)``,
+    i.e. the sleep is ``f u - t`` when positive. The two agree on a rank that has its cores to
+    itself (``u = t`` for one busy thread). With more ranks than cores they do not: ``t`` then
+    includes the time a rank waited for a core another rank held, which changes from step to
+    step with what the others compute at that moment, and the wall basis multiplies that
+    waiting by ``f`` as well (on 4 ranks over 2 cores at factors 3,3,3,6 each step then waits
+    for its slowest rank 1.18-1.22x longer than the ranks' averages predict). The cluster being
+    emulated gives every rank its own processor, so its step time is ``f`` times its own work:
+    the CPU basis, as long as ``f u >= t`` (the factors must exceed the contention, as the HDP
+    experiment's x3 does). On several threads ``u`` adds them up: the emulated rank runs its
+    threads' work one after another, ``f`` times slower.
 
     Notes
     -----
@@ -55,6 +75,7 @@ class Slowdown:
     """
 
     factor: float = 1.0
+    basis: str = "wall"
     sleep: Callable[[float], None] = field(default=time.sleep, repr=False)
     clock: Callable[[], float] = field(default=time.perf_counter, repr=False)
     #: running estimate of how late ``sleep`` returns (seconds)
@@ -65,15 +86,23 @@ class Slowdown:
                 or not math.isfinite(self.factor) or self.factor < 1:
             raise ValueError(f"slowdown factor must be a finite number >= 1, got {self.factor!r}")
         self.factor = float(self.factor)
+        check_clock(self.basis)
 
-    def extra_seconds(self, elapsed: float) -> float:
-        """``(factor - 1) * elapsed``: the sleep that makes ``elapsed`` last ``factor`` times longer."""
-        return (self.factor - 1.0) * max(float(elapsed), 0.0)
+    def extra_seconds(self, elapsed: float, cpu_seconds: float | None = None) -> float:
+        """The sleep that stretches an interval of ``elapsed`` wall seconds: ``(factor - 1) *
+        elapsed`` on the wall basis; ``max(0, factor * cpu_seconds - elapsed)`` on the CPU
+        basis (which needs ``cpu_seconds``)."""
+        elapsed = max(float(elapsed), 0.0)
+        if self.basis == "wall" or self.factor == 1.0:
+            return (self.factor - 1.0) * elapsed
+        if cpu_seconds is None:
+            raise ValueError("a slowdown on the cpu basis needs the interval's cpu_seconds")
+        return max(0.0, self.factor * max(float(cpu_seconds), 0.0) - elapsed)
 
-    def stretch(self, elapsed: float) -> float:
-        """Sleep about ``(factor - 1) * elapsed`` after a compute interval (the sleep's own
+    def stretch(self, elapsed: float, cpu_seconds: float | None = None) -> float:
+        """Sleep about :meth:`extra_seconds` after a compute interval (the sleep's own
         lateness allowed for); return the seconds really slept."""
-        extra = self.extra_seconds(elapsed)
+        extra = self.extra_seconds(elapsed, cpu_seconds)
         if extra <= 0:
             return 0.0
         asked = max(0.0, extra - min(self.lateness, 0.5 * extra))
@@ -82,6 +111,13 @@ class Slowdown:
         slept = self.clock() - start
         self.lateness = max(0.0, self.lateness + 0.25 * ((slept - asked) - self.lateness))
         return slept
+
+
+def check_clock(basis: str) -> str:
+    """``basis`` if it is one of :data:`EMULATION_CLOCKS`, else a ValueError naming them."""
+    if basis not in EMULATION_CLOCKS:
+        raise ValueError(f"emulation clock must be one of {', '.join(EMULATION_CLOCKS)}, got {basis!r}")
+    return basis
 
 
 def parse_slowdowns(text: str, world_size: int) -> list[float]:

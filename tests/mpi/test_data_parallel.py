@@ -391,6 +391,30 @@ def test_rebalance_follows_the_measured_compute_time():
     assert len(set(map(tuple, WORLD.allgather(dp.batch_sizes)))) == 1
 
 
+def test_the_cpu_clock_stretches_work_and_not_waiting():
+    # EMULATION on the CPU clock: a step's compute lasts max(wall, f * cpu). A compute that
+    # only sleeps (the rank waiting for a core held by another) is not stretched; one that
+    # computes is, f times its CPU seconds.
+    model, dp = make(emulate_slowdown=3.0, emulate_clock="cpu")
+    batch = batches(1)[0]
+
+    def one_step(work):
+        local = dp.local_indices(batch)
+        model.params.grad.fill(0)
+        work()
+        dp.step(len(local))
+        return dp.timings()["step_comp_s"][-1]
+
+    def busy(seconds=0.03):
+        end = time.process_time() + seconds
+        while time.process_time() < end:
+            pass
+
+    waited = one_step(lambda: time.sleep(0.03))
+    worked = one_step(busy)
+    assert all_agree(WORLD, 0.03 <= waited < 0.06 and worked >= 3 * 0.03 * 0.95), (waited, worked)
+
+
 # ------------------------------------------------------------------ bad arguments
 @pytest.mark.parametrize("kwargs, match", [
     ({"strategy": "ring"}, "unknown strategy 'ring'"),
@@ -404,6 +428,7 @@ def test_rebalance_follows_the_measured_compute_time():
     ({"speeds": [0.0] * P}, r"speeds\[0\] must be a finite number > 0"),
     ({"emulate_slowdown": [1.0] * (P + 1)}, "emulate_slowdown has"),
     ({"emulate_slowdown": 0.5}, "slowdown factor must be"),
+    ({"emulate_clock": "gpu"}, "emulation clock must be one of wall, cpu"),
     ({"sync_every": 0, "strategy": "node"}, "sync_every"),
     ({"balance_threshold": 1.0}, "balance_threshold"),
     ({"rebalance_every": 0}, "rebalance_every"),
