@@ -57,8 +57,9 @@ class Slowdown:
     itself (``u = t`` for one busy thread). With more ranks than cores they do not: ``t`` then
     includes the time a rank waited for a core another rank held, which changes from step to
     step with what the others compute at that moment, and the wall basis multiplies that
-    waiting by ``f`` as well (on 4 ranks over 2 cores at factors 3,3,3,6 each step then waits
-    for its slowest rank 1.18-1.22x longer than the ranks' averages predict). The cluster being
+    waiting by ``f`` as well (4 ranks over 2 cores, factors 3,3,3,6 and 3,3,6,12, measured
+    splits: the steps' waiting for their slowest rank, the HDP experiment's *variation* factor,
+    is 1.08-1.20 on the wall basis and 1.000-1.004 on the CPU basis). The cluster being
     emulated gives every rank its own processor, so its step time is ``f`` times its own work:
     the CPU basis, as long as ``f u >= t`` (the factors must exceed the contention, as the HDP
     experiment's x3 does). On several threads ``u`` adds them up: the emulated rank runs its
