@@ -47,6 +47,7 @@ class Config:
     model: str = "hsicnn"
     model_args: str | None = None
     augment: bool = False
+    cache: bool = False
     # optimisation
     epochs: int = 10
     batch_size: int = 64
@@ -124,6 +125,9 @@ class Config:
         _choice("--strategy", self.strategy, STRATEGIES)
         _choice("--weighting", self.weighting, WEIGHTINGS)
         _choice("--intra", self.intra, INTRA)
+        if self.cache and self.data is None:
+            raise ConfigError("--cache keeps samples of a --data file in memory; the built-in scene "
+                              "is in memory already: give --data, or leave --cache out")
         _choice("--emulate-clock", self.emulate_clock, EMULATION_CLOCKS)
         if self.emulate_clock != "wall" and self.emulate_slowdown is None:
             raise ConfigError(f"--emulate-clock {self.emulate_clock} says what --emulate-slowdown "
@@ -310,6 +314,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "for vit (see mpidl/models.py; default: the model's defaults)")
     g.add_argument("--augment", action="store_true",
                    help="random flips / 90-degree rotations of training patches (default off)")
+    g.add_argument("--cache", action="store_true",
+                   help="--data: keep each training sample a rank read in memory, so that later "
+                        "epochs do not read the file again (up to the whole training split per "
+                        "rank, as the shuffle deals every sample to every rank in time; default off)")
 
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int, default=d.epochs, help="passes over the training split")

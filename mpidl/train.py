@@ -191,7 +191,7 @@ def _build(cfg, local_rank: int = 0):
         train_set, test_set, meta = data.synthetic_splits(seed=0, augment=cfg.augment, augment_seed=cfg.seed)
         desc = f"built-in synthetic scene ({meta['source']})"
     else:
-        train_set, test_set, meta = data.load_splits(cfg.data, augment=cfg.augment, seed=cfg.seed)
+        train_set, test_set, meta = data.load_splits(cfg.data, cache=cfg.cache, augment=cfg.augment, seed=cfg.seed)
         desc = meta["description"]
         if test_set.num_samples == 0:
             raise ValueError(f"--data {cfg.data}: the test split is empty (0 samples): there is "

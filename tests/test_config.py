@@ -47,6 +47,7 @@ def test_lists_are_parsed():
         (["--resume"], 1, "--resume needs --checkpoint"),
         (["--balance", "none", "--rebalance"], 2, "--balance none keeps the equal split"),
         (["--emulate-clock", "cpu"], 2, "give --emulate-slowdown too"),
+        (["--cache"], 1, "the built-in scene is in memory already"),
         (["--data", "/nonexistent/file.h5"], 1, "--data /nonexistent/file.h5: no such file"),
         (["--dtype", "float16"], 1, "--dtype 'float16' is not one of"),
         (["--on-nan", "ignore"], 1, "--on-nan"),

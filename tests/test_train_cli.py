@@ -100,6 +100,25 @@ def test_sequence_and_attention_models_train_from_the_command_line(tmp_path, mod
     assert start["model"] == model and start["config"]["model_args"] == (extra[1] if extra else None)
 
 
+def test_cache_trains_the_same_model_without_reading_the_file_again(tmp_path):
+    # --cache changes where a sample comes from after its first read, not its value: two
+    # ranks, three epochs (every rank reads again samples it read before), the same model bit
+    # for bit.
+    path = tmp_path / "scene.h5"
+    made = subprocess.run([sys.executable, "-m", "mpidl.data_tools", "synthetic", "--rows", "24", "--cols", "24",
+                           "--bands", "8", "--train-per-class", "24", "--out", str(path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    models = []
+    for options in ([], ["--cache"]):
+        out = tmp_path / f"model{len(models)}.h5"
+        proc = train(["--data", str(path), "--epochs", "3", "--batch-size", "16", "--seed", "1",
+                      "--quiet", "--save", str(out), *options], np_=2)
+        assert proc.returncode == 0, proc.stderr
+        models.append(load_model(str(out)).params.data.copy())
+    np.testing.assert_array_equal(models[0], models[1])
+
+
 def test_data_file_without_layout_is_refused(tmp_path):
     bad = tmp_path / "bad.h5"
     with h5py.File(bad, "w") as f:
