@@ -100,7 +100,7 @@ def test_sequence_and_attention_models_train_from_the_command_line(tmp_path, mod
     assert start["model"] == model and start["config"]["model_args"] == (extra[1] if extra else None)
 
 
-def test_cache_trains_the_same_model_without_reading_the_file_again(tmp_path):
+def test_cache_trains_the_same_model(tmp_path):
     # --cache changes where a sample comes from after its first read, not its value: two
     # ranks, three epochs (every rank reads again samples it read before), the same model bit
     # for bit.

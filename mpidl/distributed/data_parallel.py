@@ -53,7 +53,7 @@ from mpidl.backend import get_array_module, to_host
 from mpidl.distributed import balance
 from mpidl.distributed import probe as speed_probe
 from mpidl.distributed.compress import COMPRESSIONS, Compressor
-from mpidl.distributed.emulation import LinkModel, Slowdown, check_clock, parse_link
+from mpidl.distributed.emulation import LinkModel, Slowdown, parse_link
 from mpidl.distributed.reducer_base import COUNT, NONFINITE, SLOTS, STOP, WEIGHTINGS
 from mpidl.distributed.reducers import STRATEGIES, make_reducer
 from mpidl.distributed.overlap import OVERLAP_STRATEGIES, OverlappedExchange, plan_buckets
@@ -265,7 +265,7 @@ class DataParallel:
         factors = [emulate_slowdown] * topo.size if isinstance(emulate_slowdown, Real) else list(emulate_slowdown)
         if len(factors) != topo.size:
             raise ValueError(f"emulate_slowdown has {len(factors)} factors for {topo.size} ranks")
-        self.slowdown = Slowdown(factors[topo.rank], check_clock(emulate_clock))
+        self.slowdown = Slowdown(factors[topo.rank], emulate_clock)
         self.reducer = make_reducer(strategy, topo, weighting=weighting, sync_every=sync_every,
                                     emulate_link=emulate_link, sync_overlap=sync_overlap)
         if compress != "none":

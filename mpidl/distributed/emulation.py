@@ -87,7 +87,8 @@ class Slowdown:
                 or not math.isfinite(self.factor) or self.factor < 1:
             raise ValueError(f"slowdown factor must be a finite number >= 1, got {self.factor!r}")
         self.factor = float(self.factor)
-        check_clock(self.basis)
+        if self.basis not in EMULATION_CLOCKS:
+            raise ValueError(f"emulation clock must be one of {', '.join(EMULATION_CLOCKS)}, got {self.basis!r}")
 
     def extra_seconds(self, elapsed: float, cpu_seconds: float | None = None) -> float:
         """The sleep that stretches an interval of ``elapsed`` wall seconds: ``(factor - 1) *
@@ -112,13 +113,6 @@ class Slowdown:
         slept = self.clock() - start
         self.lateness = max(0.0, self.lateness + 0.25 * ((slept - asked) - self.lateness))
         return slept
-
-
-def check_clock(basis: str) -> str:
-    """``basis`` if it is one of :data:`EMULATION_CLOCKS`, else a ValueError naming them."""
-    if basis not in EMULATION_CLOCKS:
-        raise ValueError(f"emulation clock must be one of {', '.join(EMULATION_CLOCKS)}, got {basis!r}")
-    return basis
 
 
 def parse_slowdowns(text: str, world_size: int) -> list[float]:
