@@ -78,8 +78,8 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMB
 # and starve OpenBLAS's threads on the same cores (it applies to torch's OpenMP pool too).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Also as mpidl.train does: OpenBLAS's workers spin ~0.1 s after each GEMM. Without this they
-# slow mpidl's non-GEMM kernels AND the torch step timed later in this same process (torch
-# measured 21-24 ms per hsicnn step with spinning workers, 12 ms without).
+# slow mpidl's non-GEMM kernels AND the torch step timed later in this same process (by up
+# to half of torch's hsicnn step: benchmarks/results/notebook.md).
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 if ARGS.openblas_coretype == "auto":
     os.environ.pop("OPENBLAS_CORETYPE", None)

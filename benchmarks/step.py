@@ -8,8 +8,8 @@ kinds of fresh process, started with **no thread or wait-policy variable set** (
 benchmark removes ``OMP_*``, ``OPENBLAS_*``, ``MKL_*``, ``NUMBA_*_THREADS``, ``GOMP_*`` and
 ``KMP_*`` from the environment it passes on):
 
-``api``    the README's Python API: ``build_model`` + ``SoftmaxCrossEntropy`` + ``SGD``, a plain
-           loop (``import numpy`` first, as a user would);
+``api``    the one-process Python API (docs/tour.md): ``build_model`` +
+           ``SoftmaxCrossEntropy`` + ``SGD``, a plain loop (``import numpy`` first, as a user would);
 ``cli``    the path of ``python -m mpidl.train``: the machine's ranks are counted over MPI, the
            thread policy applied for them, and each step goes through
            ``DataParallel.step`` (the flat reducer's allreduce on one rank, then the optimizer),

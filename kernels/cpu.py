@@ -37,9 +37,9 @@ vectorizes) and the padded border is written as zeros (or skipped) outside it.
 The convolution itself (``conv2d_forward`` / ``conv2d_backward``) fuses im2col, the product
 and col2im per sample, so cols never leaves the cache and the output is written in NCHW
 directly (no transpose pass); why, below. The transposed layout ``(N*OH*OW, C*kh*kw)``
-("im2row") was measured too: its GEMMs are a little faster with some BLAS kernels, but building
-it is a gather with short inner loops, 2-5x slower than im2col, and the convolution as a whole
-got slower. Stride-1 3x3 layers of 8 or more channels take another algorithm, Winograd's
+("im2row") is not used: its GEMMs are a little faster with some BLAS kernels, but building
+it is a gather with short inner loops, several times slower than im2col, which makes the
+convolution as a whole slower. Stride-1 3x3 layers of 8 or more channels take another algorithm, Winograd's
 (:mod:`mpidl.kernels.winograd_cpu`), which cuts their GEMM work to 31-41 %.
 
 Only float32 and float64 are compiled (one specialization each; ``cache=True`` keeps the
@@ -75,8 +75,8 @@ _COMPILED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 # Every array index in the hot loops goes through _u (a cast to uint64, free at run time).
 # For a signed index Numba emits Python's wraparound (x[-1] is the last element): a compare
 # and branch per access that also stops LLVM from vectorizing the loop. Our indices are never
-# negative (the padding is handled by the loop bounds), and an unsigned index says so; on the
-# hsicnn shapes this makes im2col about 5x faster, as fast as a plain memory copy.
+# negative (the padding is handled by the loop bounds), and an unsigned index says so, which
+# lets im2col run as fast as a plain memory copy.
 _u = uint64
 
 

@@ -18,9 +18,8 @@ float64 only with AVX-512 (about 8 ns an element on an AVX2 CPU, as slow as libm
 (``exp_for``: within 4e-16 relative for float64 arrays, 6e-9 for float32 ones, whose rounding
 is 6e-8), inlined in the one kernel that needs it: the softmax is one pass for
 each row's maximum, one for ``exp`` and the sum, one to divide; GELU's backward takes
-``exp(-x^2 / 2)`` in its single pass. Measured on a 2-core AMD EPYC with AVX2
-(``python benchmarks/profile_layers.py --model vit --steps 20``): GELU forward + backward
-14.3 -> 6.8 ms, the step 94 -> 84 ms, against the former kernels around NumPy's ``exp``.
+``exp(-x^2 / 2)`` in its single pass. ``python benchmarks/profile_layers.py --model vit``
+times these layers.
 
 ``erf`` has no NumPy twin (SciPy's is a scalar loop too). In float64 GELU's forward calls
 libm's ``erf`` (within an ulp or two; the float64 twins of PyTorch depend on it). In

@@ -2,9 +2,8 @@
 
 Numba compiles ``math.exp``, ``math.tanh`` and ``math.erf`` to calls into libm, one element at
 a time (it links no vector math library unless Intel's SVML is installed), and a call in a loop
-stops LLVM from vectorizing it: about 8 ns an element on the 2-core AMD EPYC (AVX2) these
-benchmarks ran on, more than the matrix products around them in an LSTM step or a
-transformer's softmax and GELU. NumPy's ``np.exp`` is no way out everywhere: it is vectorized
+stops LLVM from vectorizing it: on an AVX2 CPU that costs more than the matrix products
+around it in an LSTM step or a transformer's softmax and GELU. NumPy's ``np.exp`` is no way out everywhere: it is vectorized
 for float32 on AVX2 but for float64 only with AVX-512, so code that leaves its ``exp`` to
 NumPy is fast on one machine and slow on the next.
 

@@ -284,9 +284,8 @@ def _backward_kernel(dy, u, v, at_t, bt_t, m, pad, tiles_h, tiles_w, du_blocks, 
 
 
 #: A block's columns ``TH*TW*nb`` stop growing here (more blocks instead), so its arrays stay a
-#: few MiB. On resnet8's layers (2 threads, batch 64) 512 to 4096 timed within the machine's
-#: noise of each other; at 2048 its 32x32 layers still run one block per thread. Much smaller
-#: blocks are slower (8 samples per block: the 8x8 layer's forward 1.85 ms against 1.01 at 32).
+#: few MiB and in cache; at 2048 resnet8's 32x32 layers at batch 64 still run one block per
+#: thread on two threads. Much smaller blocks are slower: each pays the products' fixed costs.
 _MAX_BLOCK_COLUMNS = 2048
 
 

@@ -51,7 +51,7 @@ __all__ = [
 # Layout (every implementation): V : (C, alpha, alpha, P) and M : (F, alpha, alpha, P), column
 # q = (th*TW + tw)*N + n. The sample is innermost, so the transforms run over N contiguous values,
 # and the channel outermost, so each channel's transform writes one contiguous block (writing
-# alpha^2 rows a whole (C, P) matrix apart was 3x slower: the writes missed every cache). The
+# alpha^2 rows a whole (C, P) matrix apart would miss the cache on every write). The
 # GEMMs see V as ``V.transpose(1, 2, 0, 3)``: alpha^2 matrices (C, P) with row stride
 # alpha^2 * P, which BLAS takes as its leading dimension at no cost.
 #

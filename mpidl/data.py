@@ -286,23 +286,9 @@ class HDF5Dataset(_PatchDataset):
     How the samples are read (``read_mode``). The distinct indices are sorted, then either
     ``'runs'`` (default): one slice read per run of consecutive indices, or ``'fancy'``: one
     h5py fancy-index read of all of them. Both read exactly the requested chunks; they differ
-    in overhead. Measured on the Samson layout (``hsi --patch 7 --train-fraction 0.2``: 1805
-    training samples of 156 x 7 x 7 float32 = 30 KiB, one chunk each; file in the OS page
-    cache; a 2-core VM shared with other jobs; one epoch = the rank's share of the training
-    split, a random subset, read in shuffled batches of 64), time per sample:
-
-    =============================  ==================  ==================  ==================
-    per sample                      1 rank (1805)       2 ranks (902)       4 ranks (451)
-    =============================  ==================  ==================  ==================
-    ``fancy`` sorted index read     0.42 ms             0.45 ms             0.43 ms
-    ``runs`` sorted index read      0.04 ms             0.045 ms            0.015 ms
-    ``cache=True``, epochs >= 2     0.009 ms            0.008 ms            0.005 ms
-    ``cache=True``, first epoch     0.19 ms             0.03 ms             0.02 ms
-    =============================  ==================  ==================  ==================
-
-    A rerun under heavier load (load average 14 on 2 cores) made every number 5-20x larger
-    but kept the order: fancy about 10x slower than runs; the cache, after its first epoch,
-    20x to several hundred times faster than runs. HDF5 builds a fancy selection point by
+    in overhead: on the Samson layout a fancy read takes about 10x the time of the runs, and
+    the cache, after its first epoch, a fraction of it (the timings are in
+    ``benchmarks/results/notebook.md``). HDF5 builds a fancy selection point by
     point, which costs far more than moving the data; slicing run by run avoids it, and a
     contiguous share is a single read. The cache is the fastest from the second epoch on (a
     memory gather) and the only option that does not touch the file again, at the cost of

@@ -10,7 +10,7 @@ uninterrupted run.
 MPICH's ``mpiexec`` (hydra) forwards SIGTERM and SIGUSR1 to every rank. Open MPI's (prterun)
 forwards SIGUSR1, but takes SIGTERM as "abort the job": it kills the ranks about a second later
 and exits non-zero, checkpoint or not (the ``launcher-TERM`` case checks that too, since the
-README tells Open MPI users to send SIGUSR1 instead). Under Slurm the signal goes to every task
+docs/running.md tells Open MPI users to send SIGUSR1 instead). Under Slurm the signal goes to every task
 of the step (srun); one rank receiving it is enough, which the ``one-rank`` case checks.
 """
 
@@ -117,7 +117,7 @@ def test_signal_checkpoints_exits_0_and_resume_completes(tmp_path, tiny_data, ta
     if target == "launcher-TERM" and launcher.flavor(MPIEXEC) == launcher.OPENMPI:
         # prterun aborts on SIGTERM whatever the ranks do: it exits non-zero and kills the
         # ranks about a second later, so a checkpoint is written only when the ranks happen to
-        # get there first. This is why the README and jobs/ send SIGUSR1 to an Open MPI launcher.
+        # get there first. This is why docs/running.md and jobs/ send SIGUSR1 to an Open MPI launcher.
         first.send_signal(signal.SIGTERM)
         out, err = first.communicate(timeout=60)
         assert first.returncode != 0, (out, err)

@@ -93,8 +93,8 @@ class MultiHeadSelfAttention(Module):
     backward writes ``dq, dk, dv`` the same way into ``(N*T, 3E)`` rows. The per-head products
     are batched GEMMs over ``(N, h)``, split between threads by
     :func:`mpidl.blas.batched_matmul`; the projections go through :func:`mpidl.blas.matmul`.
-    (Copying the heads to contiguous stacks first, then back, cost 1.8 ms of a 9 ms forward +
-    backward on vit's shapes, a 2-core AVX2 EPYC.) The softmax and its backward (with the ``1 / sqrt(d)`` folded
+    (Copying the heads to contiguous stacks first, then back, would add two passes over every
+    head's data each way.) The softmax and its backward (with the ``1 / sqrt(d)`` folded
     in) are :func:`mpidl.kernels.softmax_forward` / ``softmax_backward``.
     """
 

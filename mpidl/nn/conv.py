@@ -19,9 +19,8 @@ _ALGORITHM_ENV = "MPIDL_CONV_ALGORITHM"
 _WINOGRAD_TILES = (2, 3, 4)  # m of F(m x m, r x r); m <= 4 keeps the float32 error near 1e-6 (points 0, +-1, +-2)
 _WINOGRAD_MAX_KERNEL = 5  # alpha = m + k - 1 <= 8: the CUDA kernels' tile arrays, and points up to +-1/2
 #: "auto" takes Winograd from this many input channels: its transforms cost per channel what the
-#: GEMMs save, and with few channels they dominate (one thread, batch 64, 32x32, 3x3 to 16
-#: filters, forward + weight gradient: im2col 2.5 / 2.9 / 6.5 ms and Winograd 6.0 / 5.5 / 6.6 ms
-#: for 3 / 4 / 8 channels; at 16 channels 11.8 against 9.1 ms)
+#: GEMMs save, and with few channels they dominate (im2col is faster below 8 channels, the two
+#: are even at 8 and Winograd wins from 16; benchmarks/results/notebook.md has the timings)
 _WINOGRAD_MIN_CHANNELS = 8
 
 
