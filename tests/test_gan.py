@@ -27,7 +27,6 @@ ROOT = Path(__file__).resolve().parents[1]
     (["--data", "/nonexistent/samson.h5"], "--data /nonexistent/samson.h5: no such file"),
     (["--emulate-link", "fast"], "--emulate-link"),
     (["--plot", "out.svg"], "--plot must name a .png file"),
-    (["--metrics", "/nonexistent/dir/m.jsonl"], "folder /nonexistent/dir does not exist"),
     (["--dtype", "float16"], "--dtype must be one of float32, float64"),
 ])
 def test_bad_options_are_refused_with_one_line(argv, match):
