@@ -70,6 +70,7 @@ class MetricsWriter:
         try:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self.file = open(path, "a" if append else "w", encoding="utf-8")
+            self._whole = self.file.tell()  # the end of the last whole record
         except OSError as exc:
             raise write_error(path, exc) from None
 
@@ -79,14 +80,20 @@ class MetricsWriter:
         try:
             self.file.write(json.dumps(record, default=_json_default) + "\n")
             self.file.flush()
+            self._whole = self.file.tell()
         except OSError as exc:
             self._abandon()
             raise write_error(self.path, exc) from None
 
     def _abandon(self) -> None:
-        """Close the file after a failed write, dropping what its buffer still holds (a
-        later flush, at close or at exit, would fail again and print the raw error); the
-        writer writes nothing more."""
+        """Close the file after a failed write: cut it back to its last whole record (a
+        reader never meets half a line), drop what the buffer still holds (a later flush, at
+        close or at exit, would fail again and print the raw error); the writer writes
+        nothing more."""
+        try:
+            os.ftruncate(self.file.fileno(), self._whole)
+        except OSError:
+            pass
         try:
             sink = os.open(os.devnull, os.O_WRONLY)
             os.dup2(sink, self.file.fileno())
