@@ -319,7 +319,7 @@ def write_layout(path: str | os.PathLike, splits: Mapping[str, Sequence[np.ndarr
     }
     # Written under a temporary name in the destination folder (a rename within one file
     # system: atomic), fsynced, then renamed; a failed write names `path`, never the temporary.
-    with atomic_h5(path) as f:
+    with atomic_h5(path, streamed=True) as f:
         for key, value in meta.items():
             f.attrs[key] = value
         for key, value in (attrs or {}).items():
@@ -687,7 +687,7 @@ def write_scene_layout(path: str | os.PathLike, padded: np.ndarray,
             f.create_dataset(f"{name}/pos", data=pos, dtype=np.int32)
             f.create_dataset(f"{name}/y", data=y, dtype=np.int64)
 
-    with atomic_h5(path) as f:
+    with atomic_h5(path, streamed=True) as f:
         fill(f)
     meta["splits"] = {name: int(arrs[0].shape[0]) for name, arrs in checked.items()}
     meta["kind"] = SCENE_KIND

@@ -28,6 +28,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import sys
 import tempfile
 from contextlib import contextmanager
 
@@ -113,26 +114,72 @@ def is_write_failure(exc: BaseException) -> bool:
 
 
 @contextmanager
-def atomic_h5(path: str):
-    """Yield an ``h5py.File`` open for writing at a temporary name beside ``path``, written
-    and renamed as :func:`atomic_file` does (the user's file mode; an error names ``path``).
+def atomic_h5(path: str, *, streamed: bool = False):
+    """Yield an ``h5py.File`` open for writing, then write it to ``path`` as
+    :func:`atomic_file` does (a temporary beside ``path`` renamed over it; the user's file
+    mode; an error names ``path`` and leaves no temporary).
 
-    A write that fails in HDF5 (a full disk) leaves the file open inside the library, which
-    can neither flush nor close it, and the interpreter later crashes when it tries again;
-    so the file's descriptor is pointed at ``/dev/null`` first (:func:`_abandon`), which lets
-    the library close it, and only then is the temporary removed.
+    By default the file is built in memory and its bytes are written in one go: HDF5 never
+    meets the disk, so a full disk is a plain OSError of that one write. (A write that fails
+    inside HDF5 leaves the library's state for that file broken: it can neither flush nor
+    close it, even through ``/dev/null``, and the interpreter crashes at exit.) That holds the
+    whole file in memory once, which suits models, checkpoints and maps. ``streamed=True``
+    writes through HDF5 to the temporary as it goes, for files too large for memory (layout
+    files): a failure there is caught as well as it can be (:func:`_abandon`,
+    :func:`_collect_hdf5_failures`), but may still crash the interpreter at exit.
     """
+    import io  # noqa: PLC0415
+
     import h5py  # noqa: PLC0415
 
     with atomic_file(path) as tmp:
-        f = h5py.File(tmp, "w")
-        try:
-            yield f
-            f.flush()
-        except BaseException:
-            _abandon(f)
-            raise
-        f.close()
+        if not streamed:
+            image = io.BytesIO()
+            with h5py.File(image, "w") as f:
+                yield f
+            with open(tmp, "wb") as out:
+                out.write(image.getbuffer())
+            return
+        failures = []
+        with _collect_hdf5_failures(failures):
+            f = h5py.File(tmp, "w")
+            try:
+                yield f
+                f.flush()
+                if failures:
+                    raise failures[0]
+            except BaseException:
+                _abandon(f)
+                raise
+            f.close()
+        if failures:
+            raise failures[0]
+
+
+@contextmanager
+def _collect_hdf5_failures(found: list):
+    """Collect in ``found`` the file-system failures (:func:`is_write_failure`) that reach
+    ``sys.excepthook`` or ``sys.unraisablehook`` meanwhile (h5py's errors in ``__dealloc__``);
+    any other error goes to the hook as before."""
+    previous_hook, previous_unraisable = sys.excepthook, sys.unraisablehook
+
+    def excepthook(kind, exc, tb):
+        if is_write_failure(exc):
+            found.append(exc)
+        else:
+            previous_hook(kind, exc, tb)
+
+    def unraisablehook(info):
+        if is_write_failure(info.exc_value):
+            found.append(info.exc_value)
+        else:
+            previous_unraisable(info)
+
+    sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
+    try:
+        yield
+    finally:
+        sys.excepthook, sys.unraisablehook = previous_hook, previous_unraisable
 
 
 def _abandon(f) -> None:
