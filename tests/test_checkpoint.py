@@ -307,7 +307,7 @@ def test_a_saved_model_given_as_a_checkpoint_says_what_it_is_and_how_to_use_it(t
         ck.load_model(str(path))
 
 
-@pytest.mark.parametrize("umask", [0o022, 0o027])
+@pytest.mark.parametrize("umask", [0o022, 0o027], ids=["umask022", "umask027"])
 def test_files_are_written_with_the_users_umask(tmp_path, umask):
     """Before: models, checkpoints and maps 0600 (mkstemp's mode), layout files and figures
     0644: every file mpidl writes now goes through one writer that gives ``0666 & ~umask``."""
