@@ -40,6 +40,11 @@ ring step crosses the slowest link); the non-exact ``node`` scheme's extra epoch
 the same accuracy are not modelled (measured: -0.3 to -0.6 OA points after 4 epochs at
 K'=50 on 2 x 2, README).
 
+``--measure`` times the step in rounds (:func:`measure_rounds`) and prints their median and
+range; when the machine looks loaded (the rounds differ by more than ``WIDE_SPREAD`` of their
+median, or the process had the CPU less than ``BUSY_CPU_SHARE`` of the time) it warns, and
+says whether the recommendation holds at both ends of the measured range.
+
 ``--emulated`` predicts what the EMULATION on one machine does instead (``mpidl.train
 --emulate-link`` with ``MPIDL_RANKS_PER_NODE``): every level's real collective runs over the
 shared-memory ``intra`` link, and the modelled inter-node time (always the ring formula,
@@ -374,7 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-time", type=float, default=None,
                    help="per-step compute time on one rank, seconds (default: --measure)")
     p.add_argument("--measure", action="store_true",
-                   help="measure the step on this machine (forward + backward, default when no --step-time)")
+                   help="measure the step on this machine (forward + backward, default when no --step-time): "
+                        "5 rounds of 3 steps, the median of the rounds and their range; a warning when the "
+                        "machine looks loaded (the rounds spread widely, or the process waited for the CPU)")
     p.add_argument("--local-batch", type=int, default=16, help="samples per rank per step (default 16)")
     p.add_argument("--samples", type=int, default=1_000_000,
                    help="training samples per epoch (default 1000000)")
