@@ -105,7 +105,9 @@ def prepare(args) -> dict:
         model = load_model(args.model)
     except ValueError as exc:  # says what the file is instead
         raise ValueError(f"--model {exc}") from None
-    except (OSError, KeyError) as exc:
+    except OSError as exc:  # not HDF5, truncated, held open by a writer
+        raise ValueError(f"--model {args.model}: cannot be read: {cause(exc)}") from None
+    except KeyError as exc:
         raise ValueError(f"--model {args.model}: not a model written by mpidl.train --save "
                          f"({cause(exc)})") from None
     meta = validate_layout(args.data)

@@ -201,3 +201,19 @@ def test_a_checkpoint_given_as_the_model_says_what_it_is(trained, tmp_path):
     assert proc.stderr == (f"error: --model {ckpt / 'checkpoint.h5'} is a checkpoint (mpidl.train --checkpoint "
                            "DIR), not a saved model: a run resumes from it with --checkpoint DIR --resume; a "
                            "model file is what mpidl.train --save PATH writes\n")
+
+
+def test_a_model_held_open_by_a_writer_says_so(trained, tmp_path):
+    from mpidl.outputs import LOCKED
+
+    d, _, _ = trained
+    hold = "import sys, time, h5py\nf = h5py.File(sys.argv[1], 'r+')\nprint('open', flush=True)\ntime.sleep(120)\n"
+    writer = subprocess.Popen([sys.executable, "-c", hold, str(d / "model.h5")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline() == "open\n"
+        proc = _predict(d, tmp_path / "map.h5", np_=2)
+    finally:
+        writer.kill()
+        writer.wait()
+    assert proc.returncode == 2
+    assert proc.stderr == f"error: --model {d / 'model.h5'}: cannot be read: {LOCKED}\n"
