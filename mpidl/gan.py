@@ -43,6 +43,14 @@ Output: a metrics JSON Lines file (``--metrics``: one ``start``, one ``epoch`` p
 one ``end`` record with the numbers above) and a PNG of real vs generated mean spectra per
 class (``--plot``; needs matplotlib, ``pip install 'mpidl[plot]'``; skipped with a note
 otherwise).
+
+Failures (:func:`main`) keep the trainer's promises with the trainer's means: the options,
+the outputs (:func:`mpidl.outputs.check_output_file` on rank 0), the data file and its values
+(:func:`mpidl.layout.check_trainable`, :func:`mpidl.layout.check_values`) are checked before
+training and agreed by the ranks (one ``error:`` line, exit code 2); a metrics write that
+fails during training stops every rank after that epoch, and a plot that cannot be written
+is reported after the quality numbers are printed and recorded (one ``error:`` line naming
+the user's path, exit code 1; the figure's temporary file is removed).
 """
 
 from __future__ import annotations
