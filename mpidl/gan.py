@@ -563,7 +563,9 @@ def main(argv=None) -> int:
 
     def stop(problem: str, epochs_done: int) -> int:
         if rank == 0:
-            print(f"error: {problem}; training stopped after {epochs_done} epoch(s)", file=sys.stderr, flush=True)
+            when = (f"after epoch {epochs_done} (the file holds the records before it)" if epochs_done
+                    else "before the first epoch")
+            print(f"error: {problem}; training stopped {when}", file=sys.stderr, flush=True)
         return 1
 
     printer.info(f"mpidl.gan: {gan.dp_g.describe()}")

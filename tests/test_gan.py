@@ -166,11 +166,12 @@ def test_metrics_on_a_full_disk_stop_every_rank_with_one_line(tmp_path):
         lines = proc.stderr.splitlines()
         assert len(lines) == 1 and lines[0].startswith(
             f"error: cannot write {metrics}: No space left on device (ENOSPC) (on rank [0]); training stopped "
-            "after "), proc.stderr
+            "after epoch "), proc.stderr
+        assert lines[0].endswith(" (the file holds the records before it)")
         assert "done:" not in proc.stdout
         records = [json.loads(line) for line in metrics.read_text().splitlines()]  # whole records only
-        epochs = int(lines[0].split("after ")[1].split(" ")[0])
-        assert [r["event"] for r in records] == ["start"] + ["epoch"] * (epochs - 1)  # the last one failed
+        epoch = int(lines[0].split("after epoch ")[1].split(" ")[0])
+        assert [r["event"] for r in records] == ["start"] + ["epoch"] * (epoch - 1)
         assert os.listdir(disk) == ["g.jsonl"]
 
 
