@@ -5,7 +5,9 @@
 Prints the sample shape, the splits, the class balance per split, the stored training
 statistics and the converter's attributes. An invalid file prints ``error: FILE: problem``
 and exits with code 1; so do NaN or Inf sample values (every split is read in blocks, and the
-message names the split, how many values and samples, and the first such sample).
+message names the split, how many values and samples, and the first such sample), and so
+does anything else ``mpidl.train`` refuses in a data file (an empty test split:
+:func:`mpidl.layout.check_trainable`, the same check and words).
 ``--verify`` also checks that the stored mean/std are the training split's statistics (they
 must be: the reader normalizes with them) and that the stored content ``fingerprint``
 matches the file's contents.
@@ -18,7 +20,7 @@ import os
 
 import numpy as np
 
-from mpidl.layout import REQUIRED_ATTRS, LayoutError, validate_layout
+from mpidl.layout import REQUIRED_ATTRS, LayoutError, check_trainable, validate_layout
 from mpidl.layout import SCENE_KIND, channel_stats, file_fingerprint, nonfinite_problem, scan_nonfinite
 from mpidl.layout import scene_channel_stats
 
@@ -39,6 +41,7 @@ def describe(path: str, verify: bool = False) -> str:
             problems.append(nonfinite_problem(split, samples, values, first))
     if problems:
         raise LayoutError(path, "; ".join(problems))
+    check_trainable(meta)  # what training refuses, info refuses with the same words
     names = meta["class_names"]
     k = len(names)
     lines = [f"file         {path} ({os.path.getsize(path) / 2**20:.1f} MiB), layout version "

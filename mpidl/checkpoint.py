@@ -44,6 +44,7 @@ import h5py
 import numpy as np
 
 from mpidl.outputs import atomic_h5  # noqa: F401 - the writer of every file here
+from mpidl.outputs import cause
 
 CHECKPOINT_NAME = "checkpoint.h5"
 FORMAT_VERSION = 2
@@ -69,10 +70,19 @@ def save_model(path: str, model) -> None:
 
 
 def load_model(path: str, backend=None):
-    """Rebuild a model written by :func:`save_model`."""
+    """Rebuild a model written by :func:`save_model`. A file that is not one raises
+    ValueError whose message starts with ``path`` and says what the file is instead (a
+    checkpoint, which ``--resume`` reads)."""
     from mpidl.models import build_model  # noqa: PLC0415 - keep checkpoint import-light
 
     with h5py.File(path, "r") as f:
+        if "build_args" not in f.attrs or "param_order" not in f.attrs:
+            if "format_version" in f.attrs and "params" in f:
+                raise ValueError(f"{path} is a checkpoint (mpidl.train --checkpoint DIR), not a saved "
+                                 "model: a run resumes from it with --checkpoint DIR --resume; a model "
+                                 "file is what mpidl.train --save PATH writes")
+            raise ValueError(f"{path} is not a model written by mpidl.train --save (it has no "
+                             "build_args and param_order attributes)")
         args = json.loads(f.attrs["build_args"])
         model = build_model(backend=backend, **args)
         model.params.load_host({p.name: f[p.name][()] for p in model.params})
@@ -159,6 +169,8 @@ def read_checkpoint(folder: str, *, node_id: int, rank: int, world_size: int) ->
                 "buffers": {k: f["buffers"][k][()] for k in f["buffers"]} if "buffers" in f else {},
                 "rank_buffers": rank_buffers,
             }
+    except CheckpointError:
+        raise  # already says which file and why
     except (KeyError, ValueError) as exc:
         raise CheckpointError(f"--resume: {path} is not a readable mpidl checkpoint ({exc})") from None
     return state, meta
@@ -201,12 +213,18 @@ def _open_checkpoint(path: str):
     try:
         f = h5py.File(path, "r")
     except OSError as exc:
-        raise CheckpointError(f"--resume: {path} is not a readable mpidl checkpoint ({exc})") from None
+        raise CheckpointError(f"--resume: {path} is not a readable mpidl checkpoint: {cause(exc)}") from None
     with f:
         yield f
 
 
 def _meta(f, path: str) -> dict:
+    if "param_order" in f.attrs and "format_version" not in f.attrs:
+        raise CheckpointError(
+            f"--resume: {path} is a saved model (mpidl.train --save), not a checkpoint: it holds the "
+            "weights only, not the optimizer state and the place in the training that --resume "
+            f"needs; python -m mpidl.predict --model {path} (or mpidl.checkpoint.load_model) reads it, "
+            "and a run resumes from the --checkpoint DIR it wrote")
     try:
         meta = {k: json.loads(v) for k, v in f.attrs.items()}
     except (TypeError, ValueError) as exc:

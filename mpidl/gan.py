@@ -43,6 +43,14 @@ Output: a metrics JSON Lines file (``--metrics``: one ``start``, one ``epoch`` p
 one ``end`` record with the numbers above) and a PNG of real vs generated mean spectra per
 class (``--plot``; needs matplotlib, ``pip install 'mpidl[plot]'``; skipped with a note
 otherwise).
+
+Failures (:func:`main`) keep the trainer's promises with the trainer's means: the options,
+the outputs (:func:`mpidl.outputs.check_output_file` on rank 0), the data file and its values
+(:func:`mpidl.layout.check_trainable`, :func:`mpidl.layout.check_values`) are checked before
+training and agreed by the ranks (one ``error:`` line, exit code 2); a metrics write that
+fails during training stops every rank after that epoch, and a plot that cannot be written
+is reported after the quality numbers are printed and recorded (one ``error:`` line naming
+the user's path, exit code 1; the figure's temporary file is removed).
 """
 
 from __future__ import annotations
@@ -123,12 +131,6 @@ class GanConfig:
         if self.data is not None and not os.path.isfile(self.data):
             raise GanConfigError(f"--data {self.data}: no such file (make one with python -m mpidl.data_tools hsi, "
                                  "see the README)")
-        for name in ("metrics", "plot"):
-            path = getattr(self, name)
-            if path is not None:
-                folder = os.path.dirname(os.path.abspath(path))
-                if not os.path.isdir(folder):
-                    raise GanConfigError(f"--{name} {path}: folder {folder} does not exist")
         if self.plot is not None and not self.plot.lower().endswith(".png"):
             raise GanConfigError(f"--plot must name a .png file, got {self.plot!r}")
         return self
@@ -138,8 +140,12 @@ class GanConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The options; a bad one raises :class:`mpidl.cli.UsageError` (a ValueError), so that the
+    ranks report it once, like every other set-up error."""
+    from mpidl.cli import Parser  # noqa: PLC0415
+
     d = GanConfig()
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m mpidl.gan",
         description="Train a conditional GAN on the pixel spectra of a hyperspectral scene, the "
                     "generator and the discriminator each data-parallel (run under mpiexec -n N).",
@@ -175,10 +181,28 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_config(argv=None, world_size: int = 1) -> GanConfig:
-    ns = build_parser().parse_args(argv)
+def parse_config(argv=None, world_size: int = 1, rank: int = 0) -> GanConfig:
+    """Parse and validate a command line (``--help`` printed by rank 0 only); every error
+    raises a ValueError with a one-line message."""
+    from mpidl.cli import parse_args  # noqa: PLC0415
+
+    ns = parse_args(build_parser(), argv, rank)
     names = {f.name for f in fields(GanConfig)}
     return GanConfig(**{k: v for k, v in vars(ns).items() if k in names}).validate(world_size)
+
+
+def check_outputs(cfg: GanConfig, rank: int) -> list[str]:
+    """On rank 0, which writes them: ``--metrics`` and ``--plot`` can be written in their
+    (existing) folders, as the writers will write them (raises
+    :class:`mpidl.outputs.OutputError`); returns the stale temporaries removed."""
+    from mpidl.outputs import check_output_file  # noqa: PLC0415
+
+    removed = []
+    if rank == 0:
+        for option, path in (("--metrics", cfg.metrics), ("--plot", cfg.plot)):
+            if path is not None:
+                removed += check_output_file(option, path, create_folder=False)
+    return removed
 
 
 # ---------------------------------------------------------------------------- data
@@ -218,8 +242,12 @@ def _centres(dataset) -> tuple[np.ndarray, np.ndarray]:
 
 
 def load_spectra(path: str | None, seed: int = 0) -> Spectra:
-    """The centre-pixel spectra of a layout file, or of the built-in synthetic scene (patch 1)."""
+    """The centre-pixel spectra of a layout file, or of the built-in synthetic scene (patch 1).
+    A file must be one the trainer takes (:func:`mpidl.layout.check_trainable`: the quality
+    numbers need test spectra); its values are checked by the command line
+    (:func:`mpidl.layout.check_values`, over the ranks)."""
     from mpidl import data  # noqa: PLC0415
+    from mpidl.layout import LayoutError, check_trainable  # noqa: PLC0415
 
     if path is None:
         train, test, meta = data.synthetic_splits(seed=seed, patch=1)
@@ -227,6 +255,10 @@ def load_spectra(path: str | None, seed: int = 0) -> Spectra:
     else:
         train, test, meta = data.load_splits(path)
         desc = meta["description"]
+        try:
+            check_trainable(meta)
+        except LayoutError as exc:
+            raise ValueError(f"--data {path}: {exc.problem}") from None
     train_x, train_y = _centres(train)
     test_x, test_y = _centres(test)
     for dataset in (train, test):
@@ -469,39 +501,73 @@ def plot_spectra(quality: dict, class_names, path: str, title: str) -> str | Non
         if c == 0:
             ax.legend(fontsize="x-small")
     fig.suptitle(title, fontsize="medium")
-    tmp = f"{path}.tmp{os.getpid()}"
-    fig.savefig(tmp, format="png", dpi=110)
-    os.replace(tmp, path)
+    from mpidl.outputs import atomic_file  # noqa: PLC0415
+
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
     return None
 
 
 # ---------------------------------------------------------------------------- command line
 def main(argv=None) -> int:
+    """The command line. Set-up (options, outputs, data and its values) is checked before any
+    training and agreed by the ranks: rank 0 prints ``error: ...`` once and every rank exits
+    with code 2. A metrics write that fails during training (a full disk) is agreed after the
+    epoch: every rank stops, rank 0 prints ``error: cannot write PATH: cause``, exit code 1;
+    so does a plot that cannot be written at the end (the end record is still written)."""
     from mpidl import threads  # noqa: PLC0415
 
     threads.apply()  # the thread policy, before NumPy and Numba start their pools
     from mpidl.distributed import Topology  # noqa: PLC0415
-    from mpidl.distributed.launch import abort_on_uncaught_exception, agree_on_error, world  # noqa: PLC0415
+    from mpidl.distributed.launch import (abort_on_uncaught_exception, agree_on_error,  # noqa: PLC0415
+                                          allgather, world)
+    from mpidl.layout import check_values  # noqa: PLC0415
     from mpidl.log import MetricsWriter, Printer  # noqa: PLC0415
 
     rank, size = world()
     sys.excepthook = abort_on_uncaught_exception
-    error, spectra, cfg = None, None, None
+    error, spectra, cfg, removed = None, None, None, []
     try:
-        cfg = parse_config(argv, world_size=size)
+        cfg = parse_config(argv, world_size=size, rank=rank)
+        removed = check_outputs(cfg, rank)
         spectra = load_spectra(cfg.data, seed=cfg.seed)
     except (ValueError, OSError, KeyError) as exc:
         error = f"{exc}"
     error = agree_on_error(error)
+    if error is None and cfg.data is not None:
+        error = check_values(cfg.data, rank, size, allgather)  # the trainer's scan, shared
     if error is not None:
         if rank == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
 
     printer = Printer(rank, "info", cfg.quiet)
+    if removed:
+        printer.info(f"removed {len(removed)} temporary file(s) left by an interrupted write: "
+                     f"{', '.join(removed)}")
     topology = Topology.from_comm(ranks_per_node=cfg.ranks_per_node)
     gan = ConditionalGAN(spectra, cfg, topology)
-    metrics = MetricsWriter(cfg.metrics, rank)
+    metrics = None
+
+    def write_metrics(record: dict) -> str | None:
+        """Rank 0 writes; collective: the agreed write error (None when it worked)."""
+        nonlocal metrics
+        problem = None
+        try:
+            if metrics is None:
+                metrics = MetricsWriter(cfg.metrics, rank)
+            metrics.write(record)
+        except OSError as exc:
+            problem = str(exc)
+        return agree_on_error(problem)
+
+    def stop(problem: str, epochs_done: int) -> int:
+        if rank == 0:
+            when = (f"after epoch {epochs_done} (the file holds the records before it)" if epochs_done
+                    else "before the first epoch")
+            print(f"error: {problem}; training stopped {when}", file=sys.stderr, flush=True)
+        return 1
+
     printer.info(f"mpidl.gan: {gan.dp_g.describe()}")
     printer.info(f"data: {spectra.description}: {len(spectra.train_y)} train / {len(spectra.test_y)} test "
                  f"spectra of {spectra.bands} bands, {spectra.num_classes} classes")
@@ -509,39 +575,57 @@ def main(argv=None) -> int:
                  f"{cfg.optimizer} lr {cfg.lr}; global batch {cfg.batch_size}")
     if cfg.emulate_link:
         printer.info(f"EMULATION: inter-node link {cfg.emulate_link} (latency us, Gbit/s)")
-    metrics.write({"event": "start", "config": cfg.to_dict(), "world_size": topology.size,
-                   "num_nodes": topology.num_nodes, "node_sizes": list(topology.node_sizes),
-                   "data": spectra.description, "g_params": int(gan.g_params.size),
-                   "d_params": int(gan.d_params.size)})
+    problem = write_metrics({"event": "start", "config": cfg.to_dict(), "world_size": topology.size,
+                             "num_nodes": topology.num_nodes, "node_sizes": list(topology.node_sizes),
+                             "data": spectra.description, "g_params": int(gan.g_params.size),
+                             "d_params": int(gan.d_params.size)})
+    if problem is not None:
+        return stop(problem, 0)
     started = time.perf_counter()
     for epoch in range(1, cfg.epochs + 1):
         t0 = time.perf_counter()
         record = gan.train_epoch(epoch)
         record.update(event="epoch", epoch=epoch, step=gan.steps, time_s=time.perf_counter() - t0)
-        metrics.write(record)
+        problem = write_metrics(record)
+        if problem is not None:
+            return stop(problem, epoch)
         printer.info(f"epoch {epoch}: D loss {record['d_loss']:.4f}, G loss {record['g_loss']:.4f}, "
                      f"{record['time_s']:.2f} s")
     gan.sync()
     train_s = time.perf_counter() - started
-    if rank == 0:
-        quality = evaluate(gan, cfg.eval_per_class, cfg.seed)
-        note = None
-        if cfg.plot:
+    if rank != 0:
+        return 0
+    # Only rank 0 is left: a failed write is reported here, no other rank waits for it.
+    failures = []
+    quality = evaluate(gan, cfg.eval_per_class, cfg.seed)
+    note = None
+    if cfg.plot:
+        try:
             note = plot_spectra(quality, spectra.class_names, cfg.plot,
                                 f"conditional GAN, {cfg.strategy}, {size} rank(s): real vs generated")
+        except OSError as exc:  # names --plot's path; its temporary is removed
+            failures.append(str(exc))
+            note = f"not written: {exc}"
+        else:
             if note:
                 printer.summary(f"note: {note}")
-        end = {k: v for k, v in quality.items() if not k.startswith("_")}
-        end.update(event="end", step=gan.steps, time_s=train_s, epoch_time_s=train_s / cfg.epochs,
-                   plot=None if note or not cfg.plot else cfg.plot, plot_note=note)
-        metrics.write(end)
-        printer.summary(
-            f"done: {gan.steps} steps in {train_s:.1f} s; generated spectra classified as their class: "
-            f"{100 * end['gen_accuracy_mlp']:.2f}% (MLP; real test {100 * end['real_test_accuracy_mlp']:.2f}%), "
-            f"{100 * end['gen_accuracy_ncm']:.2f}% (nearest mean); class-mean spectral angle "
-            f"{end['sam_deg']:.3f} deg (real train-test {end['sam_floor_deg']:.3f}), RMSE {end['rmse']:.4g}")
-    metrics.close()
-    return 0
+    end = {k: v for k, v in quality.items() if not k.startswith("_")}
+    end.update(event="end", step=gan.steps, time_s=train_s, epoch_time_s=train_s / cfg.epochs,
+               plot=None if note or not cfg.plot else cfg.plot, plot_note=note)
+    try:
+        if metrics is not None:
+            metrics.write(end)
+            metrics.close()
+    except OSError as exc:
+        failures.append(str(exc))
+    printer.summary(
+        f"done: {gan.steps} steps in {train_s:.1f} s; generated spectra classified as their class: "
+        f"{100 * end['gen_accuracy_mlp']:.2f}% (MLP; real test {100 * end['real_test_accuracy_mlp']:.2f}%), "
+        f"{100 * end['gen_accuracy_ncm']:.2f}% (nearest mean); class-mean spectral angle "
+        f"{end['sam_deg']:.3f} deg (real train-test {end['sam_floor_deg']:.3f}), RMSE {end['rmse']:.4g}")
+    for failure in failures:
+        print(f"error: {failure}", file=sys.stderr, flush=True)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

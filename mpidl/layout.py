@@ -42,7 +42,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from mpidl.outputs import atomic_h5
+from mpidl.outputs import atomic_h5, cause
 
 LAYOUT_VERSION = 1
 REQUIRED_SPLITS = ("train", "test")
@@ -53,7 +53,8 @@ REQUIRED_ATTRS = ("class_names", "bands", "patch_size", "source", "split_seed", 
 __all__ = [
     "LAYOUT_VERSION", "REQUIRED_SPLITS", "OPTIONAL_SPLITS", "REQUIRED_ATTRS", "LayoutError",
     "LayoutFileNotFoundError", "validate_layout", "write_layout", "channel_stats",
-    "scan_nonfinite", "nonfinite_problem", "fingerprint", "file_fingerprint", "stored_fingerprint",
+    "scan_nonfinite", "nonfinite_problem", "scan_share", "nonfinite_error", "check_values",
+    "check_trainable", "fingerprint", "file_fingerprint", "stored_fingerprint",
     "SCENE_KIND", "write_scene_layout", "cut_patches", "scene_channel_stats", "read_split_arrays",
     "scene_row_chunk",
 ]
@@ -110,7 +111,7 @@ def validate_layout(path: str | os.PathLike) -> dict:
     try:
         f = h5py.File(path, "r")
     except OSError as exc:
-        raise LayoutError(path, f"cannot be opened as HDF5 ({exc})") from exc
+        raise LayoutError(path, f"cannot be read: {cause(exc)}") from exc
     with f:
         if _attr_text(f.attrs.get("layout_kind", b"")) == SCENE_KIND:  # the scene-backed variant
             return _validate_scene(path, f)
@@ -318,7 +319,7 @@ def write_layout(path: str | os.PathLike, splits: Mapping[str, Sequence[np.ndarr
     }
     # Written under a temporary name in the destination folder (a rename within one file
     # system: atomic), fsynced, then renamed; a failed write names `path`, never the temporary.
-    with atomic_h5(path, permissions=True) as f:
+    with atomic_h5(path, streamed=True) as f:
         for key, value in meta.items():
             f.attrs[key] = value
         for key, value in (attrs or {}).items():
@@ -375,6 +376,59 @@ def nonfinite_problem(split: str, samples: int, values: int, first: int) -> str:
     """The words for non-finite values found by :func:`scan_nonfinite`."""
     return (f"{split}/x holds non-finite values (NaN or Inf): {values} value(s) in {samples} "
             f"sample(s), the first at sample {first}")
+
+
+def scan_share(path: str | os.PathLike, rank: int, size: int) -> dict:
+    """``{split: (samples, values, first)}`` of :func:`scan_nonfinite` over rank ``rank``'s
+    contiguous share ``[n r / P, n (r + 1) / P)`` of each split, so that ``P`` ranks read the
+    file once between them."""
+    import h5py  # noqa: PLC0415
+
+    with h5py.File(os.fspath(path), "r") as f:
+        counts = {s: f[f"{s}/y"].shape[0] for s in REQUIRED_SPLITS + OPTIONAL_SPLITS if s in f}
+    return {split: scan_nonfinite(path, split, n * rank // size, n * (rank + 1) // size)
+            for split, n in counts.items()}
+
+
+def nonfinite_error(path: str | os.PathLike, shares: list) -> str | None:
+    """The set-up error (``--data PATH: ...``) for every rank's :func:`scan_share` result, in
+    rank order (a string in place of a result is that rank's own error); None when every
+    value is finite."""
+    failed = [share for share in shares if isinstance(share, str)]
+    if failed:
+        return failed[0]
+    problems = []
+    for split in shares[0]:
+        parts = [share[split] for share in shares]
+        samples, values = sum(p[0] for p in parts), sum(p[1] for p in parts)
+        if samples:
+            first = min(p[2] for p in parts if p[2] is not None)
+            problems.append(nonfinite_problem(split, samples, values, first))
+    if not problems:
+        return None
+    return f"--data {path}: {'; '.join(problems)} (python -m mpidl.data_tools info {path} checks a file)"
+
+
+def check_values(path: str | os.PathLike, rank: int, size: int, allgather) -> str | None:
+    """Collective through ``allgather`` (every rank's value, in rank order, on every rank):
+    each rank scans its share of ``path`` for NaN and Inf (:func:`scan_share`); returns the
+    same :func:`nonfinite_error` on every rank. The entry points call it once the file is
+    known to be a valid layout; ``allgather`` is passed in so that this module needs no MPI."""
+    try:
+        share = scan_share(path, rank, size)
+    except OSError as exc:
+        share = f"--data {path}: {cause(exc)}"
+    return nonfinite_error(path, allgather(share))
+
+
+def check_trainable(meta: dict) -> None:
+    """The rules a valid layout must also meet to be trained on (beyond
+    :func:`validate_layout`'s format): a non-empty test split, which every evaluation reads.
+    Raises :class:`LayoutError`. Shared by the trainer, the GAN and ``data_tools info``, so
+    that ``info`` accepts exactly what training accepts."""
+    if meta["splits"].get("test", 0) == 0:
+        raise LayoutError(meta["path"], "the test split is empty (0 samples): there is nothing to "
+                                        "evaluate the model on (convert the data with a test split)")
 
 
 def fingerprint(splits: Mapping[str, Sequence[np.ndarray]]) -> str:
@@ -633,7 +687,7 @@ def write_scene_layout(path: str | os.PathLike, padded: np.ndarray,
             f.create_dataset(f"{name}/pos", data=pos, dtype=np.int32)
             f.create_dataset(f"{name}/y", data=y, dtype=np.int64)
 
-    with atomic_h5(path, permissions=True) as f:
+    with atomic_h5(path, streamed=True) as f:
         fill(f)
     meta["splits"] = {name: int(arrs[0].shape[0]) for name, arrs in checked.items()}
     meta["kind"] = SCENE_KIND

@@ -2,7 +2,8 @@
 
 - :class:`Printer` prints on rank 0 only, honouring ``--quiet`` and ``--log-level``.
 - :class:`MetricsWriter` appends JSON Lines records (rank 0), flushed after each line so a
-  killed job keeps every finished epoch.
+  killed job keeps every finished epoch; a failed write (a full disk) raises an OSError that
+  names the file and the cause (:func:`mpidl.outputs.write_error`), never an errno alone.
 - :class:`RankTimingLog` is a per-rank JSON Lines file (``--timing-dir``).
 """
 
@@ -12,6 +13,8 @@ import json
 import os
 import sys
 import time
+
+from mpidl.outputs import write_error
 
 LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 
@@ -59,16 +62,46 @@ class MetricsWriter:
 
     def __init__(self, path: str | None, rank: int = 0, append: bool = False):
         self.file = None
+        self.path = path
         if path and rank == 0:
-            folder = os.path.dirname(os.path.abspath(path))
-            os.makedirs(folder, exist_ok=True)
+            self._open(path, append)
+
+    def _open(self, path: str, append: bool) -> None:
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self.file = open(path, "a" if append else "w", encoding="utf-8")
+            self._whole = self.file.tell()  # the end of the last whole record
+        except OSError as exc:
+            raise write_error(path, exc) from None
 
     def write(self, record: dict) -> None:
         if self.file is None:
             return
-        self.file.write(json.dumps(record, default=_json_default) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(record, default=_json_default) + "\n")
+            self.file.flush()
+            self._whole = self.file.tell()
+        except OSError as exc:
+            self._abandon()
+            raise write_error(self.path, exc) from None
+
+    def _abandon(self) -> None:
+        """Close the file after a failed write: cut it back to its last whole record (a
+        reader never meets half a line), drop what the buffer still holds (a later flush, at
+        close or at exit, would fail again and print the raw error); the writer writes
+        nothing more."""
+        try:
+            os.ftruncate(self.file.fileno(), self._whole)
+        except OSError:
+            pass
+        try:
+            sink = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(sink, self.file.fileno())
+            os.close(sink)
+            self.file.close()
+        except OSError:
+            pass
+        self.file = None
 
     def close(self) -> None:
         if self.file is not None:
@@ -81,10 +114,9 @@ class RankTimingLog(MetricsWriter):
 
     def __init__(self, folder: str | None, rank: int, append: bool = False):
         self.file = None
+        self.path = os.path.join(folder, f"rank{rank}.jsonl") if folder else None
         if folder:
-            os.makedirs(folder, exist_ok=True)
-            self.file = open(os.path.join(folder, f"rank{rank}.jsonl"), "a" if append else "w",
-                             encoding="utf-8")
+            self._open(self.path, append)
 
     def write(self, record: dict) -> None:
         super().write({"time": time.time(), **record})

@@ -61,7 +61,7 @@ from mpidl.nn.fused import fuse_batchnorm_relu, fuse_residual_relu
 from mpidl.params import FlatParameters
 from mpidl.threads import apply as _apply_thread_policy
 
-__all__ = ["MODELS", "Model", "build_model", "default_vit_patch"]
+__all__ = ["MODELS", "Model", "build_model", "check_model_args", "default_vit_patch"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -271,15 +271,49 @@ MODELS: dict[str, Callable[..., tuple[Module, dict]]] = {
     "vit": _vit,
 }
 
-# Keyword arguments a caller may pass to each builder (the internal ones of _hsicnn excluded).
+# The keyword arguments a caller may pass to each builder (the internal ones of _hsicnn
+# excluded), each with its kind: "ints" a list of integers, "int" an integer, "int?" an
+# integer or null (the builder's default), "fraction" a number in [0, 1).
 _PUBLIC_KWARGS = {
-    "hsicnn": ("channels", "hidden", "dropout"),
-    "hsicnn_bn": ("channels", "hidden", "dropout"),
-    "resnet8": ("widths",),
-    "mlp": ("hidden",),
-    "spectral_lstm": ("group", "hidden"),
-    "vit": ("patch", "dim", "depth", "heads", "mlp_dim"),
+    "hsicnn": {"channels": "ints", "hidden": "int", "dropout": "fraction"},
+    "hsicnn_bn": {"channels": "ints", "hidden": "int", "dropout": "fraction"},
+    "resnet8": {"widths": "ints"},
+    "mlp": {"hidden": "ints"},
+    "spectral_lstm": {"group": "int", "hidden": "int"},
+    "vit": {"patch": "int?", "dim": "int", "depth": "int", "heads": "int", "mlp_dim": "int"},
 }
+_KIND_WORDS = {"ints": "a list of integers such as [64, 64]", "int": "an integer such as 64",
+               "int?": "an integer such as 2, or null for the default",
+               "fraction": "a number in [0, 1) such as 0.5"}
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _fits(kind: str, value) -> bool:
+    if kind == "ints":
+        return isinstance(value, (list, tuple)) and all(_is_int(v) for v in value)
+    if kind == "int?":
+        return value is None or _is_int(value)
+    if kind == "int":
+        return _is_int(value)
+    return (isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+            and 0 <= value < 1)
+
+
+def check_model_args(name: str, kwargs: Mapping) -> None:
+    """Check the width arguments of model ``name`` (``--model-args``): every name is one the
+    model takes and every value has its kind; raises ValueError naming the argument, the
+    kind expected and the value given."""
+    allowed = _PUBLIC_KWARGS[name]
+    unknown = sorted(set(kwargs) - set(allowed))
+    if unknown:
+        raise ValueError(f"model {name!r} takes no argument(s) {unknown}; it takes {list(allowed)}")
+    for key, value in kwargs.items():
+        if not _fits(allowed[key], value):
+            raise ValueError(f"model {name!r}: argument {key!r} (--model-args) must be "
+                             f"{_KIND_WORDS[allowed[key]]}, got {value!r}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -410,14 +444,9 @@ def build_model(
         raise ValueError(f"input_shape must be three positive ints (C, H, W), got {input_shape}")
     if int(num_classes) < 2:
         raise ValueError(f"num_classes must be >= 2, got {num_classes}")
-    unknown = sorted(set(kwargs) - set(_PUBLIC_KWARGS[name]))
-    if unknown:
-        raise ValueError(f"model {name!r} takes no argument(s) {unknown}; it takes {list(_PUBLIC_KWARGS[name])}")
+    check_model_args(name, kwargs)
     backend = backend if backend is not None else get_backend()
-    try:
-        net, widths = MODELS[name](input_shape, int(num_classes), int(seed), **kwargs)
-    except TypeError as exc:  # e.g. a number where a list of widths belongs, from --model-args
-        raise ValueError(f"model {name!r}: bad width argument(s) {kwargs}: {exc}") from None
+    net, widths = MODELS[name](input_shape, int(num_classes), int(seed), **kwargs)
     build_args = {
         "name": name,
         "input_shape": list(input_shape),

@@ -1,9 +1,11 @@
 """Output paths: checked before any work, temporary files of atomic writes, and a rescue
 place for a trained model whose final write fails.
 
-Every file mpidl writes (checkpoints, saved models, layout files) is written to a temporary
-name beside its target, ``.<target name>.<8 random characters>.tmp`` (:func:`make_temp`),
-then renamed over the target. The same naming serves three purposes:
+Every file mpidl writes (checkpoints, saved models, layout files, class maps, figures) is
+written to a temporary name beside its target, ``.<target name>.<8 random characters>.tmp``
+(:func:`make_temp`), with the mode the user's umask gives, then renamed over the target
+(:func:`atomic_file`, :func:`atomic_h5`); a failed write removes its temporary and raises an
+error that names the target, never the temporary. The same naming serves three purposes:
 
 * :func:`check_output_file` / :func:`check_output_folder` test, at set-up, that a target can
   be written by creating and removing such a temporary file next to it -- exactly what the
@@ -14,6 +16,9 @@ then renamed over the target. The same naming serves three purposes:
 * :func:`rescue_model` writes a model to a fallback place when its own target fails (disk
   full, quota, a file system gone), so that a finished training run is not thrown away.
 
+:func:`cause` turns a file-system error into words for the user (the errno's name, also when
+HDF5 buries it in its own text; a file another process holds locked; a truncated file).
+
 Nothing here talks MPI: the command line runs the checks on the ranks that will write and
 agrees on the result with the other set-up errors.
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import sys
 import tempfile
 from contextlib import contextmanager
 
@@ -52,22 +58,22 @@ def write_error(path: str, exc: BaseException) -> OSError:
     return error
 
 
+def user_mode() -> int:
+    """The mode a new file gets from the user's umask, ``0o666 & ~umask`` (mkstemp makes 0600)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 @contextmanager
-def atomic_h5(path: str, *, permissions: bool = False):
-    """Yield an ``h5py.File`` open for writing at a temporary name beside ``path``
-    (:func:`make_temp`); on success flush, fsync and rename it to ``path`` (atomic on POSIX),
-    then fsync the folder (best effort). On any error the temporary file is closed and
-    removed, and an OSError is re-raised as :func:`write_error` (naming ``path``).
-
-    ``permissions=True`` gives the file the usual ``0666 & ~umask`` mode (mkstemp makes 0600).
-
-    A write that fails in HDF5 (a full disk) leaves the file open inside the library, which
-    can neither flush nor close it, and the interpreter later crashes when it tries again;
-    so the file's descriptor is pointed at ``/dev/null`` first (:func:`_abandon`), which lets
-    the library close it, and only then is the temporary removed.
-    """
-    import h5py  # noqa: PLC0415
-
+def atomic_file(path: str):
+    """Yield the name of a temporary file beside ``path`` (:func:`make_temp`, already given
+    the user's mode, :func:`user_mode`) for the caller to write by name (a figure's
+    ``savefig``, an HDF5 library); on success fsync it and rename it to ``path`` (atomic on
+    POSIX), then fsync the folder (best effort). On any error the temporary file is removed,
+    and a failed write -- an OSError, or a library's error that carries the operating
+    system's errno (HDF5's on a full disk) -- is re-raised as :func:`write_error`, naming
+    ``path`` and never the temporary name."""
     folder = os.path.dirname(os.path.abspath(path)) or "."
     if os.path.isdir(path):
         raise OSError(f"cannot write {path}: is a directory")
@@ -77,19 +83,9 @@ def atomic_h5(path: str, *, permissions: bool = False):
     except OSError as exc:
         raise write_error(path, exc) from None
     try:
-        if permissions:
-            mask = os.umask(0)
-            os.umask(mask)
-            os.chmod(tmp, 0o666 & ~mask)
-        f = h5py.File(tmp, "w")
-        try:
-            yield f
-            f.flush()
-        except BaseException:
-            _abandon(f)
-            raise
-        f.close()
-        fd = os.open(tmp, os.O_RDONLY)  # h5py has no fsync; do it on the closed file
+        os.chmod(tmp, user_mode())
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)  # the writer closed it; make its bytes durable
         try:
             os.fsync(fd)
         finally:
@@ -98,7 +94,7 @@ def atomic_h5(path: str, *, permissions: bool = False):
     except BaseException as exc:
         if os.path.exists(tmp):
             os.remove(tmp)
-        if isinstance(exc, OSError):
+        if is_write_failure(exc):
             raise write_error(path, exc) from None
         raise
     try:  # make the rename itself durable (not every file system allows it)
@@ -109,6 +105,81 @@ def atomic_h5(path: str, *, permissions: bool = False):
             os.close(dir_fd)
     except OSError:
         pass
+
+
+def is_write_failure(exc: BaseException) -> bool:
+    """True for an error of the file system: an OSError, or a library's RuntimeError whose
+    text carries an errno (h5py reports a full disk as ``RuntimeError: ... errno = 28``)."""
+    return isinstance(exc, OSError) or (isinstance(exc, RuntimeError) and _buried_errno(exc) is not None)
+
+
+@contextmanager
+def atomic_h5(path: str, *, streamed: bool = False):
+    """Yield an ``h5py.File`` open for writing, then write it to ``path`` as
+    :func:`atomic_file` does (a temporary beside ``path`` renamed over it; the user's file
+    mode; an error names ``path`` and leaves no temporary).
+
+    By default the file is built in memory and its bytes are written in one go: HDF5 never
+    meets the disk, so a full disk is a plain OSError of that one write. (A write that fails
+    inside HDF5 leaves the library's state for that file broken: it can neither flush nor
+    close it, even through ``/dev/null``, and the interpreter crashes at exit.) That holds the
+    whole file in memory once, which suits models, checkpoints and maps. ``streamed=True``
+    writes through HDF5 to the temporary as it goes, for files too large for memory (layout
+    files): a failure there is caught as well as it can be (:func:`_abandon`,
+    :func:`_collect_hdf5_failures`), but may still crash the interpreter at exit.
+    """
+    import io  # noqa: PLC0415
+
+    import h5py  # noqa: PLC0415
+
+    with atomic_file(path) as tmp:
+        if not streamed:
+            image = io.BytesIO()
+            with h5py.File(image, "w") as f:
+                yield f
+            with open(tmp, "wb") as out:
+                out.write(image.getbuffer())
+            return
+        failures = []
+        with _collect_hdf5_failures(failures):
+            f = h5py.File(tmp, "w")
+            try:
+                yield f
+                f.flush()
+                if failures:
+                    raise failures[0]
+            except BaseException:
+                _abandon(f)
+                raise
+            f.close()
+        if failures:
+            raise failures[0]
+
+
+@contextmanager
+def _collect_hdf5_failures(found: list):
+    """Collect in ``found`` the file-system failures (:func:`is_write_failure`) that reach
+    ``sys.excepthook`` or ``sys.unraisablehook`` meanwhile (h5py's errors in ``__dealloc__``);
+    any other error goes to the hook as before."""
+    previous_hook, previous_unraisable = sys.excepthook, sys.unraisablehook
+
+    def excepthook(kind, exc, tb):
+        if is_write_failure(exc):
+            found.append(exc)
+        else:
+            previous_hook(kind, exc, tb)
+
+    def unraisablehook(info):
+        if is_write_failure(info.exc_value):
+            found.append(info.exc_value)
+        else:
+            previous_unraisable(info)
+
+    sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
+    try:
+        yield
+    finally:
+        sys.excepthook, sys.unraisablehook = previous_hook, previous_unraisable
 
 
 def _abandon(f) -> None:
@@ -161,12 +232,27 @@ def _buried_errno(exc: BaseException) -> int | None:
     return int(found.group(1)) if found else None
 
 
+#: the words for a file another process holds open, refused by HDF5's file locking
+LOCKED = ("another process holds it open for writing (HDF5 file locking): close that process, "
+          "or, if it has finished writing, run with HDF5_USE_FILE_LOCKING=FALSE")
+
+
 def cause(exc: BaseException) -> str:
     """The operating system's words for ``exc`` ("No space left on device (ENOSPC)"), also
-    when HDF5 buries the errno inside a longer message; else the exception's first line."""
+    when HDF5 buries the errno inside a longer message; what HDF5's own refusals mean (a file
+    locked by another process, a truncated file); else the exception's first line."""
     text = str(exc).strip().splitlines()
     if text and text[0].startswith("cannot write "):  # already one of ours
         return text[0].split(": ", 1)[-1]
+    whole = " ".join(text)
+    if "unable to lock file" in whole:
+        return LOCKED
+    truncated = re.search(r"truncated file: eof = (\d+).*stored_eof = (\d+)", whole)
+    if truncated:
+        return (f"the file is truncated: {truncated.group(1)} of its {truncated.group(2)} bytes "
+                "(a copy or a write was cut short)")
+    if "file signature not found" in whole:
+        return "not an HDF5 file"
     number = getattr(exc, "errno", None)
     if not isinstance(number, int) or number <= 0:
         number = _buried_errno(exc)
@@ -181,15 +267,19 @@ def _probe(folder: str, target: str) -> None:
     os.remove(tmp)
 
 
-def check_output_file(option: str, path: str) -> list[str]:
+def check_output_file(option: str, path: str, *, create_folder: bool = True) -> list[str]:
     """Check that the file ``path`` (given as ``option``) can be written atomically: it is not
-    a folder, its folder exists or can be created, and a temporary file can be created and
-    removed there. Removes the stale temporaries of ``path``; returns their paths.
-    Raises :class:`OutputError` naming ``option`` and ``path``."""
+    a folder, its folder exists or can be created (with ``create_folder=False`` it must
+    exist), and a temporary file can be created and removed there. Removes the stale
+    temporaries of ``path``; returns their paths. Raises :class:`OutputError` naming
+    ``option`` and ``path``."""
     if os.path.isdir(path):
         raise OutputError(f"{option} {path}: is a directory (give a file name)")
     folder = os.path.dirname(os.path.abspath(path))
-    _make_folder(option, path, folder)
+    if create_folder:
+        _make_folder(option, path, folder)
+    elif not os.path.isdir(folder):
+        raise OutputError(f"{option} {path}: folder {folder} does not exist")
     try:
         _probe(folder, os.path.basename(path))
     except OSError as exc:

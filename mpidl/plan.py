@@ -40,6 +40,11 @@ ring step crosses the slowest link); the non-exact ``node`` scheme's extra epoch
 the same accuracy are not modelled (measured: -0.3 to -0.6 OA points after 4 epochs at
 K'=50 on 2 x 2, README).
 
+``--measure`` times the step in rounds (:func:`measure_rounds`) and prints their median and
+range; when the machine looks loaded (the rounds differ by more than ``WIDE_SPREAD`` of their
+median, or the process had the CPU less than ``BUSY_CPU_SHARE`` of the time) it warns, and
+says whether the recommendation holds at both ends of the measured range.
+
 ``--emulated`` predicts what the EMULATION on one machine does instead (``mpidl.train
 --emulate-link`` with ``MPIDL_RANKS_PER_NODE``): every level's real collective runs over the
 shared-memory ``intra`` link, and the modelled inter-node time (always the ring formula,
@@ -52,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -244,9 +250,94 @@ def recommend(sc: Scenario, sync_every=DEFAULT_SYNC_EVERY, gain: float = 0.05) -
                    f"less than {100 * gain:.0f} % of the step")
 
 
+#: a measurement whose rounds differ by more than this fraction of their median is noisy
+WIDE_SPREAD = 0.25
+#: a process that got less than this share of a CPU while it measured was waiting for one
+BUSY_CPU_SHARE = 0.8
+
+
+@dataclass(frozen=True)
+class StepMeasurement:
+    """One step's compute time measured ``len(rounds_s)`` times: each round is the median of a
+    few steps, so one stray slow step does not move it, while a machine that is loaded for a
+    while moves whole rounds. ``cpu_share`` is this process's CPU seconds over the wall
+    seconds of all rounds (about 1 on an idle machine with one thread per process, less when
+    other processes took the CPU).
+
+    The step time used is the median of the rounds; the spread is ``(max - min) / median``."""
+
+    rounds_s: tuple
+    cpu_share: float
+    params: int
+
+    @property
+    def median_s(self) -> float:
+        return float(statistics.median(self.rounds_s))
+
+    @property
+    def low_s(self) -> float:
+        return float(min(self.rounds_s))
+
+    @property
+    def high_s(self) -> float:
+        return float(max(self.rounds_s))
+
+    @property
+    def spread(self) -> float:
+        return (self.high_s - self.low_s) / self.median_s if self.median_s > 0 else 0.0
+
+    def describe(self) -> str:
+        return (f"median of {len(self.rounds_s)} rounds {1e3 * self.median_s:.2f} ms, range "
+                f"{1e3 * self.low_s:.2f}-{1e3 * self.high_s:.2f} ms (spread {100 * self.spread:.0f} %)")
+
+    def warning(self) -> str | None:
+        """Why the number is not to be trusted (the machine is loaded), or None."""
+        reasons = []
+        if self.spread > WIDE_SPREAD:
+            reasons.append(f"the rounds differ by {100 * self.spread:.0f} % of their median "
+                           f"(more than {100 * WIDE_SPREAD:.0f} %)")
+        if self.cpu_share < BUSY_CPU_SHARE:
+            reasons.append(f"this process had the CPU {100 * self.cpu_share:.0f} % of the time it measured")
+        if not reasons:
+            return None
+        return ("the machine looks loaded: " + " and ".join(reasons) + "; the step time (and the "
+                "recommendation) may be far from an idle machine's: measure again on an idle machine, "
+                "or give --step-time")
+
+
+def measure_rounds(model: str, input_shape, classes: int, local_batch: int, rounds: int = 5,
+                   repeats: int = 3) -> StepMeasurement:
+    """Time ``rounds`` rounds of ``repeats`` forward + backward steps of ``model`` on
+    ``local_batch`` random samples on this process (after 2 warm-up steps)."""
+    m, step = _timed_step(model, input_shape, classes, local_batch)
+    medians = []
+    wall = cpu = 0.0
+    for _ in range(rounds):
+        times = []
+        for _ in range(repeats):
+            t, c = time.perf_counter(), time.process_time()
+            step()
+            times.append(time.perf_counter() - t)
+            cpu += time.process_time() - c
+        wall += sum(times)
+        medians.append(float(statistics.median(times)))
+    return StepMeasurement(tuple(medians), cpu / wall if wall > 0 else 1.0, int(m.params.size))
+
+
 def measure_step(model: str, input_shape, classes: int, local_batch: int, repeats: int = 7) -> tuple[float, int]:
     """Median seconds of one forward + backward of ``model`` on ``local_batch`` random samples
     on this process (after 2 warm-up steps), and the model's parameter count."""
+    m, step = _timed_step(model, input_shape, classes, local_batch)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    return float(statistics.median(times)), int(m.params.size)
+
+
+def _timed_step(model: str, input_shape, classes: int, local_batch: int):
+    """The model and a function that runs one step of it, after 2 warm-up steps."""
     import numpy as np  # noqa: PLC0415
 
     from mpidl.models import build_model  # noqa: PLC0415
@@ -257,14 +348,14 @@ def measure_step(model: str, input_shape, classes: int, local_batch: int, repeat
     rng = np.random.default_rng(0)
     x = rng.standard_normal((local_batch, *input_shape)).astype(np.float32)
     y = rng.integers(0, classes, local_batch)
-    times = []
-    for i in range(repeats + 2):
-        t = time.perf_counter()
+
+    def step():
         loss.forward(m.forward(x), y)
         m.backward(loss.backward())
-        if i >= 2:
-            times.append(time.perf_counter() - t)
-    return float(np.median(times)), int(m.params.size)
+
+    for _ in range(2):
+        step()
+    return m, step
 
 
 def _ints(text: str, option: str) -> list[int]:
@@ -288,7 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-time", type=float, default=None,
                    help="per-step compute time on one rank, seconds (default: --measure)")
     p.add_argument("--measure", action="store_true",
-                   help="measure the step on this machine (forward + backward, default when no --step-time)")
+                   help="measure the step on this machine (forward + backward, default when no --step-time): "
+                        "5 rounds of 3 steps, the median of the rounds and their range; a warning when the "
+                        "machine looks loaded (the rounds spread widely, or the process waited for the CPU)")
     p.add_argument("--local-batch", type=int, default=16, help="samples per rank per step (default 16)")
     p.add_argument("--samples", type=int, default=1_000_000,
                    help="training samples per epoch (default 1000000)")
@@ -337,10 +430,13 @@ def main(argv=None) -> int:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if args.step_time is not None and not args.step_time > 0:
             raise ValueError(f"--step-time must be > 0 seconds, got {args.step_time}")
+        measured = None
         if args.step_time is None or args.params is None:
             if args.step_time is None:
-                t_c, counted = measure_step(args.model, shape, args.classes, args.local_batch)
-                how = f"measured here: {args.model} {shape}, local batch {args.local_batch}"
+                measured = measure_rounds(args.model, shape, args.classes, args.local_batch)
+                t_c, counted = measured.median_s, measured.params
+                how = (f"measured here: {args.model} {shape}, local batch {args.local_batch}; "
+                       f"{measured.describe()}")
             else:
                 from mpidl.models import build_model  # noqa: PLC0415
                 t_c, counted = args.step_time, build_model(args.model, shape, args.classes).params.size
@@ -358,10 +454,22 @@ def main(argv=None) -> int:
           f"per gradient; {args.ranks_per_node} ranks per node; intra {intra}; inter {inter}; "
           f"allreduce {args.algorithm}; {args.samples} samples per epoch"
           + ("; EMULATED (one machine)" if args.emulated else ""))
+    warning = measured.warning() if measured is not None else None
+    if warning:
+        print(f"warning: {warning}")
     print(table(sc, nodes, ks))
     last = replace(sc, nodes=nodes[-1])
     best, why = recommend(last, ks)
     print(f"at {nodes[-1]} nodes: use {best.label} ({why}); epoch {best.epoch_s:.3g} s")
+    if warning:
+        # one noisy number is not a recommendation: say what the ends of the range give
+        ends = {f"{1e3 * t:.2f} ms": recommend(replace(last, step_compute_s=t), ks)[0].label
+                for t in (measured.low_s, measured.high_s)}
+        if len(set(ends.values())) > 1:
+            print("warning: the recommendation depends on the measured step: "
+                  + ", ".join(f"{label} at {t}" for t, label in ends.items()))
+        else:
+            print(f"the same recommendation holds across the measured range ({', '.join(ends)})")
     return 0
 
 

@@ -37,6 +37,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from mpidl.outputs import OutputError, atomic_file, check_output_folder
+
 # One colour per kind of time, the same in every figure: the eye learns them once.
 TIME_KINDS = (
     ("comp_s", "computation", "#4C72B0"),
@@ -273,13 +275,20 @@ def main(argv=None) -> int:
         parser.exit(1, f"{parser.prog}: error: {exc}\n")
 
     out_dir = Path(args.out)
+    names = ["curves.png", *_breakdown_names(runs)]
     try:
         _matplotlib()  # before creating the folder: a missing dependency leaves nothing behind
-        out_dir.mkdir(parents=True, exist_ok=True)
-        written = [plot_curves(runs, out_dir / "curves.png")]
-        for run, name in zip(runs, _breakdown_names(runs)):
+    except ModuleNotFoundError as exc:
+        parser.exit(1, f"{parser.prog}: error: {exc}\n")
+    try:  # like every output of mpidl: checked (and created) before anything is drawn
+        check_output_folder("--out", str(out_dir), names)
+    except OutputError as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    try:
+        written = [plot_curves(runs, out_dir / names[0])]
+        for run, name in zip(runs, names[1:]):
             written.append(plot_time_breakdown(run, out_dir / name))
-    except (ModuleNotFoundError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # a write names the figure's path (a full disk)
         parser.exit(1, f"{parser.prog}: error: {exc}\n")
     for path in written:
         print(path)
@@ -300,8 +309,11 @@ def _matplotlib():
 
 
 def _save(fig, out_path) -> Path:
+    """Write the figure atomically (:func:`mpidl.outputs.atomic_file`: the user's file mode;
+    a failure names ``out_path`` and leaves no temporary file)."""
     out_path = Path(out_path)
-    fig.savefig(out_path, format="png", dpi=110)
+    with atomic_file(str(out_path)) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
     return out_path
 
 

@@ -25,9 +25,12 @@ model's test OA. The ground truth is the layout's labelled pixels (train and tes
 split), or ``--labels`` / ``--abundances`` as for the converter.
 
 Every input is checked on every rank before any pixel is classified, and the ranks agree
-(a missing or unreadable model, data file or cube; a cube whose band count differs from the
-model's; a scene shape that differs from the layout's; a missing output folder): rank 0
-prints ``error: ...`` and every rank exits with code 2, leaving no output.
+(a bad option; a missing or unreadable model, data file or cube; a cube whose band count
+differs from the model's; a scene shape that differs from the layout's); the outputs are
+checked on rank 0, which writes them, as the atomic writer will write them (a missing or
+read-only folder; :func:`mpidl.outputs.check_output_file`): rank 0 prints ``error: ...`` and
+every rank exits with code 2, leaving no output. A write that still fails (a full disk) prints
+``error: cannot write PATH: cause``, leaves no temporary file and exits with code 1.
 """
 
 from __future__ import annotations
@@ -35,14 +38,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 
 PREDICT_BATCH = 1024
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m mpidl.predict",
+    from mpidl.cli import Parser  # noqa: PLC0415
+
+    p = Parser(prog="python -m mpidl.predict",
                                 description="Classify every pixel of a scene with a trained model "
                                             "(data-parallel over the ranks' bands of rows).")
     p.add_argument("--model", required=True, help="model file written by mpidl.train --save")
@@ -91,23 +95,21 @@ def prepare(args) -> dict:
     from mpidl.checkpoint import load_model  # noqa: PLC0415
     from mpidl.data_tools.hsi import load_abundances, load_cube, load_labels  # noqa: PLC0415
     from mpidl.layout import SCENE_KIND, validate_layout  # noqa: PLC0415
+    from mpidl.outputs import cause  # noqa: PLC0415
 
     if args.batch < 1:
         raise ValueError(f"--batch must be >= 1, got {args.batch}")
-    for name, path in (("--out", args.out), ("--png", None if args.no_png else args.png)):
-        if path is None:
-            continue
-        folder = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(folder):
-            raise FileNotFoundError(f"{name} {path}: folder {folder} does not exist")
-        if os.path.isdir(path):
-            raise ValueError(f"{name} {path} is a directory")
     if not os.path.isfile(args.model):
         raise FileNotFoundError(f"--model {args.model}: no such file")
     try:
         model = load_model(args.model)
-    except (OSError, KeyError, ValueError) as exc:
-        raise ValueError(f"--model {args.model}: not a model written by mpidl.train --save ({exc})") from None
+    except ValueError as exc:  # says what the file is instead
+        raise ValueError(f"--model {exc}") from None
+    except OSError as exc:  # not HDF5, truncated, held open by a writer
+        raise ValueError(f"--model {args.model}: cannot be read: {cause(exc)}") from None
+    except KeyError as exc:
+        raise ValueError(f"--model {args.model}: not a model written by mpidl.train --save "
+                         f"({cause(exc)})") from None
     meta = validate_layout(args.data)
     bands, ph, pw = model.input_shape
     if (meta["bands"], meta["patch_size"], meta["patch_size"]) != (bands, ph, pw):
@@ -154,7 +156,7 @@ def prepare(args) -> dict:
                 truth[pos[:, 0], pos[:, 1]] = y
                 split_map[pos[:, 0], pos[:, 1]] = code
         truth_desc = f"{args.data} (labelled pixels of its splits)"
-    png = None if args.no_png else (args.png or os.path.splitext(args.out)[0] + ".png")
+    png = png_path(args)
     if png is not None:
         try:
             import matplotlib  # noqa: F401, PLC0415
@@ -164,6 +166,26 @@ def prepare(args) -> dict:
     return {"model": model, "cube": cube, "cube_desc": cube_desc, "meta": meta,
             "pad_mode": pad_mode, "truth": truth, "truth_desc": truth_desc, "split": split_map,
             "png": png, "scene_backed": meta.get("kind") == SCENE_KIND}
+
+
+def png_path(args) -> str | None:
+    """The figure's path: ``--png``, by default ``--out`` with ``.png``; None with ``--no-png``."""
+    return None if args.no_png else (args.png or os.path.splitext(args.out)[0] + ".png")
+
+
+def check_outputs(args, rank: int) -> list[str]:
+    """On rank 0, which writes them: ``--out`` and the figure can be written atomically in
+    their (existing) folders (raises :class:`mpidl.outputs.OutputError`); returns the stale
+    temporaries of interrupted writes that were removed."""
+    from mpidl.outputs import check_output_file  # noqa: PLC0415
+
+    if rank != 0:
+        return []
+    removed = check_output_file("--out", args.out, create_folder=False)
+    png = png_path(args)
+    if png is not None:
+        removed += check_output_file("--png" if args.png else "--out (its figure)", png, create_folder=False)
+    return removed
 
 
 def row_band(rows: int, rank: int, size: int) -> tuple[int, int]:
@@ -230,7 +252,7 @@ def accuracy_report(pred, truth, where, k: int) -> tuple[float, list[float], int
 def _write_map(path: str, pred, prep, report: dict, args) -> None:
     import numpy as np  # noqa: PLC0415
 
-    from mpidl.checkpoint import atomic_h5  # noqa: PLC0415
+    from mpidl.outputs import atomic_h5  # noqa: PLC0415
 
     with atomic_h5(path) as f:
         f.create_dataset("map", data=pred.astype(np.int16))
@@ -278,19 +300,10 @@ def draw_map(path: str, pred, truth, class_names, title: str) -> None:
                loc="lower center", ncol=min(k, 8), frameon=False)
     fig.suptitle(title, fontsize=11)
     fig.subplots_adjust(bottom=0.12, top=0.86, wspace=0.05)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".png", dir=folder)
-    os.close(fd)
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes 0600; give the figure the usual permissions
-    try:
-        fig.savefig(tmp, dpi=110)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    from mpidl.outputs import atomic_file  # noqa: PLC0415
+
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
 
 
 def main(argv=None) -> int:
@@ -302,11 +315,14 @@ def main(argv=None) -> int:
     from mpidl.distributed.launch import (abort_on_uncaught_exception, agree_on_error,  # noqa: PLC0415
                                           gather_to_root, world)
 
+    from mpidl.cli import parse_args  # noqa: PLC0415
+
     rank, size = world()
     sys.excepthook = abort_on_uncaught_exception
-    args = build_parser().parse_args(argv)
-    error, prep = None, None
+    error, prep, removed = None, None, []
     try:
+        args = parse_args(build_parser(), argv, rank)
+        removed = check_outputs(args, rank)
         prep = prepare(args)
     except (ValueError, OSError, KeyError, ImportError) as exc:
         error = str(exc)
@@ -351,15 +367,25 @@ def main(argv=None) -> int:
     if "oa_test" in report:
         total += f"  {report['test_pixels']:>6d}  {100 * report['oa_test']:6.2f}"
     lines += [total, ""]
-    _write_map(args.out, pred, prep, report, args)
-    lines.append(f"wrote {args.out} (map {pred.shape[0]} x {pred.shape[1]}, classes {names})")
-    if prep["png"]:
-        title = (f"{os.path.basename(args.model)} on {os.path.basename(prep['cube_desc'].split(':')[0])}: "
-                 f"OA {100 * oa_all:.2f} % on all {n_all} labelled pixels"
-                 + (f", {100 * report['oa_test']:.2f} % on the {report['test_pixels']} test pixels"
-                    if "oa_test" in report else ""))
-        draw_map(prep["png"], pred, truth, names, title)
-        lines.append(f"wrote {prep['png']}")
+    if removed:
+        lines.append(f"removed {len(removed)} temporary file(s) left by an interrupted write: "
+                     f"{', '.join(removed)}")
+    try:
+        # only rank 0 is left: a failed write is its own error, no other rank waits for it
+        _write_map(args.out, pred, prep, report, args)
+        lines.append(f"wrote {args.out} (map {pred.shape[0]} x {pred.shape[1]}, classes {names})")
+        if prep["png"]:
+            title = (f"{os.path.basename(args.model)} on {os.path.basename(prep['cube_desc'].split(':')[0])}: "
+                     f"OA {100 * oa_all:.2f} % on all {n_all} labelled pixels"
+                     + (f", {100 * report['oa_test']:.2f} % on the {report['test_pixels']} test pixels"
+                        if "oa_test" in report else ""))
+            draw_map(prep["png"], pred, truth, names, title)
+            lines.append(f"wrote {prep['png']}")
+    except OSError as exc:  # a full disk: the writer names the path and removed its temporary
+        if not args.quiet:
+            print("\n".join(lines), flush=True)
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
     if not args.quiet:
         print("\n".join(lines), flush=True)
     return 0

@@ -66,11 +66,9 @@ def main(argv=None) -> int:
     error = agree_on_error(error)
     if error is None and cfg.data is not None:
         # the values, once the file is known to be valid: each rank scans its share
-        try:
-            share = _scan_share(cfg.data, rank, size)
-        except OSError as exc:
-            share = f"--data {cfg.data}: {exc}"
-        error = _nonfinite_error(cfg.data, allgather(share))
+        from mpidl.layout import check_values
+
+        error = check_values(cfg.data, rank, size, allgather)
     if error is not None:
         if rank == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
@@ -142,41 +140,6 @@ def check_outputs(cfg, rank: int) -> list[str]:
     return removed
 
 
-def _scan_share(path: str, rank: int, size: int) -> dict:
-    """``{split: (samples, values, first)}`` of the non-finite values in this rank's
-    contiguous share of each split's ``x`` (:func:`mpidl.layout.scan_nonfinite`)."""
-    import h5py
-
-    from mpidl.layout import OPTIONAL_SPLITS, REQUIRED_SPLITS, scan_nonfinite
-
-    found = {}
-    with h5py.File(path, "r") as f:
-        counts = {s: f[f"{s}/y"].shape[0] for s in REQUIRED_SPLITS + OPTIONAL_SPLITS if s in f}
-    for split, n in counts.items():
-        lo, hi = n * rank // size, n * (rank + 1) // size
-        found[split] = scan_nonfinite(path, split, lo, hi)
-    return found
-
-
-def _nonfinite_error(path: str, shares: list[dict]) -> str | None:
-    """The set-up error for the ranks' :func:`_scan_share` results (None when all finite)."""
-    from mpidl.layout import nonfinite_problem
-
-    failed = [share for share in shares if isinstance(share, str)]
-    if failed:
-        return failed[0]
-    problems = []
-    for split in shares[0]:
-        parts = [share[split] for share in shares]
-        samples, values = sum(p[0] for p in parts), sum(p[1] for p in parts)
-        if samples:
-            first = min(p[2] for p in parts if p[2] is not None)
-            problems.append(nonfinite_problem(split, samples, values, first))
-    if not problems:
-        return None
-    return f"--data {path}: {'; '.join(problems)} (python -m mpidl.data_tools info {path} checks a file)"
-
-
 def _build(cfg, local_rank: int = 0):
     """Load data and build the model; raises a readable error for anything wrong."""
     from mpidl import data
@@ -193,9 +156,12 @@ def _build(cfg, local_rank: int = 0):
     else:
         train_set, test_set, meta = data.load_splits(cfg.data, cache=cfg.cache, augment=cfg.augment, seed=cfg.seed)
         desc = meta["description"]
-        if test_set.num_samples == 0:
-            raise ValueError(f"--data {cfg.data}: the test split is empty (0 samples): there is "
-                             "nothing to evaluate the model on (convert the data with a test split)")
+        from mpidl.layout import LayoutError, check_trainable
+
+        try:
+            check_trainable(meta)
+        except LayoutError as exc:
+            raise ValueError(f"--data {cfg.data}: {exc.problem}") from None
     # A model that cannot take the data's shape raises a ValueError naming both, here,
     # before any collective.
     model = build_model(cfg.model, train_set.sample_shape, train_set.num_classes,

@@ -250,6 +250,8 @@ def foreign_checkpoint(folder):
     ("missing", "--resume: no checkpoint at"),
     ("corrupt", "is not a readable mpidl checkpoint"),
     ("other-model", "holds model hsicnn {'channels': [2, 2]"),
+    ("truncated", "is not a readable mpidl checkpoint: the file is truncated"),
+    ("saved-model", "is a saved model (mpidl.train --save), not a checkpoint"),
 ])
 @pytest.mark.launcher
 def test_bad_resume_ends_cleanly_with_exit_2(tmp_path, case, message):
@@ -257,10 +259,77 @@ def test_bad_resume_ends_cleanly_with_exit_2(tmp_path, case, message):
         (tmp_path / ck.CHECKPOINT_NAME).write_bytes(b"\x89HDF\r\n" + b"\0" * 100)
     elif case == "other-model":
         foreign_checkpoint(tmp_path)
+    elif case == "truncated":
+        truncated_checkpoint(tmp_path)
+    elif case == "saved-model":
+        ck.save_model(str(tmp_path / ck.CHECKPOINT_NAME), build_model("hsicnn", (5, 5, 5), 3, channels=(4, 4), hidden=8))
     proc = launch(["--epochs", "1", "--speeds", "1,1", "--checkpoint", str(tmp_path), "--resume"])
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     assert proc.stderr.count("error") == 1 and message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and "Abort" not in proc.stderr, proc.stderr
+
+
+def truncated_checkpoint(folder):
+    """A checkpoint cut at half its length, as a copy that did not finish leaves it."""
+    path = folder / ck.CHECKPOINT_NAME
+    write_simple(folder, 1.0)
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+    return path, len(data) // 2, len(data)
+
+
+def test_a_truncated_checkpoint_is_one_clear_message(tmp_path):
+    """Before: "not a readable mpidl checkpoint (--resume: ... not a readable mpidl checkpoint
+    (Unable to synchronously open file (truncated file: eof = ...)))"."""
+    path, kept, whole = truncated_checkpoint(tmp_path)
+    with pytest.raises(ck.CheckpointError) as info:
+        read(tmp_path)
+    assert str(info.value) == (f"--resume: {path} is not a readable mpidl checkpoint: the file is truncated: "
+                               f"{kept} of its {whole} bytes (a copy or a write was cut short)")
+
+
+def test_a_saved_model_given_as_a_checkpoint_says_what_it_is_and_how_to_use_it(tmp_path):
+    """Before: "has unreadable attributes (Expecting value: line 1 column 1 (char 0))"."""
+    path = tmp_path / ck.CHECKPOINT_NAME
+    model = build_model("hsicnn", (5, 5, 5), 3, channels=(4, 4), hidden=8)
+    ck.save_model(str(path), model)
+    with pytest.raises(ck.CheckpointError) as info:
+        read(tmp_path)
+    assert str(info.value) == (
+        f"--resume: {path} is a saved model (mpidl.train --save), not a checkpoint: it holds the weights only, "
+        "not the optimizer state and the place in the training that --resume needs; python -m mpidl.predict "
+        f"--model {path} (or mpidl.checkpoint.load_model) reads it, and a run resumes from the --checkpoint DIR "
+        "it wrote")
+    # ... and the other way round
+    write_simple(tmp_path, 1.0)
+    with pytest.raises(ValueError, match=f"^{path} is a checkpoint \\(mpidl.train --checkpoint DIR\\), not a saved "
+                                         "model: a run resumes from it with --checkpoint DIR --resume"):
+        ck.load_model(str(path))
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027], ids=["umask022", "umask027"])
+def test_files_are_written_with_the_users_umask(tmp_path, umask):
+    """Before: models, checkpoints and maps 0600 (mkstemp's mode), layout files and figures
+    0644: every file mpidl writes now goes through one writer that gives ``0666 & ~umask``."""
+    from mpidl.layout import write_layout
+    from mpidl.outputs import atomic_file, atomic_h5
+
+    previous = os.umask(umask)
+    try:
+        ck.save_model(str(tmp_path / "model.h5"), build_model("hsicnn", (5, 5, 5), 3, channels=(4, 4), hidden=8))
+        write_simple(tmp_path, 1.0)
+        with atomic_h5(str(tmp_path / "map.h5")) as f:  # predict's map
+            f["map"] = np.zeros((3, 3), np.int16)
+        with atomic_file(str(tmp_path / "figure.png")) as tmp:  # every PNG (plot, predict, gan)
+            Path(tmp).write_bytes(b"\x89PNG")
+        x = np.zeros((4, 1, 3, 3), np.float32)
+        write_layout(tmp_path / "layout.h5", {"train": (x, np.arange(4) % 2), "test": (x, np.arange(4) % 2)},
+                     ["a", "b"])
+    finally:
+        os.umask(previous)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+    assert modes == dict.fromkeys(["model.h5", ck.CHECKPOINT_NAME, "map.h5", "figure.png", "layout.h5"],
+                                  0o666 & ~umask)
 
 
 def test_checkpoint_meta_is_json(tmp_path):

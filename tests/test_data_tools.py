@@ -475,3 +475,23 @@ def test_images_without_pillow_say_how_to_install(tmp_path, monkeypatch):
         images.convert_images(str(tmp_path), tmp_path / "o.h5")
     assert main(["images", "--folder", str(tmp_path), "--out", str(tmp_path / "o.h5")]) == 1
     assert not (tmp_path / "o.h5").exists()
+
+
+def test_info_refuses_what_training_refuses_with_the_same_words(tmp_path, capsys):
+    """Before: ``info`` printed a file with an empty test split (exit 0) that ``mpidl.train``
+    refuses (exit 2). Both now call mpidl.layout.check_trainable."""
+    from mpidl.layout import write_layout
+
+    x = np.zeros((8, 2, 3, 3), np.float32)
+    y = np.arange(8) % 2
+    path = tmp_path / "no_test.h5"
+    write_layout(path, {"train": (x, y), "test": (x[:0], y[:0])}, ["a", "b"])
+    problem = ("the test split is empty (0 samples): there is nothing to evaluate the model on (convert the "
+               "data with a test split)")
+    assert main(["info", str(path)]) == 1
+    assert capsys.readouterr().err == f"error: {path}: {problem}\n"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "mpidl.train", "--data", str(path), "--epochs", "1"], cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr == f"error: --data {path}: {problem}\n"

@@ -27,7 +27,6 @@ ROOT = Path(__file__).resolve().parents[1]
     (["--data", "/nonexistent/samson.h5"], "--data /nonexistent/samson.h5: no such file"),
     (["--emulate-link", "fast"], "--emulate-link"),
     (["--plot", "out.svg"], "--plot must name a .png file"),
-    (["--metrics", "/nonexistent/dir/m.jsonl"], "folder /nonexistent/dir does not exist"),
     (["--dtype", "float16"], "--dtype must be one of float32, float64"),
 ])
 def test_bad_options_are_refused_with_one_line(argv, match):
@@ -113,3 +112,103 @@ def test_a_bad_option_exits_2_with_one_line(tmp_path):
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["error: --strategy must be one of flat, hierarchical, node, got 'ring'"]
+
+
+# ---------------------------------------------------------------- nothing lost, under mpiexec
+MPIEXEC = os.environ.get("MPIEXEC") or str(Path(sys.executable).parent / "mpiexec")
+QUICK = ["--epochs", "10", "--hidden", "8", "--batch-size", "512", "--eval-per-class", "8"]
+
+
+def gan(args, np_=2, timeout=300):
+    if not Path(MPIEXEC).exists():
+        pytest.skip(f"no mpiexec at {MPIEXEC}")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+               NUMBA_NUM_THREADS="1")
+    return subprocess.run([MPIEXEC, "-n", str(np_), "-launcher", "fork", sys.executable, "-m", "mpidl.gan",
+                           *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_usage_errors_are_printed_once_not_per_rank():
+    """Before: argparse's usage and error from every rank (exit 2 per rank)."""
+    proc = gan(["--resume"])
+    assert proc.returncode == 2
+    assert proc.stderr == "error: unrecognized arguments: --resume (python -m mpidl.gan --help lists the options)\n"
+    proc = gan(["--help"])
+    assert proc.returncode == 0 and proc.stdout.count("usage: python -m mpidl.gan") == 1
+
+
+@pytest.mark.parametrize("option", ["--plot", "--metrics"])
+def test_outputs_are_checked_before_training(tmp_path, option):
+    """Before: --plot trained every epoch, then aborted naming the temporary ``g.png.tmpPID``;
+    --metrics on a read-only disk ended in MPI_Abort."""
+    from tmpfs import small_disk
+
+    name = "g.png" if option == "--plot" else "g.jsonl"
+    with small_disk(tmp_path / "ro", readonly=True) as disk:
+        proc = gan([*QUICK, option, disk / name])
+        assert proc.returncode == 2 and "epoch" not in proc.stdout, proc.stdout + proc.stderr
+        assert proc.stderr == (f"error: {option} {disk / name}: cannot write in {disk}: Read-only file system "
+                               "(EROFS) (on rank [0])\n")
+    proc = gan([*QUICK, option, tmp_path / "missing" / name])
+    assert proc.returncode == 2 and "epoch" not in proc.stdout
+    assert proc.stderr == (f"error: {option} {tmp_path / 'missing' / name}: folder {tmp_path / 'missing'} "
+                           "does not exist (on rank [0])\n")
+
+
+def test_metrics_on_a_full_disk_stop_every_rank_with_one_line(tmp_path):
+    """Before: ``OSError: [Errno 28]`` in a traceback and MPI_Abort."""
+    from tmpfs import small_disk
+
+    with small_disk(tmp_path / "disk", size="4k") as disk:
+        metrics = disk / "g.jsonl"
+        proc = gan([*QUICK, "--metrics", metrics])
+        assert proc.returncode == 1, proc.stderr
+        lines = proc.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith(
+            f"error: cannot write {metrics}: No space left on device (ENOSPC) (on rank [0]); training stopped "
+            "after epoch "), proc.stderr
+        assert lines[0].endswith(" (the file holds the records before it)")
+        assert "done:" not in proc.stdout
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]  # whole records only
+        epoch = int(lines[0].split("after epoch ")[1].split(" ")[0])
+        assert [r["event"] for r in records] == ["start"] + ["epoch"] * (epoch - 1)
+        assert os.listdir(disk) == ["g.jsonl"]
+
+
+def test_a_plot_that_does_not_fit_names_the_plot_and_keeps_the_numbers(tmp_path):
+    from tmpfs import fill, small_disk
+
+    pytest.importorskip("matplotlib")
+    metrics = tmp_path / "g.jsonl"
+    with small_disk(tmp_path / "disk", size="16k") as disk:
+        fill(disk, 4096)
+        plot = disk / "g.png"
+        proc = gan([*QUICK, "--metrics", metrics, "--plot", plot])
+        assert proc.returncode == 1, proc.stderr
+        assert proc.stderr == f"error: cannot write {plot}: No space left on device (ENOSPC)\n"
+        assert "done:" in proc.stdout
+        assert sorted(os.listdir(disk)) == ["filler"]
+    end = [json.loads(line) for line in metrics.read_text().splitlines()][-1]
+    assert end["event"] == "end" and end["plot"] is None
+    assert end["plot_note"] == f"not written: cannot write {plot}: No space left on device (ENOSPC)"
+
+
+def test_data_with_nan_is_refused_naming_the_file_and_the_sample(tmp_path):
+    """Before: NonFiniteGradient at step 0 through MPI_Abort, no word of the data. The check
+    is the trainer's (mpidl.layout.check_values), so are its words."""
+    import h5py
+
+    from mpidl.layout import write_layout
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((60, 4, 3, 3)).astype(np.float32)
+    y = np.arange(60) % 2
+    path = tmp_path / "nan.h5"
+    write_layout(path, {"train": (x, y), "test": (x[:10], y[:10])}, ["a", "b"])
+    with h5py.File(path, "r+") as f:
+        f["train/x"][37, 0, 1, 1] = np.nan
+    proc = gan([*QUICK, "--data", path])
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == (f"error: --data {path}: train/x holds non-finite values (NaN or Inf): 1 value(s) in "
+                           f"1 sample(s), the first at sample 37 (python -m mpidl.data_tools info {path} checks "
+                           "a file)\n")

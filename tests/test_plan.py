@@ -91,3 +91,49 @@ def test_read_benchmark_quick(tmp_path):
     assert proc.returncode == 0, proc.stderr
     text = out.read_text()
     assert "| variant | ranks P |" in text and "| scene | 4 |" in text
+
+
+def test_a_measurement_shows_its_spread_and_warns_when_the_machine_is_loaded():
+    from mpidl.plan import StepMeasurement
+
+    idle = StepMeasurement((0.0041, 0.0040, 0.0042, 0.0041, 0.0040), cpu_share=0.98, params=1000)
+    assert idle.median_s == 0.0041 and (idle.low_s, idle.high_s) == (0.0040, 0.0042)
+    assert idle.describe() == "median of 5 rounds 4.10 ms, range 4.00-4.20 ms (spread 5 %)"
+    assert idle.warning() is None
+    noisy = StepMeasurement((0.0040, 0.0043, 0.0116, 0.0141, 0.0120), cpu_share=0.97, params=1000)
+    assert "the rounds differ by 87 % of their median" in noisy.warning()
+    # uniformly slow rounds: a small spread, but the process waited for the CPU
+    starved = StepMeasurement((0.116, 0.118, 0.117, 0.116, 0.119), cpu_share=0.04, params=1000)
+    assert starved.warning().startswith("the machine looks loaded: this process had the CPU 4 % of the time")
+
+
+@pytest.mark.parametrize("rounds, flips", [((0.001, 0.001, 0.0011, 0.0012, 0.0013), False),
+                                           ((0.0005, 0.001, 0.2, 0.25, 0.3), True)])
+def test_measure_prints_median_range_and_the_recommendation_at_both_ends(monkeypatch, capsys, rounds, flips):
+    """Before: one number from one measurement, no spread, no warning."""
+    import mpidl.plan as plan
+
+    measured = plan.StepMeasurement(rounds, cpu_share=1.0, params=5_000_000)
+    monkeypatch.setattr(plan, "measure_rounds", lambda *args, **kwargs: measured)
+    assert main(["--measure", "--nodes", "1,64", "--sync-every", "10,50,200"]) == 0
+    out = capsys.readouterr().out
+    assert measured.describe() in out.splitlines()[0]
+    assert "warning: the machine looks loaded: the rounds differ by" in out
+    low, high = (plan.recommend(plan.Scenario(t, 5_000_000, 4, 64, plan.Link(1, 100), plan.Link(10, 25)),
+                                [10, 50, 200])[0].label for t in (min(rounds), max(rounds)))
+    assert (low != high) == flips
+    if flips:
+        assert (f"warning: the recommendation depends on the measured step: {low} at {1e3 * min(rounds):.2f} ms, "
+                f"{high} at {1e3 * max(rounds):.2f} ms") in out
+    else:
+        assert "the same recommendation holds across the measured range" in out
+
+
+def test_an_idle_measurement_gives_no_warning(monkeypatch, capsys):
+    import mpidl.plan as plan
+
+    measured = plan.StepMeasurement((0.0041, 0.0040, 0.0042), cpu_share=0.99, params=100_000)
+    monkeypatch.setattr(plan, "measure_rounds", lambda *args, **kwargs: measured)
+    assert main(["--nodes", "1,8"]) == 0
+    out = capsys.readouterr().out
+    assert "median of 3 rounds 4.10 ms, range 4.00-4.20 ms (spread 5 %)" in out and "warning" not in out

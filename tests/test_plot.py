@@ -238,3 +238,35 @@ def test_breakdown_file_names_stay_distinct(two_runs):
     other = load_run(two_runs[1], "a_b")  # the same once made safe for a file name
     assert _breakdown_names([one]) == ["time_breakdown.png"]
     assert _breakdown_names([one, other]) == ["time_breakdown_0_a_b.png", "time_breakdown_1_a_b.png"]
+
+
+# ------------------------------------------------------------------------------ unwritable output
+
+
+@needs_matplotlib
+def test_a_read_only_out_is_one_line_and_exit_2(two_runs, tmp_path):
+    """Before: a raw traceback from savefig (exit 1)."""
+    from tmpfs import small_disk
+
+    with small_disk(tmp_path / "ro", readonly=True) as disk:
+        result = run_cli(two_runs[0], "--out", disk)
+        assert result.returncode == 2, result.stderr
+        assert result.stderr == (f"python -m mpidl.plot: error: --out {disk}: cannot write in this folder: "
+                                 "Read-only file system (EROFS)\n")
+        result = run_cli(two_runs[0], "--out", disk / "figures")  # a folder it cannot create
+        assert result.returncode == 2, result.stderr
+        assert result.stderr == (f"python -m mpidl.plot: error: --out {disk / 'figures'}: cannot create the "
+                                 f"folder {disk / 'figures'}: Read-only file system (EROFS)\n")
+
+
+@needs_matplotlib
+def test_a_full_disk_names_the_figure_and_leaves_no_temporary(two_runs, tmp_path):
+    from tmpfs import fill, small_disk
+
+    with small_disk(tmp_path / "disk", size="64k") as disk:
+        fill(disk, 4096)
+        result = run_cli(two_runs[0], "--out", disk)
+        assert result.returncode == 1, result.stderr
+        assert result.stderr == (f"python -m mpidl.plot: error: cannot write {disk / 'curves.png'}: "
+                                 "No space left on device (ENOSPC)\n")
+        assert sorted(p.name for p in disk.iterdir()) == ["filler"]

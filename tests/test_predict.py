@@ -123,3 +123,97 @@ def test_errors_are_clear_and_leave_no_output(trained, tmp_path, what):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.startswith("error: ") and message in proc.stderr, proc.stderr
     assert sorted(os.listdir(tmp_path)) == before  # no map, no figure, no temporary file
+
+
+# ---------------------------------------------------------------- outputs: read-only, full disk
+def test_a_full_disk_is_one_error_naming_out_and_leaves_no_temporary(trained, tmp_path):
+    """Before: MPI_Abort and HDF5's raw text ("Unable to synchronously flush file ... buf =
+    0x..."), naming the temporary ``.map.h5.*.tmp``."""
+    from tmpfs import fill, small_disk
+
+    d, _, _ = trained
+    with small_disk(tmp_path / "disk", size="40k") as disk:
+        fill(disk, 4096)
+        out = disk / "map.h5"
+        proc = _predict(d, out, np_=2, extra=["--no-png", "--quiet"])
+        assert proc.returncode == 1, proc.stderr
+        assert proc.stderr == f"error: cannot write {out}: No space left on device (ENOSPC)\n"
+        assert sorted(os.listdir(disk)) == ["filler"]
+
+
+def test_a_figure_that_does_not_fit_names_the_figure_and_keeps_the_map(trained, tmp_path):
+    from tmpfs import fill, small_disk
+
+    d, _, _ = trained
+    with small_disk(tmp_path / "disk", size="64k") as disk:
+        fill(disk, 16384)  # room for the map (12 KiB), not for the figure
+        out = disk / "map.h5"
+        proc = _predict(d, out, extra=["--quiet"])
+        assert proc.returncode == 1, proc.stderr
+        assert proc.stderr == f"error: cannot write {disk / 'map.png'}: No space left on device (ENOSPC)\n"
+        assert sorted(os.listdir(disk)) == ["filler", "map.h5"]
+        with h5py.File(out) as f:
+            assert f["map"].shape == (30, 26)
+
+
+def test_a_read_only_out_is_refused_before_any_pixel_is_classified(trained, tmp_path, monkeypatch, capsys):
+    """Before: every pixel classified, then MPI_Abort with a traceback at the write."""
+    import mpidl.predict as predict
+    from tmpfs import small_disk
+
+    def classify_rows(*args, **kwargs):
+        raise AssertionError("classified before the output was checked")
+
+    monkeypatch.setattr(predict, "classify_rows", classify_rows)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # main() installs the MPI hook
+    d, _, _ = trained
+    with small_disk(tmp_path / "ro", readonly=True) as disk:
+        out = disk / "map.h5"
+        code = predict.main(["--model", str(d / "model.h5"), "--cube", str(d / "cube.npy"),
+                             "--data", str(d / "data.h5"), "--out", str(out)])
+        assert code == 2
+        assert capsys.readouterr().err == (f"error: --out {out}: cannot write in {disk}: "
+                                           "Read-only file system (EROFS)\n")
+        # under mpiexec: the same line, once, from the rank that writes
+        proc = _predict(d, out, np_=2)
+        assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+        assert proc.stderr == (f"error: --out {out}: cannot write in {disk}: Read-only file system (EROFS) "
+                               "(on rank [0])\n")
+
+
+def test_a_bad_option_is_one_line_from_one_rank(trained):
+    d, _, _ = trained
+    proc = _predict(d, "map.h5", np_=2, extra=["--bogus"])
+    assert proc.returncode == 2
+    assert proc.stderr == ("error: unrecognized arguments: --bogus (python -m mpidl.predict --help lists "
+                           "the options)\n")
+
+
+def test_a_checkpoint_given_as_the_model_says_what_it_is(trained, tmp_path):
+    d, _, _ = trained
+    ckpt = tmp_path / "ck"
+    proc = _run(["-m", "mpidl.train", "--data", str(d / "data.h5"), "--epochs", "1", "--speeds", "1",
+                 "--checkpoint", str(ckpt), "--quiet"])
+    assert proc.returncode == 0, proc.stderr
+    proc = _run(["-m", "mpidl.predict", "--model", str(ckpt / "checkpoint.h5"), "--cube", str(d / "cube.npy"),
+                 "--data", str(d / "data.h5"), "--out", str(tmp_path / "map.h5")])
+    assert proc.returncode == 2
+    assert proc.stderr == (f"error: --model {ckpt / 'checkpoint.h5'} is a checkpoint (mpidl.train --checkpoint "
+                           "DIR), not a saved model: a run resumes from it with --checkpoint DIR --resume; a "
+                           "model file is what mpidl.train --save PATH writes\n")
+
+
+def test_a_model_held_open_by_a_writer_says_so(trained, tmp_path):
+    from mpidl.outputs import LOCKED
+
+    d, _, _ = trained
+    hold = "import sys, time, h5py\nf = h5py.File(sys.argv[1], 'r+')\nprint('open', flush=True)\ntime.sleep(120)\n"
+    writer = subprocess.Popen([sys.executable, "-c", hold, str(d / "model.h5")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline() == "open\n"
+        proc = _predict(d, tmp_path / "map.h5", np_=2)
+    finally:
+        writer.kill()
+        writer.wait()
+    assert proc.returncode == 2
+    assert proc.stderr == f"error: --model {d / 'model.h5'}: cannot be read: {LOCKED}\n"
