@@ -172,6 +172,8 @@ def apply(ranks_per_machine: int | None = None) -> dict:
     if _state["applied"] == threads:
         return describe()
     set_wait_policy()
+    if _state["applied"] is None:
+        set_malloc_policy()
     import numba  # noqa: PLC0415 - imports NumPy; kept out of ``import mpidl``
     from threadpoolctl import threadpool_limits  # noqa: PLC0415
 
