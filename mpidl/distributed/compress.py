@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpidl.distributed.reducer_base import SLOTS
+from mpidl.distributed.message import SLOTS
 
 __all__ = ["COMPRESSIONS", "Compressor", "to_bf16", "from_bf16"]
 

@@ -48,24 +48,16 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from mpidl import kernels
-from mpidl.backend import get_array_module, to_host
+from mpidl.backend import to_host
 from mpidl.distributed import balance
 from mpidl.distributed import probe as speed_probe
-from mpidl.distributed.compress import COMPRESSIONS, Compressor
-from mpidl.distributed.emulation import LinkModel, Slowdown, parse_link
-from mpidl.distributed.reducer_base import COUNT, NONFINITE, SLOTS, STOP, WEIGHTINGS
-from mpidl.distributed.reducers import STRATEGIES, make_reducer
-from mpidl.distributed.overlap import OVERLAP_STRATEGIES, OverlappedExchange, plan_buckets
-from mpidl.distributed.shm import SharedNode, check_shared_supported
+from mpidl.distributed.emulation import LinkModel, compute_clock
+from mpidl.distributed.exchange import BUCKET_MB, INTRA, build_exchange
+from mpidl.distributed.message import SLOTS
 from mpidl.distributed.topology import Topology
 from mpidl.threads import apply as apply_thread_policy
 
 ON_NAN = ("stop", "skip")
-#: default bucket size of ``overlap`` (MiB)
-BUCKET_MB = 1.0
-#: how the ranks of one node combine (see the ``intra`` parameter)
-INTRA = ("mpi", "shm")
 #: default minimum predicted gain (a fraction of the step) for an uneven split or a re-split
 BALANCE_THRESHOLD = 0.05
 #: default samples every rank computes at least in a full global batch (``min_local_batch``):
@@ -196,10 +188,6 @@ class DataParallel:
         if getattr(optimizer, "params", None) is not params:
             raise ValueError("the optimizer must be built on the same parameters as the model "
                              "(e.g. SGD(model.params, ...))")
-        if strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
-        if weighting not in WEIGHTINGS:
-            raise ValueError(f"unknown weighting {weighting!r}; choose one of {', '.join(WEIGHTINGS)}")
         if on_nan not in ON_NAN:
             raise ValueError(f"on_nan must be one of {', '.join(ON_NAN)}, got {on_nan!r}")
         if isinstance(batch_size, bool) or not isinstance(batch_size, Integral) or batch_size < 1:
@@ -216,32 +204,10 @@ class DataParallel:
         if rebalance_every is not None and (isinstance(rebalance_every, bool) or not isinstance(
                 rebalance_every, Integral) or rebalance_every < 1):
             raise ValueError(f"rebalance_every must be an integer >= 1 or None, got {rebalance_every!r}")
-        if intra not in INTRA:
-            raise ValueError(f"intra must be one of {', '.join(INTRA)}, got {intra!r}")
-        if intra == "shm":
-            check_shared_supported(params, optimizer)
-        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, Real) or not 0 < bucket_mb < float("inf"):
-            raise ValueError(f"bucket_mb must be a number > 0, got {bucket_mb!r}")
-        if compress not in COMPRESSIONS:
-            raise ValueError(f"compress must be one of {', '.join(COMPRESSIONS)}, got {compress!r}")
-        if compress != "none" and (strategy == "flat" or overlap):
-            raise ValueError("compress acts on the blocking inter-node exchange of the hierarchical "
-                             "or node strategy (not flat, not with overlap)")
-        if sync_overlap and (strategy != "node" or intra != "mpi" or compress != "none"):
-            raise ValueError("sync_overlap applies to strategy='node' with intra='mpi' and no compress")
-        if overlap:
-            net = getattr(model, "net", None)
-            if strategy not in OVERLAP_STRATEGIES:
-                raise ValueError(f"overlap works with strategy {' or '.join(OVERLAP_STRATEGIES)}, not {strategy!r}")
-            if intra != "mpi":
-                raise ValueError("overlap works with intra='mpi' (the shared window is reduced in place)")
-            if net is None or not hasattr(net, "backward_hook"):
-                raise ValueError("overlap needs a Model whose net is a Sequential (its backward hook "
-                                 "starts the buckets)")
-            if not isinstance(params.data, np.ndarray):
-                raise ValueError("overlap needs the CPU backend (host buffers for non-blocking MPI)")
-        if isinstance(emulate_link, str):
-            emulate_link = parse_link(emulate_link)
+        exchange_options = dict(strategy=strategy, weighting=weighting, sync_every=sync_every,
+                                emulate_link=emulate_link, intra=intra, overlap=overlap,
+                                bucket_mb=bucket_mb, compress=compress, sync_overlap=sync_overlap)
+        build_exchange(model, params, optimizer, None, check_only=True, **exchange_options)
         self.model = model if params is not model else None
         self.params = params
         self.optimizer = optimizer
@@ -265,26 +231,18 @@ class DataParallel:
         factors = [emulate_slowdown] * topo.size if isinstance(emulate_slowdown, Real) else list(emulate_slowdown)
         if len(factors) != topo.size:
             raise ValueError(f"emulate_slowdown has {len(factors)} factors for {topo.size} ranks")
-        self.slowdown = Slowdown(factors[topo.rank], emulate_clock)
-        self.reducer = make_reducer(strategy, topo, weighting=weighting, sync_every=sync_every,
-                                    emulate_link=emulate_link, sync_overlap=sync_overlap)
-        if compress != "none":
-            self.reducer.compressor = Compressor(compress)
+        self._backend = getattr(params, "backend", None)
+        #: this rank's compute clock (EMULATED slow when its factor is not 1)
+        self.clock = compute_clock(factors[topo.rank], emulate_clock,
+                                   self._backend.synchronize if self._backend is not None else None)
         self.strategy = strategy
         self.weighting = weighting
-        self._backend = getattr(params, "backend", None)
         given = None if isinstance(speeds, str) else balance.check_speeds(speeds, topo.size)
-        self.intra = intra
         # ---- collective set-up
         self._broadcast_initial_state()
-        if compress != "none" and hasattr(self.reducer, "set_reference"):
-            self.reducer.set_reference(params.data, self._synced_state())
-        #: the node's shared window under intra='shm', else None
-        self.shared: SharedNode | None = None
-        if intra == "shm":
-            self.shared = SharedNode(params, optimizer, topo)
-            if hasattr(self.reducer, "shared"):
-                self.reducer.shared = self.shared
+        #: what every step calls: the strategy and its variants (mpidl.distributed.exchange)
+        self.exchange = build_exchange(model, params, optimizer, topo, **exchange_options)
+        self.exchange.set_reference(params.data, self._synced_state())
         if probe is not None:
             speed_probe.warm_up(self, probe)
         if speeds == "auto":
@@ -315,25 +273,9 @@ class DataParallel:
         self._previous_period: list = []
         #: the last re-fit proposed a re-split that was not taken (to be confirmed)
         self._resplit_proposed = False
-        #: the bucketed non-blocking exchange under overlap=True (None on one rank: nothing
-        #: to exchange), and its bucket plan
-        self.exchange: OverlappedExchange | None = None
-        self.buckets: list = []
-        if overlap and topo.size > 1:
-            layers = [sum(p.size for _, p in layer.named_parameters()) for layer in model.net.layers]
-            self.buckets = plan_buckets(layers, float(bucket_mb) * 2 ** 20, params.data.itemsize)
-            self.exchange = OverlappedExchange(self.reducer, params.message, self.buckets)
-            model.net.backward_hook = self._backward_hook
-            for module in model.net.modules():
-                if module is not model.net and hasattr(module, "backward_hook"):
-                    module.backward_hook = self.exchange.poll  # progress inside the blocks
+        self._closed = False
         self.reset_counters()
-        self._start_compute_clock()
-
-    def _start_compute_clock(self) -> None:
-        """Start timing this rank's compute: wall seconds, and CPU seconds for the emulation."""
-        self._mark = time.perf_counter()
-        self._cpu_mark = time.process_time()
+        self.clock.start()
 
     # ------------------------------------------------------------------ who is where
     @property
@@ -347,21 +289,18 @@ class DataParallel:
     @property
     def exact(self) -> bool:
         """True when every replica holds the same parameters after every step."""
-        return self.reducer.exact
+        return self.exchange.exact
+
+    @property
+    def reducer(self):
+        """The strategy inside the exchange (its counters, its node-sync state)."""
+        return self.exchange.reducer
 
     def describe(self) -> str:
-        """One line for the log: world, nodes, strategy and weighting."""
+        """One line for the log: world, nodes, strategy, weighting and variants."""
         topo = self.topology
-        extra = f", K'={self.reducer.sync_every}" if self.strategy == "node" else ""
-        if getattr(self.reducer, "sync_overlap", 0):
-            extra += f", sync applied {self.reducer.sync_overlap} step(s) after it starts"
-        hiding = [f"intra {self.intra}"]
-        if self.exchange is not None:
-            hiding.append(f"overlap in {len(self.buckets)} buckets")
-        if self.reducer.compressor is not None:
-            hiding.append(f"inter-node {self.reducer.compressor.kind}")
         return (f"{topo.size} rank(s) on {topo.num_nodes} node(s) {topo.node_sizes}; "
-                f"strategy {self.strategy} ({self.weighting} weighting{extra}); {', '.join(hiding)}")
+                f"{self.exchange.describe()}")
 
     # ------------------------------------------------------------------ the split (HDP)
     def split(self, n: int) -> list[int]:
@@ -380,7 +319,8 @@ class DataParallel:
         counts = self.split(len(batch))
         lo = sum(counts[: self.rank])
         self._local_count = counts[self.rank]
-        self._start_compute_clock()
+        self.exchange.begin(self._local_count, lambda: self._pending_stop)
+        self.clock.start()
         return batch[lo: lo + counts[self.rank]]
 
     def shard(self, n: int) -> tuple[int, int]:
@@ -407,40 +347,28 @@ class DataParallel:
         if count is None:
             raise ValueError("step(): give local_count, or take the slice with local_indices() first")
         self._local_count = None
-        if self._backend is not None:
-            self._backend.synchronize()  # the clock stops when the device has finished
-        seconds = time.perf_counter() - self._mark
-        # EMULATION: sleeps (f - 1) * seconds, or f * cpu - seconds on the CPU clock
-        seconds += self.slowdown.stretch(seconds, time.process_time() - self._cpu_mark)
+        seconds = self.clock.stop()
         self._step_compute.append(seconds)
         self._recent.append((int(count), seconds))
 
         t0 = time.perf_counter()
-        if self.shared is not None:
-            finite, stop = self._reduce_shared(count)
-        elif self.exchange is not None:
-            finite, stop = self._reduce_overlapped(count)
-        else:
-            finite, stop = self._reduce_replicated(count)
+        finite, stop = self.exchange.reduce(self.params.message, count, self._pending_stop)
         if stop > 0:
-            if self.reducer.step_is_global:
+            if self.exchange.step_is_global:
                 self.should_stop = True
             else:
                 self._pending_stop = True  # the node agrees now; the world at the next sync
         self.last_step_skipped = not finite
-        if self.shared is not None:
-            self.shared.update(apply=finite)
-        elif finite:
-            self.optimizer.step()
+        self.exchange.update(self.optimizer, finite)
         if not finite and self.on_nan == "stop":
-            if self.reducer.step_is_global:
+            if self.exchange.step_is_global:
                 self._wait_seconds += time.perf_counter() - t0
                 raise NonFiniteGradient(
                     f"non-finite (NaN/Inf) reduced gradient at step {self.steps}; stopping "
                     "(on_nan='stop'; 'skip' skips such steps instead)")
             self._pending_nonfinite = True
         self.steps += 1
-        result = self.reducer.after_step(self.params.data, self._synced_state(), self._flags(), self.steps)
+        result = self.exchange.after_step(self.params.data, self._synced_state(), self._flags(), self.steps)
         if result is not None:
             self._agree(result)
         if self.check_replicas and (self.exact or result is not None):
@@ -449,61 +377,8 @@ class DataParallel:
         if self.rebalance_every is not None and self.steps % self.rebalance_every == 0:
             self.rebalance()
         self._wait_seconds += time.perf_counter() - t0
-        self._start_compute_clock()
+        self.clock.start()
         return result is not None
-
-    def _reduce_replicated(self, count) -> tuple[bool, float]:
-        """intra='mpi': the reducer on this rank's message; returns (finite, stop sum)."""
-        message = self.params.message
-        message[STOP] = 1.0 if self._pending_stop else 0.0
-        message[NONFINITE] = 0.0
-        self.reducer.reduce_gradients(message, count)
-        xp = get_array_module(message)
-        if xp is np:
-            return kernels.all_finite(self.params.grad), float(message[STOP])
-        # On a device: one float64 sum instead of an elementwise test (NaN or Inf anywhere
-        # makes it non-finite, no parameter-sized temporary) and one device read for both.
-        checks = to_host(xp.stack([self.params.grad.sum(dtype=np.float64),
-                                   message[STOP].astype(np.float64)]))
-        return bool(np.isfinite(checks[0])), float(checks[1])
-
-    def _backward_hook(self, layer: int) -> None:
-        """Installed as ``model.net.backward_hook``: start the buckets whose layers are done."""
-        exchange = self.exchange
-        if not exchange.active:
-            if self._local_count is None:
-                return  # a backward outside a step (local_indices not called): nothing starts
-            exchange.begin(self._local_count, 1.0 if self._pending_stop else 0.0)
-        exchange.ready(layer)
-
-    def _reduce_overlapped(self, count) -> tuple[bool, float]:
-        """overlap=True: wait for the buckets the hooks started (start the others first)."""
-        exchange = self.exchange
-        if not exchange.active:
-            exchange.begin(count, 1.0 if self._pending_stop else 0.0)
-        elif exchange.count != count:
-            exchange.finish()  # complete the collectives every rank has started
-            raise ValueError(f"step({count}): the backward hook already sent this rank's gradient "
-                             f"weighted by {exchange.count} samples (the size of local_indices())")
-        total = exchange.finish()
-        if total == 0:
-            raise ValueError("no rank computed a sample this step (every count was 0)")
-        message = self.params.message
-        return kernels.all_finite(self.params.grad), float(message[STOP])
-
-    def _reduce_shared(self, count) -> tuple[bool, float]:
-        """intra='shm': the weighted sum in the node's window (over the world for the exact
-        strategies on several nodes); returns (finite, stop sum)."""
-        reducer = self.reducer
-        weight = reducer._weight_count(count)
-        inter = reducer.step_is_global and self.topology.num_nodes > 1
-        total, stop, nonfinite = self.shared.reduce(weight, 1.0 if self._pending_stop else 0.0,
-                                                    reducer, inter=inter)
-        if reducer.step_is_global and total == 0:
-            raise ValueError("no rank computed a sample this step (every count was 0)")
-        if hasattr(reducer, "samples_since_sync") and reducer.weighting == "balanced":
-            reducer.samples_since_sync += int(round(total))
-        return nonfinite == 0, stop
 
     def close(self) -> None:
         """Free what this object holds beyond the model (collective over the node under
@@ -511,21 +386,11 @@ class DataParallel:
         and the window is freed; an overlapped node sync in flight is applied; duplicated
         communicators are freed). The model and optimizer stay usable, this object does not;
         a second call does nothing."""
-        if self.shared is not None:
-            self.shared.close()
-            self.shared = None
-            if hasattr(self.reducer, "shared"):
-                self.reducer.shared = None
-        if hasattr(self.reducer, "finish_pending"):
-            self.reducer.finish_pending(self.params.data, self._synced_state())
-        self.reducer.close()
-        if self.exchange is not None:
-            if getattr(self.model, "net", None) is not None:
-                for module in self.model.net.modules():
-                    if hasattr(module, "backward_hook"):
-                        module.backward_hook = None
-            self.exchange.close()
-            self.exchange = None
+        if self._closed:
+            return
+        self._closed = True
+        self.exchange.finish_pending(self.params.data, self._synced_state())
+        self.exchange.close()
 
     def __enter__(self) -> "DataParallel":
         return self
@@ -539,18 +404,18 @@ class DataParallel:
         since the last one, and the batch-norm buffers averaged over the world. Also a
         control point: pending stop requests and non-finite gradients are agreed here."""
         t0 = time.perf_counter()
-        self._agree(self.reducer.synchronize(self.params.data, self._synced_state(), self._flags()))
+        self._agree(self.exchange.synchronize(self.params.data, self._synced_state(), self._flags()))
         self._average_buffers()
         if self.check_replicas:
             self._compare_replicas()
         self._wait_seconds += time.perf_counter() - t0
-        self._start_compute_clock()
+        self.clock.start()
 
     def consensus(self) -> np.ndarray:
         """A host copy of the parameters every replica agrees on (collective): the replicas'
         own for exact strategies; the node-weighted average for ``node`` between syncs. The
         replicas are left as they are."""
-        return np.array(to_host(self.reducer.consensus(self.params.data)), copy=True)
+        return np.array(to_host(self.exchange.consensus(self.params.data)), copy=True)
 
     # ------------------------------------------------------------------ decisions, small collectives
     def any(self, flag: bool) -> bool:
@@ -565,12 +430,12 @@ class DataParallel:
     def sum(self, array: np.ndarray) -> np.ndarray:
         """World SUM of a host array, in place on every rank (e.g. confusion matrices)."""
         array = np.ascontiguousarray(array)
-        self.reducer._allreduce("control", self.topology.world, array)
+        self.exchange.allreduce("control", self.topology.world, array)
         return array
 
     def all_gather_object(self, value) -> list:
         """Every rank's ``value`` (any picklable object), in rank order, on every rank."""
-        self.reducer.counters["control"]["calls"] += 1
+        self.exchange.counters["control"]["calls"] += 1
         return self.topology.world.allgather(value)
 
     # ------------------------------------------------------------------ balance
@@ -637,14 +502,14 @@ class DataParallel:
     # ------------------------------------------------------------------ counters and timers
     def reset_counters(self) -> None:
         """Start a new period for :attr:`counters` and :meth:`timings` (e.g. every epoch)."""
-        self.reducer.reset_counters()
+        self.exchange.reset_counters()
         self._step_compute: list[float] = []
         self._wait_seconds = 0.0
 
     @property
     def counters(self) -> dict:
         """``{level: {"calls", "bytes"}}`` of this rank since :meth:`reset_counters`."""
-        return self.reducer.counters
+        return self.exchange.counters
 
     def timings(self) -> dict:
         """Per-rank seconds since :meth:`reset_counters` (collective; lists indexed by rank).
@@ -684,12 +549,11 @@ class DataParallel:
         ``buffers`` (the world average) and ``rank_buffers`` (each rank's own).
         """
         topo = self.topology
-        if hasattr(self.reducer, "finish_pending"):
-            # An overlapped sync in flight is applied first: a checkpoint cannot hold it.
-            sums = self.reducer.finish_pending(self.params.data, self._synced_state())
-            if sums is not None:
-                self._agree(sums)
-        since_sync = getattr(self.reducer, "steps_since_sync", 0)
+        # An overlapped sync in flight is applied first: a checkpoint cannot hold it.
+        sums = self.exchange.finish_pending(self.params.data, self._synced_state())
+        if sums is not None:
+            self._agree(sums)
+        since_sync = self.exchange.steps_since_sync
         params_differ = not self.exact and since_sync > 0
         state_differs = not self.exact and (params_differ or not self.sync_optimizer_state)
         params = self.consensus()
@@ -698,7 +562,7 @@ class DataParallel:
         if params_differ or state_differs:
             own = {"params": np.array(to_host(self.params.data), copy=True) if params_differ else None,
                    "state": state if state_differs else None,
-                   "samples": int(self.reducer.pending_samples())}
+                   "samples": int(self.exchange.pending_samples())}
             nodes = self._gather_from_leaders(own)
         buffers_own = self._buffers_host()
         rank_buffers = self.all_gather_object(buffers_own) if buffers_own else None
@@ -737,23 +601,15 @@ class DataParallel:
             where = "" if len(failing) == self.size else f" (on ranks {failing})"
             raise ValueError(first + where)
         params, opt_state, samples, buffers = parts
-        if self.shared is not None:
-            # The ranks of a node write the same values into its one copy; none may still
-            # be reading it, and none reads it before all have written.
-            self.shared.barrier()
-        self.optimizer.load_state_dict_host({"state": opt_state, "step_count": state["optimizer"]["step_count"]})
-        self.params.data[...] = self._backend.asarray(params) if self._backend else params
-        if buffers and self.model is not None:
-            self.model.load_buffers_host(buffers)
+        with self.exchange.writing_parameters():
+            self.optimizer.load_state_dict_host({"state": opt_state, "step_count": state["optimizer"]["step_count"]})
+            self.params.data[...] = self._backend.asarray(params) if self._backend else params
+            if buffers and self.model is not None:
+                self.model.load_buffers_host(buffers)
         self.steps = int(state["steps"])
-        if hasattr(self.reducer, "steps_since_sync"):
-            self.reducer.steps_since_sync = int(state["steps_since_sync"])
-        self.reducer.set_pending_samples(samples)
-        if self.reducer.compressor is not None and hasattr(self.reducer, "set_reference"):
-            common = self._backend.asarray(np.asarray(state["params"])) if self._backend else np.asarray(state["params"])
-            self.reducer.set_reference(common)  # the consensus: the same on every node
-        if self.shared is not None:
-            self.shared.barrier()
+        self.exchange.restore(int(state.get("steps_since_sync", 0)), samples)
+        common = np.asarray(state["params"])  # the consensus: the same on every node
+        self.exchange.set_reference(self._backend.asarray(common) if self._backend else common)
         if state["world_size"] == self.size:
             self.costs = [balance.RankCost(a, c) for a, c in state["costs"]]
             self.batch_sizes = list(state["batch_sizes"])
@@ -779,7 +635,7 @@ class DataParallel:
 
     def _decide(self, flag: bool, op: str) -> bool:
         buf = np.array([float(bool(flag)), float(self._pending_stop), float(self._pending_nonfinite)])
-        self.reducer._allreduce("control", self.topology.world, buf)
+        self.exchange.allreduce("control", self.topology.world, buf)
         self._agree((buf[1], buf[2]))
         return bool(buf[0] > 0) if op == "any" else bool(buf[0] == self.size)
 
@@ -796,7 +652,7 @@ class DataParallel:
             self.model.load_buffers_host(world.bcast(buffers, root=0))
 
     def _buffers_host(self) -> dict:
-        if self.model is None or not hasattr(self.model, "buffers_host"):
+        if self.model is None:
             return {}
         return self.model.buffers_host()
 
@@ -808,7 +664,7 @@ class DataParallel:
             return
         names = sorted(buffers)
         flat = np.concatenate([np.asarray(buffers[n], np.float64).ravel() for n in names])
-        self.reducer._allreduce("world", self.topology.world, flat)
+        self.exchange.allreduce("world", self.topology.world, flat)
         flat /= self.size
         averaged, offset = {}, 0
         for n in names:
@@ -830,7 +686,7 @@ class DataParallel:
         gathered = None
         if topo.is_leader:
             gathered = topo.leaders.gather(own, root=0) if topo.num_nodes > 1 else [own]
-            self.reducer.counters["control"]["calls"] += 1
+            self.exchange.counters["control"]["calls"] += 1
         return gathered if self.rank == 0 else None
 
     def _state_for_this_rank(self, state: dict):

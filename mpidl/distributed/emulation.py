@@ -115,6 +115,47 @@ class Slowdown:
         return slept
 
 
+class ComputeClock:
+    """Times this rank's compute: :meth:`start`, then :meth:`stop` returns the seconds since
+    (after ``synchronize()``, which waits for a device to finish)."""
+
+    def __init__(self, synchronize: Callable[[], None] | None = None):
+        self.synchronize = synchronize
+        self.start()
+
+    def start(self) -> None:
+        self._mark = time.perf_counter()
+
+    def stop(self) -> float:
+        if self.synchronize is not None:
+            self.synchronize()
+        return time.perf_counter() - self._mark
+
+
+class SlowedClock(ComputeClock):
+    """EMULATION: a :class:`ComputeClock` whose :meth:`stop` first sleeps the
+    :class:`Slowdown`'s stretch of the interval, and counts it."""
+
+    def __init__(self, slowdown: Slowdown, synchronize: Callable[[], None] | None = None):
+        self.slowdown = slowdown
+        super().__init__(synchronize)
+
+    def start(self) -> None:
+        super().start()
+        self._cpu_mark = time.process_time()
+
+    def stop(self) -> float:
+        seconds = super().stop()
+        return seconds + self.slowdown.stretch(seconds, time.process_time() - self._cpu_mark)
+
+
+def compute_clock(factor: float = 1.0, basis: str = "wall",
+                  synchronize: Callable[[], None] | None = None) -> ComputeClock:
+    """The plain clock, or the EMULATED slow one when ``factor != 1`` (both checked)."""
+    slowdown = Slowdown(factor, basis)
+    return ComputeClock(synchronize) if slowdown.factor == 1.0 else SlowedClock(slowdown, synchronize)
+
+
 def parse_slowdowns(text: str, world_size: int) -> list[float]:
     """Parse ``"1,1,2,4"`` (one slowdown factor per rank, each >= 1) for ``--emulate-slowdown``."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:

@@ -72,12 +72,9 @@ def measure_costs(dp, probe) -> tuple[list[balance.RankCost], float]:
     for round_ in range(PROBE_ROUNDS + 1):
         for b in sizes[round_ % len(sizes):] + sizes[:round_ % len(sizes)]:  # rotate the order
             sleeping_barrier(dp.topology.world, 0.0005)
-            t0, cpu0 = time.perf_counter(), time.process_time()
+            dp.clock.start()
             probe(b)
-            if dp._backend is not None:
-                dp._backend.synchronize()
-            seconds = time.perf_counter() - t0
-            seconds += dp.slowdown.stretch(seconds, time.process_time() - cpu0)
+            seconds = dp.clock.stop()
             if round_ > 0:
                 measured_sizes.append(b)
                 measured_times.append(max(seconds, 1e-9))

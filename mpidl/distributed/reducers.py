@@ -35,7 +35,7 @@ __all__ = ["make_reducer", "Reducer", "FlatReducer", "HierarchicalReducer", "Nod
 
 def make_reducer(strategy: str, topology: Topology, weighting: str = "balanced",
                  sync_every: int = 50, emulate_link: LinkModel | str | None = None,
-                 sync_overlap: int = 0) -> Reducer:
+                 sync_overlap: int = 0, compress: str = "none") -> Reducer:
     """Create the gradient reducer for ``strategy``.
 
     ==================  ======  ===========================================================
@@ -70,6 +70,9 @@ def make_reducer(strategy: str, topology: Topology, weighting: str = "balanced",
     sync_overlap : int
         ``node``: apply each parameter sync this many steps after starting it
         non-blockingly (0: blocking); see :meth:`NodeReducer._start_async`.
+    compress : 'none' | 'bf16' | 'fp16'
+        ``hierarchical`` / ``node``: the leaders' exchange in 16 bits
+        (:mod:`~mpidl.distributed.compress`).
 
     Raises ValueError for an unknown strategy or weighting, or ``sync_every < 1``.
     """
@@ -79,7 +82,7 @@ def make_reducer(strategy: str, topology: Topology, weighting: str = "balanced",
     check_sync_every(sync_every)  # validated for every strategy: a bad value is a bad config
     if strategy == NodeReducer.name:
         return NodeReducer(topology, weighting, sync_every=sync_every, emulate_link=emulate_link,
-                           sync_overlap=sync_overlap)
+                           sync_overlap=sync_overlap, compress=compress)
     if sync_overlap:
         raise ValueError("sync_overlap applies to the node strategy")
-    return STRATEGIES[strategy](topology, weighting, emulate_link=emulate_link)
+    return STRATEGIES[strategy](topology, weighting, emulate_link=emulate_link, compress=compress)

@@ -74,6 +74,7 @@ Adams): a rank updates its slice of the parameters and of the state alone. CPU b
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -81,9 +82,9 @@ import numpy as np
 from mpi4py import MPI
 
 from mpidl import kernels
-from mpidl.distributed.reducer_base import COUNT, NONFINITE, SLOTS, STOP
+from mpidl.distributed.reducer_base import COUNT, NONFINITE, SLOTS, STOP, Variant
 
-__all__ = ["SharedNode", "check_shared_supported"]
+__all__ = ["SharedNode", "SharedExchange", "check_shared_supported"]
 
 
 def check_shared_supported(params, optimizer) -> None:
@@ -195,7 +196,7 @@ class SharedNode:
 
         The rank's gradient must be in its slot (``params.message``), unscaled. ``inter``:
         the leaders also sum the node sums among themselves through ``reducer``'s counted
-        ``_allreduce('inter', ...)`` (and its emulated link)."""
+        ``allreduce('inter', ...)`` (and its emulated link)."""
         own = self.slots[self.local_rank]
         alone = self.ranks == 1 and not inter  # one rank scales nothing: the same bits
         if weight != 1 and not alone:
@@ -222,7 +223,7 @@ class SharedNode:
         head = self.slots[0]
         if self.topology.is_leader:
             head[NONFINITE] += self.flags.sum()
-            reducer._inter_sum(head)
+            reducer.inter_sum(head)
         self.barrier()  # 3: the world sum is in every node's window
         nonfinite = float(head[NONFINITE])
         total = float(head[COUNT])
@@ -265,3 +266,47 @@ class SharedNode:
         self.state = []
         self.win.Unlock_all()
         self.win.Free()
+
+
+class SharedExchange(Variant):
+    """``intra='shm'``: the strategy's step through the node's :class:`SharedNode` (the
+    weighted sum in the window, over the world for the exact strategies on several nodes;
+    the optimizer on this rank's slice). Collective construction over the node."""
+
+    check = staticmethod(check_shared_supported)
+
+    def __init__(self, reducer, params, optimizer):
+        super().__init__(reducer)
+        self.shared = SharedNode(params, optimizer, reducer.topology)
+        reducer.attach_shared(self.shared)
+
+    def describe(self) -> str:
+        return self.reducer.describe() + "; intra shm"
+
+    def reduce(self, message, count, stop) -> tuple[bool, float]:
+        reducer = self.reducer
+        inter = reducer.step_is_global and reducer.topology.num_nodes > 1
+        total, stop_sum, nonfinite = self.shared.reduce(reducer.weight(count), 1.0 if stop else 0.0,
+                                                        reducer, inter=inter)
+        if reducer.step_is_global and total == 0:
+            raise ValueError("no rank computed a sample this step (every count was 0)")
+        reducer.add_samples(total)
+        return nonfinite == 0, stop_sum
+
+    def update(self, optimizer, finite: bool) -> None:
+        self.shared.update(apply=finite)
+
+    @contextlib.contextmanager
+    def writing_parameters(self):
+        # The ranks of a node write the same values into its one copy; none may still be
+        # reading it, and none reads it before all have written.
+        self.shared.barrier()
+        yield
+        self.shared.barrier()
+
+    def close(self) -> None:
+        """Copy the parameters and state back to private memory and free the window."""
+        self.shared.close()
+        self.shared = None
+        self.reducer.attach_shared(None)
+        self.reducer.close()
