@@ -15,11 +15,10 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 
 from mpidl.backend import DEVICES, DTYPES
-from mpidl.distributed import ON_NAN, STRATEGIES, WEIGHTINGS
-from mpidl.distributed.compress import COMPRESSIONS
-from mpidl.distributed.data_parallel import BUCKET_MB, INTRA
-from mpidl.distributed.overlap import OVERLAP_STRATEGIES
+from mpidl.distributed import ON_NAN
 from mpidl.distributed.balance import parse_speeds
+from mpidl.distributed.compress import COMPRESSIONS
+from mpidl.distributed.exchange import BUCKET_MB, OptionError, check_options
 from mpidl.distributed.emulation import EMULATION_CLOCKS, parse_link, parse_slowdowns
 from mpidl.log import LEVELS
 from mpidl.models import MODELS
@@ -30,7 +29,6 @@ from mpidl.optim import OPTIMIZERS, SCHEDULES
 # strategy is one entry in its own module and nothing here.
 BALANCES = ("speed", "none")
 LOG_LEVELS = tuple(LEVELS)
-FAULT_KINDS = ("raise", "nan", "term")
 
 
 class ConfigError(ValueError):
@@ -97,13 +95,11 @@ class Config:
     progress_every_s: float = 5.0
     # failures
     on_nan: str = "stop"
-    inject_fault: str | None = None
 
     # parsed forms of the string options, filled by validate()
     speed_list: list[float] | None = field(default=None, repr=False)
     slowdown_list: list[float] | None = field(default=None, repr=False)
     link: tuple[float, float] | None = field(default=None, repr=False)
-    fault: tuple[int, int, str] | None = field(default=None, repr=False)
     model_kwargs: dict = field(default_factory=dict, repr=False)
 
     def validate(self, world_size: int = 1) -> "Config":
@@ -122,9 +118,6 @@ class Config:
             self.model_kwargs = kwargs
         _choice("--optimizer", self.optimizer, OPTIMIZERS)
         _choice("--schedule", self.schedule, SCHEDULES)
-        _choice("--strategy", self.strategy, STRATEGIES)
-        _choice("--weighting", self.weighting, WEIGHTINGS)
-        _choice("--intra", self.intra, INTRA)
         if self.cache and self.data is None:
             raise ConfigError("--cache keeps samples of a --data file in memory; the built-in scene "
                               "is in memory already: give --data, or leave --cache out")
@@ -132,30 +125,14 @@ class Config:
         if self.emulate_clock != "wall" and self.emulate_slowdown is None:
             raise ConfigError(f"--emulate-clock {self.emulate_clock} says what --emulate-slowdown "
                               "multiplies: give --emulate-slowdown too")
-        _choice("--compress", self.compress, COMPRESSIONS)
-        if not (isinstance(self.bucket_mb, (int, float)) and math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
-            raise ConfigError(f"--bucket-mb must be a positive number of MiB, got {self.bucket_mb}")
-        if self.overlap and self.strategy not in OVERLAP_STRATEGIES:
-            raise ConfigError(f"--overlap works with --strategy {' or '.join(OVERLAP_STRATEGIES)}, "
-                              f"not {self.strategy}")
-        if self.overlap and self.intra != "mpi":
-            raise ConfigError("--overlap works with --intra mpi")
-        if self.overlap and self.device != "cpu":
-            raise ConfigError("--overlap needs --device cpu")
-        if self.intra == "shm" and self.device != "cpu":
-            raise ConfigError("--intra shm needs --device cpu (the window is host memory)")
-        if self.compress != "none" and self.strategy == "flat":
-            raise ConfigError("--compress acts on the inter-node level: use --strategy hierarchical or node")
-        if self.compress != "none" and self.overlap:
-            raise ConfigError("--compress works with the blocking exchange (no --overlap)")
-        if isinstance(self.sync_overlap, bool) or not isinstance(self.sync_overlap, int) or self.sync_overlap < 0:
-            raise ConfigError(f"--sync-overlap must be an integer >= 0 (steps), got {self.sync_overlap!r}")
-        if self.sync_overlap and self.strategy != "node":
-            raise ConfigError("--sync-overlap applies to --strategy node")
-        if self.sync_overlap and self.sync_overlap >= self.sync_every:
-            raise ConfigError(f"--sync-overlap {self.sync_overlap} must be smaller than --sync-every {self.sync_every}")
-        if self.sync_overlap and self.intra != "mpi":
-            raise ConfigError("--sync-overlap works with --intra mpi")
+        _positive_int("--sync-every", self.sync_every)
+        try:  # the exchange's own rules (mpidl/distributed/exchange.py), named by their option
+            check_options(strategy=self.strategy, weighting=self.weighting, sync_every=self.sync_every,
+                          intra=self.intra, overlap=self.overlap, bucket_mb=self.bucket_mb,
+                          compress=self.compress, sync_overlap=self.sync_overlap,
+                          host_memory=self.device == "cpu")
+        except OptionError as exc:
+            raise ConfigError(f"--{exc.option.replace('_', '-')}: {exc}") from None
         _choice("--balance", self.balance, BALANCES)
         if self.rebalance and self.balance == "none":
             raise ConfigError("--balance none keeps the equal split, and --rebalance would re-split it "
@@ -166,7 +143,6 @@ class Config:
         _choice("--device", self.device, DEVICES)
         _positive_int("--epochs", self.epochs)
         _positive_int("--batch-size", self.batch_size)
-        _positive_int("--sync-every", self.sync_every)
         _positive_int("--checkpoint-every", self.checkpoint_every)
         _positive_int("--rebalance-every", self.rebalance_every)
         if not (isinstance(self.balance_threshold, (int, float)) and 0 <= self.balance_threshold < 1):
@@ -208,21 +184,6 @@ class Config:
         if self.emulate_link is not None:
             link = _parsed("--emulate-link", "link", parse_link, self.emulate_link)
             self.link = (link.latency_us, link.gbit_s)
-        if self.inject_fault is not None:
-            parts = self.inject_fault.split(":")
-            try:
-                if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in FAULT_KINDS):
-                    raise ValueError
-                self.fault = (int(parts[0]), int(parts[1]), parts[2] if len(parts) == 3 else "raise")
-            except ValueError:
-                raise ConfigError(
-                    f"--inject-fault is RANK:STEP[:{'|'.join(FAULT_KINDS)}] (e.g. 1:5), got {self.inject_fault!r}"
-                ) from None
-            if not 0 <= self.fault[0] < world_size or self.fault[1] < 0:
-                raise ConfigError(
-                    f"--inject-fault {self.inject_fault}: rank must be in [0, {world_size}) "
-                    "and step >= 0"
-                )
         if self.resume and not self.checkpoint:
             raise ConfigError("--resume needs --checkpoint DIR (the folder to resume from)")
         if self.data is not None and os.path.isdir(self.data):
@@ -233,7 +194,7 @@ class Config:
 
     def to_dict(self) -> dict:
         """The user-facing options (JSON-serializable), for metrics, checkpoints and saved models."""
-        hidden = {"speed_list", "slowdown_list", "link", "fault", "model_kwargs"}
+        hidden = {"speed_list", "slowdown_list", "link", "model_kwargs"}
         return {k: v for k, v in asdict(self).items() if k not in hidden}
 
 
@@ -407,10 +368,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("failures")
     g.add_argument("--on-nan", default=d.on_nan, help="NaN/Inf in the reduced gradient: stop or skip the step")
-    g.add_argument("--inject-fault", default=None, metavar="RANK:STEP[:KIND]",
-                   help="TESTING AID: at global step STEP, rank RANK raises an exception (KIND raise, "
-                        "if KIND is left out), puts NaN into its local gradient (KIND nan), or sends itself "
-                        "SIGTERM (KIND term) (default: no fault)")
     return p
 
 

@@ -141,13 +141,18 @@ def test_error_feedback_keeps_the_sum_of_exchanges(kind):
 
 @pytest.mark.parametrize("argv, message", [
     (["--intra", "tcp"], "--intra"),
-    (["--overlap", "--strategy", "node"], "--overlap works with"),
-    (["--overlap", "--intra", "shm"], "--intra mpi"),
+    (["--overlap", "--strategy", "node"], "--overlap: overlap works with strategy"),
+    (["--overlap", "--intra", "shm"], "--overlap: overlap works with intra='mpi'"),
+    (["--overlap", "--device", "gpu"], "--overlap: overlap needs the CPU backend"),
+    (["--intra", "shm", "--device", "gpu"], "--intra: intra='shm' shares host memory"),
     (["--bucket-mb", "0"], "--bucket-mb"),
     (["--compress", "int8"], "--compress"),
-    (["--compress", "bf16"], "inter-node level"),
-    (["--sync-overlap", "--strategy", "flat"], "--strategy node"),
-    (["--sync-overlap", "60", "--strategy", "node"], "smaller than --sync-every"),
+    (["--compress", "bf16"], "--compress: compress acts on the blocking inter-node exchange"),
+    (["--compress", "bf16", "--strategy", "hierarchical", "--overlap"], "not with overlap"),
+    (["--sync-overlap", "--strategy", "flat"], "--sync-overlap: sync_overlap applies to strategy='node'"),
+    (["--sync-overlap", "60", "--strategy", "node"], r"--sync-overlap: .*in \[0, sync_every=50\)"),
+    (["--sync-overlap", "--strategy", "node", "--intra", "shm"], "--sync-overlap: sync_overlap works with intra='mpi'"),
+    (["--sync-overlap", "--strategy", "node", "--compress", "bf16"], "uncompressed"),
 ])
 def test_hiding_options_are_validated(argv, message):
     with pytest.raises(ConfigError, match=message):
@@ -155,7 +160,9 @@ def test_hiding_options_are_validated(argv, message):
 
 
 def test_hiding_options_parse():
-    cfg = parse_config(["--strategy", "node", "--sync-overlap", "--compress", "bf16"], world_size=2)
-    assert cfg.sync_overlap == 1 and cfg.compress == "bf16"
+    cfg = parse_config(["--strategy", "node", "--sync-overlap"], world_size=2)
+    assert cfg.sync_overlap == 1
+    cfg = parse_config(["--strategy", "node", "--compress", "bf16"], world_size=2)
+    assert cfg.compress == "bf16"
     cfg = parse_config(["--intra", "shm", "--strategy", "hierarchical", "--compress", "fp16"], world_size=2)
     assert cfg.intra == "shm" and cfg.sync_overlap == 0

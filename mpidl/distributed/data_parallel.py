@@ -53,6 +53,7 @@ from mpidl.distributed import balance
 from mpidl.distributed import probe as speed_probe
 from mpidl.distributed.emulation import LinkModel, compute_clock
 from mpidl.distributed.exchange import BUCKET_MB, INTRA, build_exchange
+from mpidl.distributed.launch import first_error
 from mpidl.distributed.message import SLOTS
 from mpidl.distributed.topology import Topology
 from mpidl.threads import apply as apply_thread_policy
@@ -433,6 +434,11 @@ class DataParallel:
         self.exchange.allreduce("control", self.topology.world, array)
         return array
 
+    def agree_on_error(self, error: str | None) -> str | None:
+        """Every rank's ``error`` (or None) -> the first one, naming the ranks that had it,
+        the same on every rank (:func:`~mpidl.distributed.launch.first_error`; collective)."""
+        return first_error(self.all_gather_object(error))
+
     def all_gather_object(self, value) -> list:
         """Every rank's ``value`` (any picklable object), in rank order, on every rank."""
         self.exchange.counters["control"]["calls"] += 1
@@ -594,12 +600,9 @@ class DataParallel:
             parts = self._state_for_this_rank(state)
         except (KeyError, ValueError, TypeError) as exc:
             problem, parts = str(exc), None
-        problems = self.all_gather_object(problem)
-        first = next((p for p in problems if p is not None), None)
-        if first is not None:
-            failing = [r for r, p in enumerate(problems) if p is not None]
-            where = "" if len(failing) == self.size else f" (on ranks {failing})"
-            raise ValueError(first + where)
+        problem = self.agree_on_error(problem)
+        if problem is not None:
+            raise ValueError(problem)
         params, opt_state, samples, buffers = parts
         with self.exchange.writing_parameters():
             self.optimizer.load_state_dict_host({"state": opt_state, "step_count": state["optimizer"]["step_count"]})
