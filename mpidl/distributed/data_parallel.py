@@ -40,9 +40,7 @@ call their collectives in the same order because every rank runs the same loop.
 from __future__ import annotations
 
 import hashlib
-import statistics
 import time
-from collections import deque
 from numbers import Integral, Real
 from typing import Callable, Sequence
 
@@ -53,6 +51,8 @@ from mpidl.distributed import balance
 from mpidl.distributed import probe as speed_probe
 from mpidl.distributed.emulation import LinkModel, compute_clock
 from mpidl.distributed.exchange import BUCKET_MB, INTRA, build_exchange
+from mpidl.distributed.checkpoint_state import CheckpointState
+from mpidl.distributed.hdp import HeterogeneousSplit
 from mpidl.distributed.launch import first_error
 from mpidl.distributed.message import SLOTS
 from mpidl.distributed.topology import Topology
@@ -64,8 +64,6 @@ BALANCE_THRESHOLD = 0.05
 #: default samples every rank computes at least in a full global batch (``min_local_batch``):
 #: a loop written for DataParallel never sees an empty local batch of a full global batch
 MIN_LOCAL_BATCH = 1
-#: steps whose compute times a re-fit may use (a bound on memory, not a tuning knob)
-RECENT_STEPS = 1024
 
 __all__ = ["DataParallel", "NonFiniteGradient", "ON_NAN", "INTRA"]
 
@@ -75,7 +73,7 @@ class NonFiniteGradient(RuntimeError):
     every rank at the same step."""
 
 
-class DataParallel:
+class DataParallel(HeterogeneousSplit, CheckpointState):
     """Data-parallel training of one model over the ranks of a topology.
 
     Parameters
@@ -246,18 +244,7 @@ class DataParallel:
         self.exchange.set_reference(params.data, self._synced_state())
         if probe is not None:
             speed_probe.warm_up(self, probe)
-        if speeds == "auto":
-            #: every rank's cost model t_i(b) = a_i + c_i b (seconds), indexed by rank
-            self.costs, self.noise, self.batch_sizes, self.predicted_step_s = speed_probe.measured_split(self, probe)
-            self.speeds_source = "measured"
-        else:
-            self.costs = balance.costs_from_speeds(given if given is not None else [1.0] * topo.size)
-            self.noise = 0.0
-            self.speeds_source = "given" if given is not None else "equal"
-            self.batch_sizes = (balance.solve_split(self.costs, self.batch_size, self.min_local_batch)
-                                if given is not None
-                                else balance.equal_split(self.batch_size, topo.size))
-            self.predicted_step_s = balance.step_time(self.costs, self.batch_sizes)
+        self._first_split(speeds, given, probe)
         #: the last re-split: {"step", "old", "new", "predicted_old_s", "predicted_new_s", "costs",
         #: "noise"} or None
         self.last_rebalance: dict | None = None
@@ -268,12 +255,6 @@ class DataParallel:
         self._pending_stop = False
         self._pending_nonfinite = False
         self._local_count: int | None = None
-        #: (samples, compute seconds) of this rank's steps since the last re-fit (the latest
-        #: only), and those of the period before it: the window of the next re-fit
-        self._recent: deque = deque(maxlen=RECENT_STEPS)
-        self._previous_period: list = []
-        #: the last re-fit proposed a re-split that was not taken (to be confirmed)
-        self._resplit_proposed = False
         self._closed = False
         self.reset_counters()
         self.clock.start()
@@ -444,67 +425,6 @@ class DataParallel:
         self.exchange.counters["control"]["calls"] += 1
         return self.topology.world.allgather(value)
 
-    # ------------------------------------------------------------------ balance
-    @property
-    def speeds(self) -> list[float]:
-        """Every rank's marginal speed ``1 / c_i`` (samples per second) from its cost model."""
-        return [1.0 / cost.c for cost in self.costs]
-
-    def describe_split(self) -> str:
-        """One line for the log: how ``B`` is split, each rank's model and predicted time."""
-        times = [cost.time(b) for cost, b in zip(self.costs, self.batch_sizes)]
-        if self.speeds_source != "measured":
-            speeds = ", ".join(f"{s:.3g}" for s in self.speeds)
-            return f"split ({self.speeds_source} speeds [{speeds}]): batch sizes {self.batch_sizes}"
-        equal = balance.step_time(self.costs, balance.equal_split(self.batch_size, self.size))
-        a = ", ".join(f"{cost.a * 1e3:.3g}" for cost in self.costs)
-        c = ", ".join(f"{cost.c * 1e3:.3g}" for cost in self.costs)
-        t = ", ".join(f"{x * 1e3:.3g}" for x in times)
-        return (f"split (measured cost t_i(b) = a_i + c_i b; a [{a}] ms, c [{c}] ms/sample): "
-                f"batch sizes {self.batch_sizes}, predicted step [{t}] ms (equal split "
-                f"{equal * 1e3:.3g} ms; kept unless {100 * max(self.balance_threshold, self.noise):.3g} % "
-                f"faster: threshold {100 * self.balance_threshold:g} %, measurement noise "
-                f"{100 * self.noise:.3g} %)")
-
-    def rebalance(self) -> tuple[list[int], list[int]] | None:
-        """Re-fit every rank's cost model from its own steps and re-split when that is
-        predicted to be faster than the current split by more than the margin (collective;
-        every rank computes the same split from the same gathered numbers). Returns ``(old,
-        new)`` batch sizes when they changed, else None.
-
-        Each rank re-fits from the steps since the last call and the ones of the call before
-        (:func:`~mpidl.distributed.balance.refit_cost`): when its batch sizes span at least half
-        of the largest, their medians separate ``a_i`` from ``c_i``; otherwise the model keeps
-        its shape and is scaled through the window's steps. The margin is ``max(balance_threshold, noise)`` (``noise``:
-        the median over ranks of their steps' :func:`~mpidl.distributed.balance.timing_noise`),
-        and a gain must pass it in two consecutive calls, or pass twice the margin in one
-        (:func:`~mpidl.distributed.balance.confirm_resplit`): no move on one noisy period."""
-        window = list(self._previous_period) + list(self._recent)
-        self._previous_period = list(self._recent)
-        self._recent.clear()
-        cost = balance.refit_cost(self.costs[self.rank], [b for b, _ in window], [t for _, t in window])
-        current = [t for b, t in window if b == self.batch_sizes[self.rank] and b > 0]
-        spread = balance.timing_noise(current) if current else 0.0
-        gathered = self.all_gather_object((cost.a, cost.c, spread))
-        self.costs = [balance.RankCost(a, c) for a, c, _ in gathered]
-        self.noise = statistics.median(s for _, _, s in gathered)
-        old = list(self.batch_sizes)
-        best = balance.solve_split(self.costs, self.batch_size, self.min_local_batch)
-        predicted_old, predicted = balance.step_time(self.costs, old), balance.step_time(self.costs, best)
-        gain = 1.0 - predicted / predicted_old if predicted_old > 0 else 0.0
-        margin = max(self.balance_threshold, self.noise)
-        taken = best != old and balance.confirm_resplit(gain, margin, self._resplit_proposed)
-        self._resplit_proposed = best != old and gain > margin and not taken
-        self.predicted_step_s = predicted if taken else predicted_old
-        if not taken:
-            return None
-        self.batch_sizes = best
-        self.last_rebalance = {"step": self.steps, "old": old, "new": best,
-                               "predicted_old_s": predicted_old, "predicted_new_s": predicted,
-                               "gain": gain, "margin": margin,
-                               "costs": [[c.a, c.c] for c in self.costs], "noise": self.noise}
-        return old, best
-
     # ------------------------------------------------------------------ counters and timers
     def reset_counters(self) -> None:
         """Start a new period for :attr:`counters` and :meth:`timings` (e.g. every epoch)."""
@@ -539,83 +459,6 @@ class DataParallel:
         comm = [max(0.0, g[1] - i) for g, i in zip(gathered, idle)]
         return {"comp_s": comp, "comm_s": comm, "idle_s": [float(i) for i in idle],
                 "steps": len(self._step_compute), "step_comp_s": list(self._step_compute)}
-
-    # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict | None:
-        """Everything a checkpoint needs to continue exactly (collective); the full dict on
-        rank 0, None elsewhere.
-
-        Keys: ``strategy``, ``weighting``, ``world_size``, ``num_nodes``, ``steps``,
-        ``steps_since_sync``, ``costs`` (``[a_i, c_i]`` per rank), ``batch_sizes``, ``params``
-        (the consensus),
-        ``optimizer`` (``{"step_count", "state": [arrays]}``, the replicas' common state, or
-        None when it is per node), ``nodes`` (None, or per node ``{"params": array or None,
-        "state": [arrays] or None, "samples": int}`` when the nodes' parameters or optimizer
-        state differ: ``node`` strategy between syncs, or with node-local optimizer state),
-        ``buffers`` (the world average) and ``rank_buffers`` (each rank's own).
-        """
-        topo = self.topology
-        # An overlapped sync in flight is applied first: a checkpoint cannot hold it.
-        sums = self.exchange.finish_pending(self.params.data, self._synced_state())
-        if sums is not None:
-            self._agree(sums)
-        since_sync = self.exchange.steps_since_sync
-        params_differ = not self.exact and since_sync > 0
-        state_differs = not self.exact and (params_differ or not self.sync_optimizer_state)
-        params = self.consensus()
-        state = [np.array(to_host(b), copy=True) for b in self.optimizer.state_buffers()]
-        nodes = None
-        if params_differ or state_differs:
-            own = {"params": np.array(to_host(self.params.data), copy=True) if params_differ else None,
-                   "state": state if state_differs else None,
-                   "samples": int(self.exchange.pending_samples())}
-            nodes = self._gather_from_leaders(own)
-        buffers_own = self._buffers_host()
-        rank_buffers = self.all_gather_object(buffers_own) if buffers_own else None
-        if self.rank != 0:
-            return None
-        averaged = ({name: sum(b[name] for b in rank_buffers) / len(rank_buffers) for name in buffers_own}
-                    if rank_buffers else {})
-        return {
-            "strategy": self.strategy, "weighting": self.weighting, "world_size": topo.size,
-            "num_nodes": topo.num_nodes, "steps": self.steps, "steps_since_sync": since_sync,
-            "costs": [[c.a, c.c] for c in self.costs], "batch_sizes": list(self.batch_sizes),
-            "params": params,
-            "optimizer": {"step_count": int(self.optimizer.step_count),
-                          "state": None if state_differs else state},
-            "nodes": nodes, "buffers": averaged, "rank_buffers": rank_buffers,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        """Continue from :meth:`state_dict`'s dict (collective: every rank passes it, or the
-        parts of it its node needs; see :func:`mpidl.checkpoint.read_checkpoint`).
-
-        Everything is checked first on every rank and the ranks agree: a problem on any rank
-        raises the same ValueError on every rank, before anything is changed. The split and
-        the cost models are restored when the world size is the same (the run continues exactly);
-        otherwise this run's own are kept.
-        """
-        problem = None
-        try:
-            parts = self._state_for_this_rank(state)
-        except (KeyError, ValueError, TypeError) as exc:
-            problem, parts = str(exc), None
-        problem = self.agree_on_error(problem)
-        if problem is not None:
-            raise ValueError(problem)
-        params, opt_state, samples, buffers = parts
-        with self.exchange.writing_parameters():
-            self.optimizer.load_state_dict_host({"state": opt_state, "step_count": state["optimizer"]["step_count"]})
-            self.params.data[...] = self._backend.asarray(params) if self._backend else params
-            if buffers and self.model is not None:
-                self.model.load_buffers_host(buffers)
-        self.steps = int(state["steps"])
-        self.exchange.restore(int(state.get("steps_since_sync", 0)), samples)
-        common = np.asarray(state["params"])  # the consensus: the same on every node
-        self.exchange.set_reference(self._backend.asarray(common) if self._backend else common)
-        if state["world_size"] == self.size:
-            self.costs = [balance.RankCost(a, c) for a, c in state["costs"]]
-            self.batch_sizes = list(state["batch_sizes"])
 
     # ------------------------------------------------------------------ internals
     def _flags(self) -> tuple[float, float]:
@@ -683,47 +526,3 @@ class DataParallel:
         if len(set(digests)) != 1:
             raise RuntimeError(f"replicas diverged at step {self.steps}: checksums {digests}")
 
-    def _gather_from_leaders(self, own: dict) -> list | None:
-        """Rank 0 receives every node's ``own`` dict (from its leader), in node order."""
-        topo = self.topology
-        gathered = None
-        if topo.is_leader:
-            gathered = topo.leaders.gather(own, root=0) if topo.num_nodes > 1 else [own]
-            self.exchange.counters["control"]["calls"] += 1
-        return gathered if self.rank == 0 else None
-
-    def _state_for_this_rank(self, state: dict):
-        """(params, optimizer state, node samples, buffers) of this rank from a state dict;
-        raises ValueError naming the mismatch."""
-        topo = self.topology
-        for key in ("strategy", "world_size", "num_nodes", "steps", "params", "optimizer"):
-            if key not in state:
-                raise KeyError(f"state dict lacks {key!r}")
-        nodes = state.get("nodes")
-        if nodes is not None and (self.strategy != "node" or self.exact or state["num_nodes"] != topo.num_nodes):
-            raise ValueError(
-                f"the state holds per-node state of {state['num_nodes']} nodes (strategy "
-                f"{state['strategy']}); this run has strategy {self.strategy} on "
-                f"{topo.num_nodes} node(s). Resume with the same strategy and number of nodes.")
-        mine = nodes[topo.node_id] if nodes is not None else {}
-        params = mine.get("params") if mine.get("params") is not None else state["params"]
-        params = np.asarray(params)
-        if params.shape != (self.params.size,):
-            raise ValueError(f"the state has {params.size} parameters, the model {self.params.size}")
-        opt_state = mine.get("state") if mine.get("state") is not None else state["optimizer"]["state"]
-        if opt_state is None:
-            raise ValueError("the state holds no optimizer state for this node")
-        expected = [tuple(b.shape) for b in self.optimizer.state_buffers()]
-        got = [tuple(np.shape(b)) for b in opt_state]
-        if got != expected:
-            raise ValueError(f"optimizer state of shapes {got} does not fit {type(self.optimizer).__name__} "
-                             f"(expects {expected})")
-        rank_buffers = state.get("rank_buffers")
-        if rank_buffers is not None and len(rank_buffers) == self.size and rank_buffers[self.rank] is not None:
-            buffers = rank_buffers[self.rank]
-        else:
-            buffers = state.get("buffers") or {}
-        own_buffers = self._buffers_host()
-        if set(buffers) != set(own_buffers):
-            raise ValueError(f"buffers {sorted(buffers)} do not match the model's {sorted(own_buffers)}")
-        return params, opt_state, int(mine.get("samples", 0)), buffers
