@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from numbers import Integral, Real
+from numbers import Real
 from typing import Callable, Sequence
 
 import numpy as np
@@ -52,7 +52,7 @@ from mpidl.distributed import probe as speed_probe
 from mpidl.distributed.emulation import LinkModel, compute_clock
 from mpidl.distributed.exchange import BUCKET_MB, INTRA, build_exchange
 from mpidl.distributed.checkpoint_state import CheckpointState
-from mpidl.distributed.hdp import HeterogeneousSplit
+from mpidl.distributed.hdp import HeterogeneousSplit, check_split_fits, check_split_options
 from mpidl.distributed.launch import first_error
 from mpidl.distributed.message import SLOTS
 from mpidl.distributed.topology import Topology
@@ -87,40 +87,37 @@ class DataParallel(HeterogeneousSplit, CheckpointState):
     batch_size : int
         ``B``, the GLOBAL batch: :meth:`local_indices` splits it over the ranks.
     topology : Topology, default ``Topology()`` of ``MPI.COMM_WORLD`` (collective)
-    strategy : 'flat' | 'hierarchical' | 'node'   (see :func:`~mpidl.distributed.make_reducer`)
-    sync_every : int
-        ``K'``, steps between the node strategy's parameter syncs.
-    weighting : 'balanced' | 'uniform'
+    strategy, weighting, sync_every, intra, overlap, bucket_mb, compress, sync_overlap
+        The exchange, built by :func:`~mpidl.distributed.exchange.build_exchange` (whose
+        table says what works with what): ``strategy`` 'flat' | 'hierarchical' | 'node'
+        (``sync_every`` = K'); ``weighting`` 'balanced' (``c_i = b_i``) | 'uniform' (``c_i =
+        1``); ``intra`` 'mpi' | 'shm' (the node-shared window, :mod:`~mpidl.distributed.shm`:
+        call :meth:`close` or use ``with``); ``overlap`` buckets of ``bucket_mb`` MiB started
+        by the backward hook (:mod:`~mpidl.distributed.overlap`: call :meth:`local_indices`,
+        then ONE backward, then :meth:`step`); ``compress`` 'none' | 'bf16' | 'fp16' for the
+        inter-node level (:mod:`~mpidl.distributed.compress`); ``sync_overlap`` steps between
+        the start of the node strategy's parameter sync and its application (0 blocks).
     speeds : 'equal' | 'auto' | sequence of P positive numbers
-        How ``B`` is split (:mod:`~mpidl.distributed.balance`): equally; by a cost model
-        ``t_i(b) = a_i + c_i b`` of every rank fitted from timed ``probe`` passes at several
-        batch sizes (:mod:`~mpidl.distributed.probe`), the split minimizing the slowest rank's step, kept equal unless it is
-        predicted to be more than ``balance_threshold`` faster; or in proportion to the given
-        relative speeds (``t_i(b) = b / s_i``).
+        How ``B`` is split (:mod:`~mpidl.distributed.hdp`): equally; by a cost model ``t_i(b)
+        = a_i + c_i b`` of every rank fitted from timed ``probe`` passes, the split minimizing
+        the slowest rank's step, kept equal unless it is predicted to be more than
+        ``balance_threshold`` faster; or in proportion to the given speeds (``t_i(b) = b / s_i``).
     probe : callable(n), optional
-        Runs one forward + backward pass of the real model on ``n`` samples, with no
-        communication. Needed for ``speeds='auto'``; when given it also runs once untimed
-        on every rank before training (the Numba JIT compiles then: the node's first rank
-        compiles and writes the on-disk cache while the others wait in a sleeping poll, then
-        they load it), so the first timed step measures the model and not the compiler.
+        One forward + backward pass of the real model on ``n`` samples, no communication.
+        Needed for ``speeds='auto'``; when given it also runs once untimed on every rank first
+        (the Numba JIT compiles then, one rank per node writing the on-disk cache), so the
+        first timed step measures the model and not the compiler.
     balance_threshold : float in [0, 1)
         The predicted gain (a fraction of the step time) an uneven split must bring over the
         equal one, and a re-split over the current one (hysteresis).
     min_local_batch : int >= 0
         Samples every rank gets at least of a full global batch (default 1). 0 lets the split
-        be the cost model's min-max optimum, which leaves out a rank whose fixed cost alone
-        exceeds the others' step (EMULATED 1,1,2,4 x3 on 2 cores: the x12 rank's one sample
-        made it the slowest of every step; epoch / ideal 1.51-1.85 with 0 against 1.79-2.17
-        with 1 in four pairs). Such a rank still takes part in every exchange (weight 0) and
-        keeps its fitted model, so a re-fit cannot bring it back unless the others slow down.
-        The loop must then handle an empty local batch (zero gradient, then :meth:`step`), as
-        ``python -m mpidl.train`` does.
+        be the cost model's min-max optimum, which may leave out a rank whose fixed cost alone
+        exceeds the others' step (it still joins every exchange with weight 0); the loop must
+        then handle an empty local batch (zero gradient, then :meth:`step`).
     rebalance_every : int, optional
-        Every ``rebalance_every`` steps, re-fit every rank's cost model from its own steps of
-        the last two periods (their compute times and batch sizes) and re-split when the
-        predicted gain passes the margin twice in a row, or twice the margin once (see
-        :meth:`rebalance`); a collective decision every rank takes alike
-        (:attr:`last_rebalance` records it).
+        Every ``rebalance_every`` steps, re-fit the cost models from the ranks' own steps and
+        re-split when the predicted gain is confirmed (:meth:`rebalance`; collective).
     sync_optimizer_state : bool
         ``node``: average the optimizer state at each parameter sync too.
     on_nan : 'stop' | 'skip'
@@ -128,37 +125,11 @@ class DataParallel(HeterogeneousSplit, CheckpointState):
         (``node`` on several nodes: at the next sync), or skip that update.
     check_replicas : bool
         Debug: compare a checksum of every replica's parameters whenever they must agree.
-    emulate_slowdown : float or sequence of P floats >= 1
-        EMULATION: this rank's compute takes that factor longer (it sleeps).
-    emulate_clock : 'wall' | 'cpu'
-        What ``emulate_slowdown`` multiplies: the compute's wall time, or its CPU time (then
-        the compute lasts ``max(wall, f * cpu)``: on a machine with more ranks than cores the
-        wall time includes waiting for a core; see :class:`~mpidl.distributed.emulation.Slowdown`).
-    emulate_link : LinkModel, 'LATENCY_US,GBIT_S' or None
-        EMULATION: every inter-node collective also sleeps its alpha-beta time.
-    intra : 'mpi' | 'shm'
-        How the ranks of a node combine: MPI collectives on private replicas ('mpi'), or one
-        node-shared MPI-3 window holding the parameters and optimizer state once and every
-        rank's gradient slot, each rank reducing and updating its ``1/R`` slice
-        (:mod:`~mpidl.distributed.shm`; elementwise optimizers, CPU). Call :meth:`close`
-        (or use ``with``) at the end to free the window.
-    overlap : bool
-        ``flat`` / ``hierarchical``: exchange the gradient in buckets of about ``bucket_mb``
-        MiB with non-blocking collectives started from the model's backward hook as soon as
-        a bucket's layers are done, waited for in :meth:`step`
-        (:mod:`~mpidl.distributed.overlap`). Needs a Model whose ``net`` is a Sequential, the
-        CPU backend and intra='mpi'; the hook takes this rank's sample count from
-        :meth:`local_indices`, so call it, then ONE backward, then :meth:`step`.
-    bucket_mb : float > 0
-        The bucket size of ``overlap`` in MiB.
-    compress : 'none' | 'bf16' | 'fp16'
-        ``hierarchical`` / ``node``: the leaders' (inter-node) exchange in 16 bits with error
-        feedback and float32 accumulation (:mod:`~mpidl.distributed.compress`); the node
-        strategy then sends the parameters' changes since the last sync.
-    sync_overlap : int >= 0
-        ``node``: start each inter-node parameter average without waiting and apply it this
-        many steps later as ``theta <- avg(theta_t) + (theta_now - theta_t)``
-        (:meth:`~mpidl.distributed.node.NodeReducer._start_async`); 0 blocks.
+    emulate_slowdown, emulate_clock, emulate_link
+        EMULATION (:mod:`~mpidl.distributed.emulation`): this rank's compute lasts
+        ``emulate_slowdown`` times longer (one factor, or one per rank) on the 'wall' or 'cpu'
+        clock; every inter-node collective also sleeps the alpha-beta time of
+        ``emulate_link`` (a LinkModel or 'LATENCY_US,GBIT_S').
 
     Construction is collective: it broadcasts rank 0's parameters (and buffers) to every
     replica, warms up and measures with ``probe``, and splits ``B``. Bad arguments raise
@@ -189,20 +160,7 @@ class DataParallel(HeterogeneousSplit, CheckpointState):
                              "(e.g. SGD(model.params, ...))")
         if on_nan not in ON_NAN:
             raise ValueError(f"on_nan must be one of {', '.join(ON_NAN)}, got {on_nan!r}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, Integral) or batch_size < 1:
-            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-        if isinstance(speeds, str) and speeds not in ("equal", "auto"):
-            raise ValueError(f"speeds must be 'equal', 'auto' or one number per rank, got {speeds!r}")
-        if speeds == "auto" and probe is None:
-            raise ValueError("speeds='auto' measures the ranks with probe(n): pass probe=")
-        if isinstance(balance_threshold, bool) or not isinstance(balance_threshold, Real) \
-                or not 0 <= balance_threshold < 1:
-            raise ValueError(f"balance_threshold must be a number in [0, 1), got {balance_threshold!r}")
-        if isinstance(min_local_batch, bool) or not isinstance(min_local_batch, Integral) or min_local_batch < 0:
-            raise ValueError(f"min_local_batch must be an integer >= 0, got {min_local_batch!r}")
-        if rebalance_every is not None and (isinstance(rebalance_every, bool) or not isinstance(
-                rebalance_every, Integral) or rebalance_every < 1):
-            raise ValueError(f"rebalance_every must be an integer >= 1 or None, got {rebalance_every!r}")
+        check_split_options(batch_size, speeds, probe, balance_threshold, min_local_batch, rebalance_every)
         exchange_options = dict(strategy=strategy, weighting=weighting, sync_every=sync_every,
                                 emulate_link=emulate_link, intra=intra, overlap=overlap,
                                 bucket_mb=bucket_mb, compress=compress, sync_overlap=sync_overlap)
@@ -221,12 +179,7 @@ class DataParallel(HeterogeneousSplit, CheckpointState):
         topo = self.topology
         # The cores of a machine are shared by the ranks on it (mpidl/threads.py).
         apply_thread_policy(ranks_per_machine=topo.machine_size)
-        if self.batch_size < topo.size:
-            raise ValueError(f"batch_size {self.batch_size} is smaller than the number of ranks "
-                             f"{topo.size}: every rank needs at least one sample of each global batch")
-        if self.min_local_batch * topo.size > self.batch_size:
-            raise ValueError(f"min_local_batch {self.min_local_batch} x {topo.size} ranks is more than "
-                             f"batch_size {self.batch_size}")
+        check_split_fits(self.batch_size, self.min_local_batch, topo.size)
         factors = [emulate_slowdown] * topo.size if isinstance(emulate_slowdown, Real) else list(emulate_slowdown)
         if len(factors) != topo.size:
             raise ValueError(f"emulate_slowdown has {len(factors)} factors for {topo.size} ranks")
@@ -285,13 +238,6 @@ class DataParallel(HeterogeneousSplit, CheckpointState):
                 f"{self.exchange.describe()}")
 
     # ------------------------------------------------------------------ the split (HDP)
-    def split(self, n: int) -> list[int]:
-        """Samples of every rank in a global batch of ``n``: :attr:`batch_sizes` for a full
-        batch, the same proportions (largest remainder, zeros allowed) for a smaller one."""
-        if n == self.batch_size:
-            return list(self.batch_sizes)
-        return balance.split_counts(n, self.batch_sizes)
-
     def local_indices(self, global_batch) -> np.ndarray:
         """This rank's contiguous slice of ``global_batch`` (the same indices on every rank):
         ``global_batch[lo:hi]`` with ``hi - lo = split(len(global_batch))[rank]``.
@@ -304,10 +250,6 @@ class DataParallel(HeterogeneousSplit, CheckpointState):
         self.exchange.begin(self._local_count, lambda: self._pending_stop)
         self.clock.start()
         return batch[lo: lo + counts[self.rank]]
-
-    def shard(self, n: int) -> tuple[int, int]:
-        """``[lo, hi)`` of this rank's equal share of ``n`` items (e.g. the test set)."""
-        return self.rank * n // self.size, (self.rank + 1) * n // self.size
 
     # ------------------------------------------------------------------ the step
     def request_stop(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from numbers import Integral, Real
 
 from mpidl.distributed import balance
 from mpidl.distributed import probe as speed_probe
@@ -18,10 +19,50 @@ from mpidl.distributed import probe as speed_probe
 RECENT_STEPS = 1024
 
 
+def check_split_options(batch_size, speeds, probe, balance_threshold, min_local_batch,
+                        rebalance_every) -> None:
+    """ValueError for a bad value of the split's options (no MPI)."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, Integral) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if isinstance(speeds, str) and speeds not in ("equal", "auto"):
+        raise ValueError(f"speeds must be 'equal', 'auto' or one number per rank, got {speeds!r}")
+    if speeds == "auto" and probe is None:
+        raise ValueError("speeds='auto' measures the ranks with probe(n): pass probe=")
+    if isinstance(balance_threshold, bool) or not isinstance(balance_threshold, Real) \
+            or not 0 <= balance_threshold < 1:
+        raise ValueError(f"balance_threshold must be a number in [0, 1), got {balance_threshold!r}")
+    if isinstance(min_local_batch, bool) or not isinstance(min_local_batch, Integral) or min_local_batch < 0:
+        raise ValueError(f"min_local_batch must be an integer >= 0, got {min_local_batch!r}")
+    if rebalance_every is not None and (isinstance(rebalance_every, bool) or not isinstance(
+            rebalance_every, Integral) or rebalance_every < 1):
+        raise ValueError(f"rebalance_every must be an integer >= 1 or None, got {rebalance_every!r}")
+
+
+def check_split_fits(batch_size: int, min_local_batch: int, world_size: int) -> None:
+    """Every rank must get at least one sample (and ``min_local_batch``) of a full batch."""
+    if batch_size < world_size:
+        raise ValueError(f"batch_size {batch_size} is smaller than the number of ranks "
+                         f"{world_size}: every rank needs at least one sample of each global batch")
+    if min_local_batch * world_size > batch_size:
+        raise ValueError(f"min_local_batch {min_local_batch} x {world_size} ranks is more than "
+                         f"batch_size {batch_size}")
+
+
 class HeterogeneousSplit:
     """The split of ``B`` (:attr:`batch_sizes`), the ranks' cost models (:attr:`costs`) and
     re-balancing (:meth:`rebalance`). Uses the DataParallel's ``topology``, ``batch_size``,
     ``min_local_batch``, ``balance_threshold``, ``steps`` and ``all_gather_object``."""
+
+    def split(self, n: int) -> list[int]:
+        """Samples of every rank in a global batch of ``n``: :attr:`batch_sizes` for a full
+        batch, the same proportions (largest remainder, zeros allowed) for a smaller one."""
+        if n == self.batch_size:
+            return list(self.batch_sizes)
+        return balance.split_counts(n, self.batch_sizes)
+
+    def shard(self, n: int) -> tuple[int, int]:
+        """``[lo, hi)`` of this rank's equal share of ``n`` items (e.g. the test set)."""
+        return self.rank * n // self.size, (self.rank + 1) * n // self.size
 
     def _first_split(self, speeds, given, probe) -> None:
         """The split before the first step (collective with ``speeds='auto'``)."""
