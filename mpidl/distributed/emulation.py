@@ -7,8 +7,9 @@ tested on a laptop. Every number produced under emulation must be reported as em
 * :class:`Slowdown` makes a rank ``f`` times slower: after a compute interval of ``t``
   seconds it sleeps ``(f - 1) t``, so the interval takes ``f t`` in total (or, on the CPU
   clock, ``f`` times the interval's CPU seconds).
-* :class:`LinkModel` is the alpha-beta (latency-bandwidth) model of an inter-node link; the
-  reducers sleep the modelled time of every BLOCKING collective on the inter-node level.
+* :class:`~mpidl.links.LinkModel` is the alpha-beta (latency-bandwidth) model of an inter-node
+  link (the planner's too); the reducers sleep the modelled time of every BLOCKING
+  collective on the inter-node level.
 * :class:`LinkTimeline` schedules the modelled time of NON-BLOCKING inter-node collectives
   on the link, so that it runs concurrently with the compute that overlaps them.
 """
@@ -21,18 +22,8 @@ from dataclasses import dataclass, field
 from numbers import Real
 from typing import Callable
 
+from mpidl.links import LinkModel, parse_link, parse_numbers as _parse_numbers  # noqa: F401
 
-def _parse_numbers(text: str, what: str) -> list[float]:
-    parts = [p.strip() for p in str(text).split(",")]
-    values = []
-    for i, part in enumerate(parts):
-        try:
-            values.append(float(part))
-        except ValueError:
-            raise ValueError(f"{what}: entry {i} ({part!r}) is not a number in {text!r}") from None
-        if not math.isfinite(values[-1]):
-            raise ValueError(f"{what}: entry {i} ({part!r}) must be finite")
-    return values
 
 
 # --------------------------------------------------------------------------- slow ranks
@@ -171,65 +162,6 @@ def parse_slowdowns(text: str, world_size: int) -> list[float]:
 
 
 # --------------------------------------------------------------------------- slow links
-@dataclass(frozen=True)
-class LinkModel:
-    """EMULATED inter-node link: alpha-beta model of latency and bandwidth.
-
-    Parameters
-    ----------
-    latency_us : float
-        ``alpha``, the start-up time of one message, in microseconds (>= 0).
-    gbit_s : float
-        Link bandwidth in Gbit/s (> 0); ``beta = gbit_s * 1e9 / 8`` bytes per second.
-
-    Notes
-    -----
-    Time of one collective on ``n`` bytes among ``L`` participants (0 when ``L <= 1``):
-
-    * ring allreduce (reduce-scatter + allgather, ``2 (L-1)`` steps of ``n / L`` bytes)::
-
-          T = 2 (L - 1) (alpha + n / (L beta))
-
-    * ring allgather of ``n`` bytes from every participant: ``T = (L - 1) (alpha + n / beta)``
-    """
-
-    latency_us: float
-    gbit_s: float
-
-    def __post_init__(self):
-        for name, value, ok in (("latency_us", self.latency_us, lambda v: v >= 0),
-                                ("gbit_s", self.gbit_s, lambda v: v > 0)):
-            if isinstance(value, bool) or not isinstance(value, Real) \
-                    or not math.isfinite(value) or not ok(value):
-                need = ">= 0" if name == "latency_us" else "> 0"
-                raise ValueError(f"link {name} must be a finite number {need}, got {value!r}")
-
-    @property
-    def alpha(self) -> float:
-        """Latency in seconds."""
-        return self.latency_us * 1e-6
-
-    @property
-    def beta(self) -> float:
-        """Bandwidth in bytes per second."""
-        return self.gbit_s * 1e9 / 8.0
-
-    def allreduce_seconds(self, nbytes: int, participants: int) -> float:
-        """``2 (L-1) (alpha + n / (L beta))`` for a ring allreduce of ``n`` bytes among ``L``."""
-        if participants <= 1:
-            return 0.0
-        return 2 * (participants - 1) * (self.alpha + nbytes / (participants * self.beta))
-
-    def allgather_seconds(self, nbytes: int, participants: int) -> float:
-        """``(L-1) (alpha + n / beta)`` for a ring allgather of ``n`` bytes from each of ``L``."""
-        if participants <= 1:
-            return 0.0
-        return (participants - 1) * (self.alpha + nbytes / self.beta)
-
-    def describe(self) -> str:
-        return f"EMULATED inter-node link: {self.latency_us:g} us latency, {self.gbit_s:g} Gbit/s"
-
-
 class LinkTimeline:
     """EMULATED occupancy of one inter-node link, for collectives that do not block.
 
@@ -268,9 +200,3 @@ class LinkTimeline:
         return 0.0
 
 
-def parse_link(text: str) -> LinkModel:
-    """Parse ``"50,1"`` = 50 microseconds latency, 1 Gbit/s, for ``--emulate-link``."""
-    values = _parse_numbers(text, "link")
-    if len(values) != 2:
-        raise ValueError(f"link: expected 'LATENCY_US,GBIT_S' (e.g. '50,1'), got {text!r}")
-    return LinkModel(latency_us=values[0], gbit_s=values[1])
