@@ -319,7 +319,28 @@ class SGD(Optimizer):
                 f"nesterov={self.nesterov}, weight_decay={self.weight_decay:g})")
 
 
-class Adam(Optimizer):
+class MomentEstimates(Optimizer):
+    """Base of the Adam family: ``betas``, ``eps`` and ``weight_decay`` checked once, the first
+    moment ``exp_avg`` (m) and a second one (``exp_avg_sq`` v, or Adamax's ``exp_inf`` u)."""
+
+    #: the attribute name of the second moment
+    second_moment = "exp_avg_sq"
+
+    def __init__(self, params: Any, lr: float, betas: tuple[float, float], eps: float,
+                 weight_decay: float):
+        super().__init__(params, lr)
+        self.betas = _check_betas(betas)
+        self.eps = _check_number("eps", eps, low=0.0)
+        self.weight_decay = _check_number("weight_decay", weight_decay, low=0.0)
+        xp = get_array_module(params.data)
+        self.exp_avg = xp.zeros_like(params.data)
+        setattr(self, self.second_moment, xp.zeros_like(params.data))
+
+    def named_state(self):
+        return [("exp_avg", self.exp_avg), (self.second_moment, getattr(self, self.second_moment))]
+
+
+class Adam(MomentEstimates):
     """Adam with bias correction and L2 weight decay added to the gradient, with the
     semantics of ``torch.optim.Adam`` (``amsgrad=False``).
 
@@ -351,21 +372,7 @@ class Adam(Optimizer):
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0):
-        super().__init__(params, lr)
-        try:
-            beta1, beta2 = betas
-        except (TypeError, ValueError):
-            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}") from None
-        self.betas = (_check_number("betas[0]", beta1, low=0.0, high=1.0),
-                      _check_number("betas[1]", beta2, low=0.0, high=1.0))
-        self.eps = _check_number("eps", eps, low=0.0)
-        self.weight_decay = _check_number("weight_decay", weight_decay, low=0.0)
-        xp = get_array_module(params.data)
-        self.exp_avg = xp.zeros_like(params.data)      # m: first moment
-        self.exp_avg_sq = xp.zeros_like(params.data)   # v: second moment
-
-    def named_state(self):
-        return [("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)]
+        super().__init__(params, lr, betas, eps, weight_decay)
 
     def _update(self, p, grad, scratch) -> None:
         xp = get_array_module(p)
@@ -582,7 +589,7 @@ class Adagrad(Optimizer):
                 f"initial_accumulator_value={self.initial_accumulator_value:g}, eps={self.eps:g})")
 
 
-class RAdam(Optimizer):
+class RAdam(MomentEstimates):
     """Rectified Adam (Liu et al., 2020), with the semantics of ``torch.optim.RAdam``
     (L2 weight decay into the gradient, ``decoupled_weight_decay=False``).
 
@@ -617,16 +624,7 @@ class RAdam(Optimizer):
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0):
-        super().__init__(params, lr)
-        self.betas = _check_betas(betas)
-        self.eps = _check_number("eps", eps, low=0.0)
-        self.weight_decay = _check_number("weight_decay", weight_decay, low=0.0)
-        xp = get_array_module(params.data)
-        self.exp_avg = xp.zeros_like(params.data)
-        self.exp_avg_sq = xp.zeros_like(params.data)
-
-    def named_state(self):
-        return [("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)]
+        super().__init__(params, lr, betas, eps, weight_decay)
 
     def rectification(self, t: int) -> float | None:
         """``r`` at step ``t``, or None while ``rho_t <= 5`` (the un-adapted step)."""
@@ -667,7 +665,7 @@ class RAdam(Optimizer):
                 f"eps={self.eps:g}, weight_decay={self.weight_decay:g})")
 
 
-class NAdam(Optimizer):
+class NAdam(MomentEstimates):
     """Adam with Nesterov momentum (Dozat, 2016), with the semantics of ``torch.optim.NAdam``
     (L2 weight decay into the gradient).
 
@@ -700,19 +698,10 @@ class NAdam(Optimizer):
 
     def __init__(self, params: Any, lr: float = 2e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, momentum_decay: float = 4e-3):
-        super().__init__(params, lr)
-        self.betas = _check_betas(betas)
-        self.eps = _check_number("eps", eps, low=0.0)
-        self.weight_decay = _check_number("weight_decay", weight_decay, low=0.0)
+        super().__init__(params, lr, betas, eps, weight_decay)
         self.momentum_decay = _check_number("momentum_decay", momentum_decay, low=0.0)
-        xp = get_array_module(params.data)
-        self.exp_avg = xp.zeros_like(params.data)
-        self.exp_avg_sq = xp.zeros_like(params.data)
-        self._scratch2 = xp.zeros_like(params.data)
+        self._scratch2 = get_array_module(params.data).zeros_like(params.data)
         self._mu_product = (0, 1.0)  # (t, Pi_t)
-
-    def named_state(self):
-        return [("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)]
 
     def mu(self, t: int) -> float:
         return self.betas[0] * (1.0 - 0.5 * 0.96 ** (t * self.momentum_decay))
@@ -769,7 +758,7 @@ class NAdam(Optimizer):
                 f"weight_decay={self.weight_decay:g}, momentum_decay={self.momentum_decay:g})")
 
 
-class Adamax(Optimizer):
+class Adamax(MomentEstimates):
     """Adamax, Adam with the infinity norm (Kingma & Ba, 2015, section 7.1), with the
     semantics of ``torch.optim.Adamax``.
 
@@ -794,19 +783,11 @@ class Adamax(Optimizer):
     """
 
     name = "adamax"
+    second_moment = "exp_inf"
 
     def __init__(self, params: Any, lr: float = 2e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0):
-        super().__init__(params, lr)
-        self.betas = _check_betas(betas)
-        self.eps = _check_number("eps", eps, low=0.0)
-        self.weight_decay = _check_number("weight_decay", weight_decay, low=0.0)
-        xp = get_array_module(params.data)
-        self.exp_avg = xp.zeros_like(params.data)
-        self.exp_inf = xp.zeros_like(params.data)
-
-    def named_state(self):
-        return [("exp_avg", self.exp_avg), ("exp_inf", self.exp_inf)]
+        super().__init__(params, lr, betas, eps, weight_decay)
 
     def _update(self, p, grad, scratch) -> None:
         xp = get_array_module(p)
@@ -896,7 +877,7 @@ class Adadelta(Optimizer):
                 f"weight_decay={self.weight_decay:g})")
 
 
-class LAMB(Optimizer):
+class LAMB(MomentEstimates):
     """LAMB, layer-wise adaptive moments (You et al., 2020, Algorithm 2), with bias
     correction and decoupled weight decay.
 
@@ -930,22 +911,13 @@ class LAMB(Optimizer):
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.0):
-        super().__init__(params, lr)
-        self.betas = _check_betas(betas)
-        self.eps = _check_number("eps", eps, low=0.0)
-        self.weight_decay = _check_number("weight_decay", weight_decay, low=0.0)
-        xp = get_array_module(params.data)
-        self.exp_avg = xp.zeros_like(params.data)
-        self.exp_avg_sq = xp.zeros_like(params.data)
+        super().__init__(params, lr, betas, eps, weight_decay)
         offsets = getattr(params, "offsets", None)
         shapes = getattr(params, "shapes", None)
         if offsets is None or shapes is None:
             self.segments = [(0, int(params.data.size))]
         else:
             self.segments = [(int(o), int(o) + math.prod(s)) for o, s in zip(offsets, shapes)]
-
-    def named_state(self):
-        return [("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)]
 
     def _update(self, p, grad, scratch) -> None:
         xp = get_array_module(p)
