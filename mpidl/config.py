@@ -73,7 +73,7 @@ class Config:
     balance_threshold: float = 0.05
     ranks_per_node: int | None = None
     check_replicas: bool = False
-    # hiding the communication
+    # communication
     intra: str = "mpi"
     overlap: bool = False
     bucket_mb: float = BUCKET_MB
@@ -93,7 +93,7 @@ class Config:
     quiet: bool = False
     log_level: str = "info"
     progress_every_s: float = 5.0
-    # failures
+    # what a non-finite reduced gradient does
     on_nan: str = "stop"
 
     # parsed forms of the string options, filled by validate()
@@ -267,12 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
         "With no --data, trains on the built-in synthetic hyperspectral scene.",
         formatter_class=_HelpFormatter,
     )
-    g = p.add_argument_group("data and model")
+    g = p.add_argument_group("data")
     g.add_argument("--data", metavar="PATH", help="HDF5 dataset in the mpidl layout (default: the built-in synthetic scene)")
-    g.add_argument("--model", default=d.model, help=f"one of {', '.join(MODELS)}")
-    g.add_argument("--model-args", default=d.model_args, metavar="JSON",
-                   help="the model's width arguments as a JSON object, e.g. '{\"patch\": 1, \"depth\": 2}' "
-                        "for vit (see mpidl/models.py; default: the model's defaults)")
     g.add_argument("--augment", action="store_true",
                    help="random flips / 90-degree rotations of training patches (default off)")
     g.add_argument("--cache", action="store_true",
@@ -280,23 +276,30 @@ def build_parser() -> argparse.ArgumentParser:
                         "epochs do not read the file again (up to the whole training split per "
                         "rank, as the shuffle deals every sample to every rank in time; default off)")
 
-    g = p.add_argument_group("optimisation")
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=d.model, help=f"one of {', '.join(MODELS)}")
+    g.add_argument("--model-args", default=d.model_args, metavar="JSON",
+                   help="the model's width arguments as a JSON object, e.g. '{\"patch\": 1, \"depth\": 2}' "
+                        "for vit (see mpidl/models.py; default: the model's defaults)")
+    g.add_argument("--dtype", default=d.dtype, help="float32 or float64")
+    g.add_argument("--device", default=d.device, help="cpu or gpu (CuPy)")
+    g.add_argument("--seed", type=int, default=d.seed, help="seed of the model's initial weights, the data order and augmentation")
+
+    g = p.add_argument_group("optimization")
     g.add_argument("--epochs", type=int, default=d.epochs, help="passes over the training split")
     g.add_argument("--batch-size", type=int, default=d.batch_size,
                    help="the GLOBAL batch B, split over the ranks in proportion to their speed")
     g.add_argument("--drop-last", action="store_true",
                    help="skip each epoch's last, smaller global batch (as PyTorch's DataLoader option)")
+    g.add_argument("--optimizer", default=d.optimizer, help=f"one of {', '.join(OPTIMIZERS)}")
     g.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (of the schedule)")
     g.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum, in [0, 1)")
     g.add_argument("--nesterov", action="store_true", help="Nesterov momentum (--optimizer sgd)")
     g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="L2 weight decay (decoupled for adamw)")
-    g.add_argument("--optimizer", default=d.optimizer, help=f"one of {', '.join(OPTIMIZERS)}")
     g.add_argument("--schedule", default=d.schedule, help=f"one of {', '.join(SCHEDULES)}")
     g.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="steps of linear learning-rate warm-up")
     g.add_argument("--max-steps", type=int, default=None, help="stop after this many global steps (default: none, every epoch runs)")
-    g.add_argument("--seed", type=int, default=d.seed, help="seed of the model's initial weights, the data order and augmentation")
-    g.add_argument("--dtype", default=d.dtype, help="float32 or float64")
-    g.add_argument("--device", default=d.device, help="cpu or gpu (CuPy)")
+    g.add_argument("--on-nan", default=d.on_nan, help="NaN/Inf in the reduced gradient: stop or skip the step")
 
     g = p.add_argument_group("distribution")
     g.add_argument("--strategy", default=d.strategy,
@@ -307,6 +310,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sync-every", type=int, default=d.sync_every, help="K': steps between inter-node syncs (node strategy)")
     g.add_argument("--sync-optimizer-state", action="store_true",
                    help="node strategy: average optimizer state too at each inter-node sync")
+    g.add_argument("--ranks-per-node", type=int, default=None, metavar="K",
+                   help="group consecutive ranks into emulated nodes of K ranks (default: the real "
+                        "nodes, or env MPIDL_RANKS_PER_NODE)")
+    g.add_argument("--check-replicas", action="store_true", help="debug: compare parameter checksums after each global sync")
+
+    g = p.add_argument_group("balance (how the global batch is split over the ranks)")
     g.add_argument("--balance", default=d.balance,
                    help="speed: split B by the ranks' speeds (--speeds); none: equal split")
     g.add_argument("--speeds", default=d.speeds,
@@ -321,10 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "steps and re-split when the gain passes --balance-threshold")
     g.add_argument("--rebalance-every", type=int, default=d.rebalance_every, metavar="STEPS",
                    help="steps between re-fits with --rebalance")
-    g.add_argument("--ranks-per-node", type=int, default=None, metavar="K",
-                   help="group consecutive ranks into emulated nodes of K ranks (default: the real "
-                        "nodes, or env MPIDL_RANKS_PER_NODE)")
-    g = p.add_argument_group("hiding the communication")
+
+    g = p.add_argument_group("communication (how the exchange hides its cost)")
     g.add_argument("--intra", default=d.intra,
                    help=f"how the ranks of a node combine: mpi (MPI collectives on private "
                         f"replicas) or shm (one node-shared MPI-3 window holding the parameters "
@@ -341,8 +348,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="node strategy: start the inter-node parameter average without waiting and "
                         "apply it STEPS steps later, corrected by the local progress meanwhile "
                         "(--sync-overlap alone: 1 step; default 0: blocking)")
-    g = p.add_argument_group("distribution (debug)")
-    g.add_argument("--check-replicas", action="store_true", help="debug: compare parameter checksums after each global sync")
 
     g = p.add_argument_group("emulation (experiments on one machine; always reported as emulation)")
     g.add_argument("--emulate-slowdown", default=None, metavar="F0,F1,...",
@@ -365,9 +370,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-level", default=d.log_level, help=f"one of {', '.join(LOG_LEVELS)}")
     g.add_argument("--progress-every", dest="progress_every_s", type=float, default=d.progress_every_s,
                    metavar="SECONDS", help="progress line within an epoch at most this often")
-
-    g = p.add_argument_group("failures")
-    g.add_argument("--on-nan", default=d.on_nan, help="NaN/Inf in the reduced gradient: stop or skip the step")
     return p
 
 
