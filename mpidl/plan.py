@@ -37,8 +37,7 @@ communicating. Assumptions: every rank computes at the same speed (no stragglers
 overlap of communication with compute (mpidl reduces after the backward pass); the links
 are uncontended (one leader per node talks across the network; in ``flat`` every rank's
 ring step crosses the slowest link); the non-exact ``node`` scheme's extra epochs to reach
-the same accuracy are not modelled (measured: -0.3 to -0.6 OA points after 4 epochs at
-K'=50 on 2 x 2, README).
+the same accuracy are not modelled (benchmarks/results/node.md measures them).
 
 ``--emulated`` predicts what the EMULATION on one machine does instead (``mpidl.train
 --emulate-link`` with ``MPIDL_RANKS_PER_NODE``): every level's real collective runs over the

@@ -48,9 +48,8 @@ class Slowdown:
     itself (``u = t`` for one busy thread). With more ranks than cores they do not: ``t`` then
     includes the time a rank waited for a core another rank held, which changes from step to
     step with what the others compute at that moment, and the wall basis multiplies that
-    waiting by ``f`` as well (4 ranks over 2 cores, factors 3,3,3,6 and 3,3,6,12, measured
-    splits: the steps' waiting for their slowest rank, the HDP experiment's *variation* factor,
-    is 1.08-1.20 on the wall basis and 1.000-1.004 on the CPU basis). The cluster being
+    waiting by ``f`` as well, which makes the emulated ranks wait for each other more than
+    the emulated cluster would. The cluster being
     emulated gives every rank its own processor, so its step time is ``f`` times its own work:
     the CPU basis, as long as ``f u >= t`` (the factors must exceed the contention, as the HDP
     experiment's x3 does). On several threads ``u`` adds them up: the emulated rank runs its
@@ -58,9 +57,8 @@ class Slowdown:
 
     Notes
     -----
-    ``time.sleep(s)`` returns late: by 0.08-0.3 ms on the 2-core VM of the README's tables,
-    2-3 % of a 10 ms step, which a rank would lose on every step without any part of it being
-    counted. So :meth:`stretch` asks for ``s - o`` where ``o`` is a running estimate of the
+    ``time.sleep(s)`` returns late (by a fraction of a millisecond, a few per cent of a short
+    step), which a rank would lose on every step without any part of it being counted. So :meth:`stretch` asks for ``s - o`` where ``o`` is a running estimate of the
     lateness (``o <- o + (late - o) / 4`` after every sleep, ``0 <= o <= s / 2``), and returns
     the seconds it really slept: the emulated interval is then ``f t`` to within the lateness's
     jitter, and whatever is left is counted as the rank's compute, not lost.

@@ -56,7 +56,7 @@ def warm_up(dp, probe) -> None:
             probe(min(2, dp.batch_size))
         if first_turn:
             # Sleeping, not MPI_Barrier, whose busy-wait would take the cores from the
-            # compiling rank (default job, 4 ranks on 2 cores, cold cache: 56 s -> 26 s).
+            # compiling rank.
             sleeping_barrier(node, 0.005)
     if saved:
         dp.model.load_buffers_host(saved)
