@@ -147,7 +147,7 @@ def test_error_feedback_keeps_the_sum_of_exchanges(kind):
     (["--intra", "shm", "--device", "gpu"], "--intra: intra='shm' shares host memory"),
     (["--bucket-mb", "0"], "--bucket-mb"),
     (["--compress", "int8"], "--compress"),
-    (["--compress", "bf16"], "--compress: compress acts on the blocking inter-node exchange"),
+    (["--compress", "bf16"], "--compress: compress acts on the inter-node exchange"),
     (["--compress", "bf16", "--strategy", "hierarchical", "--overlap"], "not with overlap"),
     (["--sync-overlap", "--strategy", "flat"], "--sync-overlap: sync_overlap applies to strategy='node'"),
     (["--sync-overlap", "60", "--strategy", "node"], r"--sync-overlap: .*in \[0, sync_every=50\)"),

@@ -45,7 +45,7 @@ class CheckpointState:
                    "state": state if state_differs else None,
                    "samples": int(self.exchange.pending_samples())}
             nodes = self._gather_from_leaders(own)
-        buffers_own = self._buffers_host()
+        buffers_own = self.buffers_host()
         rank_buffers = self.all_gather_object(buffers_own) if buffers_own else None
         if self.rank != 0:
             return None
@@ -132,7 +132,7 @@ class CheckpointState:
             buffers = rank_buffers[self.rank]
         else:
             buffers = state.get("buffers") or {}
-        own_buffers = self._buffers_host()
+        own_buffers = self.buffers_host()
         if set(buffers) != set(own_buffers):
             raise ValueError(f"buffers {sorted(buffers)} do not match the model's {sorted(own_buffers)}")
         return params, opt_state, int(mine.get("samples", 0)), buffers

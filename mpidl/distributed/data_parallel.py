@@ -435,11 +435,12 @@ class DataParallel(HeterogeneousSplit, CheckpointState):
         host = np.array(to_host(self.params.data), copy=True)
         world.Bcast(host, root=0)
         self.params.data[...] = self._backend.asarray(host) if self._backend else host
-        buffers = self._buffers_host()
+        buffers = self.buffers_host()
         if buffers:
             self.model.load_buffers_host(world.bcast(buffers, root=0))
 
-    def _buffers_host(self) -> dict:
+    def buffers_host(self) -> dict:
+        """Host copies of the model's buffers (batch-norm statistics); ``{}`` without a Model."""
         if self.model is None:
             return {}
         return self.model.buffers_host()
@@ -447,7 +448,7 @@ class DataParallel(HeterogeneousSplit, CheckpointState):
     def _average_buffers(self) -> None:
         """Batch-norm running statistics are each rank's own; the world average makes every
         replica evaluate (and save) the same model. One collective for all of them."""
-        buffers = self._buffers_host()
+        buffers = self.buffers_host()
         if not buffers or self.size == 1:
             return
         names = sorted(buffers)

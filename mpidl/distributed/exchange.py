@@ -18,8 +18,10 @@ option              works with
 ``intra='shm'``     the CPU backend and an elementwise optimizer
 ==================  =====================================================================
 
-Each rule is checked here once, by :func:`check_options`, which runs no MPI (the command
-line calls it too, and names the option from :attr:`OptionError.option`).
+Each rule is written once, in the part that owns it (the strategy's in
+:func:`~mpidl.distributed.reducers.check_strategy`, the variants' here), and
+:func:`check_options` checks them all without MPI (the command line calls it too, and names
+the option from :attr:`OptionError.option`).
 """
 
 from __future__ import annotations
@@ -28,11 +30,9 @@ from numbers import Real
 
 import numpy as np
 
-from mpidl.distributed.compress import COMPRESSIONS
-from mpidl.distributed.node import check_sync_every, check_sync_overlap
 from mpidl.distributed.overlap import OVERLAP_STRATEGIES, Overlapped
-from mpidl.distributed.reducer_base import WEIGHTINGS, Reducer
-from mpidl.distributed.reducers import STRATEGIES, make_reducer
+from mpidl.distributed.reducer_base import OptionError, Reducer
+from mpidl.distributed.reducers import check_strategy, make_reducer
 from mpidl.distributed.shm import SharedExchange
 
 #: how the ranks of one node combine: MPI messages on private replicas, or the shared window
@@ -41,14 +41,6 @@ INTRA = ("mpi", "shm")
 BUCKET_MB = 1.0
 
 __all__ = ["OptionError", "check_options", "build_exchange", "INTRA", "BUCKET_MB"]
-
-
-class OptionError(ValueError):
-    """A bad exchange option; :attr:`option` names the keyword argument that broke the rule."""
-
-    def __init__(self, option: str, message: str):
-        super().__init__(message)
-        self.option = option
 
 
 def check_options(*, strategy: str = "flat", weighting: str = "balanced", sync_every: int = 50,
@@ -60,25 +52,12 @@ def check_options(*, strategy: str = "flat", weighting: str = "balanced", sync_e
         if not ok:
             raise OptionError(option, message)
 
-    def owned(option, check, *args):
-        try:
-            check(*args)
-        except ValueError as exc:
-            raise OptionError(option, str(exc)) from None
-
-    rule("strategy", strategy in STRATEGIES, f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
-    rule("weighting", weighting in WEIGHTINGS, f"unknown weighting {weighting!r}; choose one of {', '.join(WEIGHTINGS)}")
-    owned("sync_every", check_sync_every, sync_every)
+    check_strategy(strategy, weighting, sync_every, sync_overlap, compress)
     rule("intra", intra in INTRA, f"intra must be one of {', '.join(INTRA)}, got {intra!r}")
-    rule("compress", compress in COMPRESSIONS, f"compress must be one of {', '.join(COMPRESSIONS)}, got {compress!r}")
     rule("bucket_mb", not isinstance(bucket_mb, bool) and isinstance(bucket_mb, Real)
          and 0 < bucket_mb < float("inf"), f"bucket_mb must be a number > 0, got {bucket_mb!r}")
-    rule("compress", compress == "none" or (strategy != "flat" and not overlap),
-         "compress acts on the blocking inter-node exchange of the hierarchical or node strategy "
-         "(not flat, not with overlap)")
-    rule("sync_overlap", not sync_overlap or strategy == "node",
-         "sync_overlap applies to strategy='node' with intra='mpi' and no compress")
-    owned("sync_overlap", check_sync_overlap, sync_overlap, sync_every, compress)
+    rule("compress", compress == "none" or not overlap,
+         "compress acts on the blocking exchange (not with overlap)")
     rule("sync_overlap", not sync_overlap or intra == "mpi", "sync_overlap works with intra='mpi'")
     if overlap:
         rule("overlap", strategy in OVERLAP_STRATEGIES,

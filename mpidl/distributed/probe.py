@@ -49,7 +49,7 @@ def sleeping_barrier(comm, poll_s: float) -> None:
 
 def warm_up(dp, probe) -> None:
     """One untimed ``probe(2)`` per rank of ``dp``, the node's first rank first."""
-    saved = dp._buffers_host()  # probe passes must not move batch-norm statistics
+    saved = dp.buffers_host()  # probe passes must not move batch-norm statistics
     node = dp.topology.node
     for first_turn in (True, False):
         if (node.Get_rank() == 0) == first_turn:
@@ -66,7 +66,7 @@ def measure_costs(dp, probe) -> tuple[list[balance.RankCost], float]:
     """Every rank's ``t_i(b) = a_i + c_i b`` and the measurements' noise (collective; steps 2
     and 3 of the module docstring). The noise is the median over ranks of each rank's median
     over batch sizes of :func:`~mpidl.distributed.balance.timing_noise`."""
-    saved = dp._buffers_host()
+    saved = dp.buffers_host()
     sizes = probe_sizes(dp.batch_size, dp.size)
     measured_sizes, measured_times = [], []
     for round_ in range(PROBE_ROUNDS + 1):

@@ -49,7 +49,7 @@ from mpi4py import MPI
 
 from mpidl import kernels
 from mpidl.backend import get_array_module, is_device_array, to_host
-from mpidl.distributed.compress import Compressor
+from mpidl.distributed.compress import Compressor, check_compression
 from mpidl.distributed.message import COUNT, NONFINITE, SLOTS, STOP, check_message  # noqa: F401
 from mpidl.distributed.emulation import LinkModel, parse_link
 from mpidl.distributed.topology import Topology
@@ -57,6 +57,20 @@ from mpidl.distributed.topology import Topology
 LEVELS = ("intra", "inter", "world", "control")
 WEIGHTINGS = ("balanced", "uniform")
 CUDA_AWARE_ENV = "MPIDL_CUDA_AWARE_MPI"
+
+
+class OptionError(ValueError):
+    """A bad exchange option; :attr:`option` names the keyword argument that broke the rule."""
+
+    def __init__(self, option: str, message: str):
+        super().__init__(message)
+        self.option = option
+
+
+def check_weighting(weighting) -> str:
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"unknown weighting {weighting!r}; choose one of {', '.join(WEIGHTINGS)}")
+    return weighting
 
 
 def mpi_is_cuda_aware() -> bool:
@@ -161,8 +175,7 @@ class Reducer:
 
     def __init__(self, topology: Topology, weighting: str = "balanced",
                  emulate_link: LinkModel | str | None = None, compress: str = "none"):
-        if weighting not in WEIGHTINGS:
-            raise ValueError(f"unknown weighting {weighting!r}; choose one of {', '.join(WEIGHTINGS)}")
+        check_weighting(weighting)
         if isinstance(emulate_link, str):
             emulate_link = parse_link(emulate_link)
         if emulate_link is not None and not isinstance(emulate_link, LinkModel):
@@ -171,7 +184,7 @@ class Reducer:
         self.topology = topology
         self.weighting = weighting
         self.emulate_link = emulate_link
-        self.compressor = None if compress == "none" else Compressor(compress)
+        self.compressor = None if check_compression(compress) == "none" else Compressor(compress)
         self.steps_since_sync = 0
         self.shared = None
         self._buffers = _MPIBuffers()
