@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from numbers import Real
 from typing import Callable
 
+from mpidl.distributed.hdp import ComputeClock
 from mpidl.links import LinkModel, parse_link, parse_numbers as _parse_numbers  # noqa: F401
 
 
@@ -102,23 +103,6 @@ class Slowdown:
         slept = self.clock() - start
         self.lateness = max(0.0, self.lateness + 0.25 * ((slept - asked) - self.lateness))
         return slept
-
-
-class ComputeClock:
-    """Times this rank's compute: :meth:`start`, then :meth:`stop` returns the seconds since
-    (after ``synchronize()``, which waits for a device to finish)."""
-
-    def __init__(self, synchronize: Callable[[], None] | None = None):
-        self.synchronize = synchronize
-        self.start()
-
-    def start(self) -> None:
-        self._mark = time.perf_counter()
-
-    def stop(self) -> float:
-        if self.synchronize is not None:
-            self.synchronize()
-        return time.perf_counter() - self._mark
 
 
 class SlowedClock(ComputeClock):

@@ -9,8 +9,10 @@ so that the step reads on its own.
 from __future__ import annotations
 
 import statistics
+import time
 from collections import deque
 from numbers import Integral, Real
+from typing import Callable
 
 from mpidl.distributed import balance
 from mpidl.distributed import probe as speed_probe
@@ -46,6 +48,23 @@ def check_split_fits(batch_size: int, min_local_batch: int, world_size: int) -> 
     if min_local_batch * world_size > batch_size:
         raise ValueError(f"min_local_batch {min_local_batch} x {world_size} ranks is more than "
                          f"batch_size {batch_size}")
+
+
+class ComputeClock:
+    """Times this rank's compute: :meth:`start`, then :meth:`stop` returns the seconds since
+    (after ``synchronize()``, which waits for a device to finish)."""
+
+    def __init__(self, synchronize: Callable[[], None] | None = None):
+        self.synchronize = synchronize
+        self.start()
+
+    def start(self) -> None:
+        self._mark = time.perf_counter()
+
+    def stop(self) -> float:
+        if self.synchronize is not None:
+            self.synchronize()
+        return time.perf_counter() - self._mark
 
 
 class HeterogeneousSplit:
