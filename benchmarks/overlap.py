@@ -105,7 +105,7 @@ def main(argv=None) -> int:
             run_steps(model, dp, args.steps)
             elapsed = (time.perf_counter() - t0) / args.steps
             times[name].append(world.allreduce(elapsed, op=MPI.MAX))
-    buckets = len(contenders["flat overlap"][1].buckets)
+    buckets = len(contenders["flat overlap"][1].exchange.buckets)
     # EMULATED link seconds this rank slept per step (the modelled link time left exposed)
     slept = {name: world.allreduce(dp.reducer.emulated_seconds / (args.rounds * args.steps), op=MPI.MAX)
              for name, (_, dp) in contenders.items()}

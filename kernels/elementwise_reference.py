@@ -9,6 +9,7 @@ Any shape; ``a, b`` (``dy, y``) of one shape and dtype::
     add_relu(a, b)       = s * [s > 0],   s = a + b           (mpidl.nn.ReLU's values of the sum)
     relu_backward(dy, y) = dy * [y > 0]                        (y > 0 iff s > 0)
     add(a, b)            = a + b                               (a new array)
+    sigmoid(xp, x)       = 1 / (1 + exp(-x))                     (mpidl.nn.Sigmoid, the LSTM's gates)
 
 Multiplying by the mask rather than selecting keeps NumPy's values: a negative ``s`` gives
 ``-0.0``, and a NaN stays NaN (in ``s`` and in ``dy``).
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from mpidl.backend import get_array_module
 
-__all__ = ["all_finite", "add_relu", "relu_backward", "add"]
+__all__ = ["all_finite", "add_relu", "relu_backward", "add", "sigmoid"]
 
 
 def all_finite(x) -> bool:
@@ -42,3 +43,10 @@ def relu_backward(dy, y):
 def add(a, b):
     """``a + b`` elementwise (the gradients of a residual's two branches), a new array."""
     return a + b
+
+
+def sigmoid(xp, x):
+    """``1 / (1 + exp(-x))`` without overflow warnings: ``exp`` of a non-positive number only
+    (``exp(x) / (1 + exp(x))`` for ``x < 0``)."""
+    z = xp.exp(-xp.abs(x))
+    return xp.where(x >= 0, 1 / (1 + z), z / (1 + z))

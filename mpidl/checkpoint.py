@@ -192,12 +192,9 @@ def load_checkpoint(folder: str, dp, check) -> dict:
         check(meta, path)
     except (CheckpointError, OSError) as exc:
         problem = str(exc) if isinstance(exc, CheckpointError) else f"--resume: {exc}"
-    problems = dp.all_gather_object(problem)
-    first = next((p for p in problems if p is not None), None)
-    if first is not None:
-        failing = [r for r, p in enumerate(problems) if p is not None]
-        where = "" if len(failing) == dp.size else f" (on ranks {failing})"
-        raise CheckpointError(first + where)
+    problem = dp.agree_on_error(problem)
+    if problem is not None:
+        raise CheckpointError(problem)
     try:
         dp.load_state_dict(state)
     except ValueError as exc:  # already agreed by every rank

@@ -15,11 +15,10 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 
 from mpidl.backend import DEVICES, DTYPES
-from mpidl.distributed import ON_NAN, STRATEGIES, WEIGHTINGS
-from mpidl.distributed.compress import COMPRESSIONS
-from mpidl.distributed.data_parallel import BUCKET_MB, INTRA
-from mpidl.distributed.overlap import OVERLAP_STRATEGIES
+from mpidl.distributed import ON_NAN
 from mpidl.distributed.balance import parse_speeds
+from mpidl.distributed.compress import COMPRESSIONS
+from mpidl.distributed.exchange import BUCKET_MB, OptionError, check_options
 from mpidl.distributed.emulation import EMULATION_CLOCKS, parse_link, parse_slowdowns
 from mpidl.log import LEVELS
 from mpidl.models import MODELS
@@ -30,7 +29,6 @@ from mpidl.optim import OPTIMIZERS, SCHEDULES
 # strategy is one entry in its own module and nothing here.
 BALANCES = ("speed", "none")
 LOG_LEVELS = tuple(LEVELS)
-FAULT_KINDS = ("raise", "nan", "term")
 
 
 class ConfigError(ValueError):
@@ -75,7 +73,7 @@ class Config:
     balance_threshold: float = 0.05
     ranks_per_node: int | None = None
     check_replicas: bool = False
-    # hiding the communication
+    # communication
     intra: str = "mpi"
     overlap: bool = False
     bucket_mb: float = BUCKET_MB
@@ -95,15 +93,13 @@ class Config:
     quiet: bool = False
     log_level: str = "info"
     progress_every_s: float = 5.0
-    # failures
+    # what a non-finite reduced gradient does
     on_nan: str = "stop"
-    inject_fault: str | None = None
 
     # parsed forms of the string options, filled by validate()
     speed_list: list[float] | None = field(default=None, repr=False)
     slowdown_list: list[float] | None = field(default=None, repr=False)
     link: tuple[float, float] | None = field(default=None, repr=False)
-    fault: tuple[int, int, str] | None = field(default=None, repr=False)
     model_kwargs: dict = field(default_factory=dict, repr=False)
 
     def validate(self, world_size: int = 1) -> "Config":
@@ -122,9 +118,6 @@ class Config:
             self.model_kwargs = kwargs
         _choice("--optimizer", self.optimizer, OPTIMIZERS)
         _choice("--schedule", self.schedule, SCHEDULES)
-        _choice("--strategy", self.strategy, STRATEGIES)
-        _choice("--weighting", self.weighting, WEIGHTINGS)
-        _choice("--intra", self.intra, INTRA)
         if self.cache and self.data is None:
             raise ConfigError("--cache keeps samples of a --data file in memory; the built-in scene "
                               "is in memory already: give --data, or leave --cache out")
@@ -132,30 +125,14 @@ class Config:
         if self.emulate_clock != "wall" and self.emulate_slowdown is None:
             raise ConfigError(f"--emulate-clock {self.emulate_clock} says what --emulate-slowdown "
                               "multiplies: give --emulate-slowdown too")
-        _choice("--compress", self.compress, COMPRESSIONS)
-        if not (isinstance(self.bucket_mb, (int, float)) and math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
-            raise ConfigError(f"--bucket-mb must be a positive number of MiB, got {self.bucket_mb}")
-        if self.overlap and self.strategy not in OVERLAP_STRATEGIES:
-            raise ConfigError(f"--overlap works with --strategy {' or '.join(OVERLAP_STRATEGIES)}, "
-                              f"not {self.strategy}")
-        if self.overlap and self.intra != "mpi":
-            raise ConfigError("--overlap works with --intra mpi")
-        if self.overlap and self.device != "cpu":
-            raise ConfigError("--overlap needs --device cpu")
-        if self.intra == "shm" and self.device != "cpu":
-            raise ConfigError("--intra shm needs --device cpu (the window is host memory)")
-        if self.compress != "none" and self.strategy == "flat":
-            raise ConfigError("--compress acts on the inter-node level: use --strategy hierarchical or node")
-        if self.compress != "none" and self.overlap:
-            raise ConfigError("--compress works with the blocking exchange (no --overlap)")
-        if isinstance(self.sync_overlap, bool) or not isinstance(self.sync_overlap, int) or self.sync_overlap < 0:
-            raise ConfigError(f"--sync-overlap must be an integer >= 0 (steps), got {self.sync_overlap!r}")
-        if self.sync_overlap and self.strategy != "node":
-            raise ConfigError("--sync-overlap applies to --strategy node")
-        if self.sync_overlap and self.sync_overlap >= self.sync_every:
-            raise ConfigError(f"--sync-overlap {self.sync_overlap} must be smaller than --sync-every {self.sync_every}")
-        if self.sync_overlap and self.intra != "mpi":
-            raise ConfigError("--sync-overlap works with --intra mpi")
+        _positive_int("--sync-every", self.sync_every)
+        try:  # the exchange's own rules (mpidl/distributed/exchange.py), named by their option
+            check_options(strategy=self.strategy, weighting=self.weighting, sync_every=self.sync_every,
+                          intra=self.intra, overlap=self.overlap, bucket_mb=self.bucket_mb,
+                          compress=self.compress, sync_overlap=self.sync_overlap,
+                          host_memory=self.device == "cpu")
+        except OptionError as exc:
+            raise ConfigError(f"--{exc.option.replace('_', '-')}: {exc}") from None
         _choice("--balance", self.balance, BALANCES)
         if self.rebalance and self.balance == "none":
             raise ConfigError("--balance none keeps the equal split, and --rebalance would re-split it "
@@ -166,7 +143,6 @@ class Config:
         _choice("--device", self.device, DEVICES)
         _positive_int("--epochs", self.epochs)
         _positive_int("--batch-size", self.batch_size)
-        _positive_int("--sync-every", self.sync_every)
         _positive_int("--checkpoint-every", self.checkpoint_every)
         _positive_int("--rebalance-every", self.rebalance_every)
         if not (isinstance(self.balance_threshold, (int, float)) and 0 <= self.balance_threshold < 1):
@@ -208,21 +184,6 @@ class Config:
         if self.emulate_link is not None:
             link = _parsed("--emulate-link", "link", parse_link, self.emulate_link)
             self.link = (link.latency_us, link.gbit_s)
-        if self.inject_fault is not None:
-            parts = self.inject_fault.split(":")
-            try:
-                if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in FAULT_KINDS):
-                    raise ValueError
-                self.fault = (int(parts[0]), int(parts[1]), parts[2] if len(parts) == 3 else "raise")
-            except ValueError:
-                raise ConfigError(
-                    f"--inject-fault is RANK:STEP[:{'|'.join(FAULT_KINDS)}] (e.g. 1:5), got {self.inject_fault!r}"
-                ) from None
-            if not 0 <= self.fault[0] < world_size or self.fault[1] < 0:
-                raise ConfigError(
-                    f"--inject-fault {self.inject_fault}: rank must be in [0, {world_size}) "
-                    "and step >= 0"
-                )
         if self.resume and not self.checkpoint:
             raise ConfigError("--resume needs --checkpoint DIR (the folder to resume from)")
         if self.data is not None and os.path.isdir(self.data):
@@ -233,7 +194,7 @@ class Config:
 
     def to_dict(self) -> dict:
         """The user-facing options (JSON-serializable), for metrics, checkpoints and saved models."""
-        hidden = {"speed_list", "slowdown_list", "link", "fault", "model_kwargs"}
+        hidden = {"speed_list", "slowdown_list", "link", "model_kwargs"}
         return {k: v for k, v in asdict(self).items() if k not in hidden}
 
 
@@ -306,12 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
         "With no --data, trains on the built-in synthetic hyperspectral scene.",
         formatter_class=_HelpFormatter,
     )
-    g = p.add_argument_group("data and model")
+    g = p.add_argument_group("data")
     g.add_argument("--data", metavar="PATH", help="HDF5 dataset in the mpidl layout (default: the built-in synthetic scene)")
-    g.add_argument("--model", default=d.model, help=f"one of {', '.join(MODELS)}")
-    g.add_argument("--model-args", default=d.model_args, metavar="JSON",
-                   help="the model's width arguments as a JSON object, e.g. '{\"patch\": 1, \"depth\": 2}' "
-                        "for vit (see mpidl/models.py; default: the model's defaults)")
     g.add_argument("--augment", action="store_true",
                    help="random flips / 90-degree rotations of training patches (default off)")
     g.add_argument("--cache", action="store_true",
@@ -319,23 +276,30 @@ def build_parser() -> argparse.ArgumentParser:
                         "epochs do not read the file again (up to the whole training split per "
                         "rank, as the shuffle deals every sample to every rank in time; default off)")
 
-    g = p.add_argument_group("optimisation")
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=d.model, help=f"one of {', '.join(MODELS)}")
+    g.add_argument("--model-args", default=d.model_args, metavar="JSON",
+                   help="the model's width arguments as a JSON object, e.g. '{\"patch\": 1, \"depth\": 2}' "
+                        "for vit (see mpidl/models.py; default: the model's defaults)")
+    g.add_argument("--dtype", default=d.dtype, help="float32 or float64")
+    g.add_argument("--device", default=d.device, help="cpu or gpu (CuPy)")
+    g.add_argument("--seed", type=int, default=d.seed, help="seed of the model's initial weights, the data order and augmentation")
+
+    g = p.add_argument_group("optimization")
     g.add_argument("--epochs", type=int, default=d.epochs, help="passes over the training split")
     g.add_argument("--batch-size", type=int, default=d.batch_size,
                    help="the GLOBAL batch B, split over the ranks in proportion to their speed")
     g.add_argument("--drop-last", action="store_true",
                    help="skip each epoch's last, smaller global batch (as PyTorch's DataLoader option)")
+    g.add_argument("--optimizer", default=d.optimizer, help=f"one of {', '.join(OPTIMIZERS)}")
     g.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (of the schedule)")
     g.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum, in [0, 1)")
     g.add_argument("--nesterov", action="store_true", help="Nesterov momentum (--optimizer sgd)")
     g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="L2 weight decay (decoupled for adamw)")
-    g.add_argument("--optimizer", default=d.optimizer, help=f"one of {', '.join(OPTIMIZERS)}")
     g.add_argument("--schedule", default=d.schedule, help=f"one of {', '.join(SCHEDULES)}")
     g.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="steps of linear learning-rate warm-up")
     g.add_argument("--max-steps", type=int, default=None, help="stop after this many global steps (default: none, every epoch runs)")
-    g.add_argument("--seed", type=int, default=d.seed, help="seed of the model's initial weights, the data order and augmentation")
-    g.add_argument("--dtype", default=d.dtype, help="float32 or float64")
-    g.add_argument("--device", default=d.device, help="cpu or gpu (CuPy)")
+    g.add_argument("--on-nan", default=d.on_nan, help="NaN/Inf in the reduced gradient: stop or skip the step")
 
     g = p.add_argument_group("distribution")
     g.add_argument("--strategy", default=d.strategy,
@@ -346,6 +310,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sync-every", type=int, default=d.sync_every, help="K': steps between inter-node syncs (node strategy)")
     g.add_argument("--sync-optimizer-state", action="store_true",
                    help="node strategy: average optimizer state too at each inter-node sync")
+    g.add_argument("--ranks-per-node", type=int, default=None, metavar="K",
+                   help="group consecutive ranks into emulated nodes of K ranks (default: the real "
+                        "nodes, or env MPIDL_RANKS_PER_NODE)")
+    g.add_argument("--check-replicas", action="store_true", help="debug: compare parameter checksums after each global sync")
+
+    g = p.add_argument_group("balance (how the global batch is split over the ranks)")
     g.add_argument("--balance", default=d.balance,
                    help="speed: split B by the ranks' speeds (--speeds); none: equal split")
     g.add_argument("--speeds", default=d.speeds,
@@ -360,10 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "steps and re-split when the gain passes --balance-threshold")
     g.add_argument("--rebalance-every", type=int, default=d.rebalance_every, metavar="STEPS",
                    help="steps between re-fits with --rebalance")
-    g.add_argument("--ranks-per-node", type=int, default=None, metavar="K",
-                   help="group consecutive ranks into emulated nodes of K ranks (default: the real "
-                        "nodes, or env MPIDL_RANKS_PER_NODE)")
-    g = p.add_argument_group("hiding the communication")
+
+    g = p.add_argument_group("communication (how the exchange hides its cost)")
     g.add_argument("--intra", default=d.intra,
                    help=f"how the ranks of a node combine: mpi (MPI collectives on private "
                         f"replicas) or shm (one node-shared MPI-3 window holding the parameters "
@@ -380,8 +348,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="node strategy: start the inter-node parameter average without waiting and "
                         "apply it STEPS steps later, corrected by the local progress meanwhile "
                         "(--sync-overlap alone: 1 step; default 0: blocking)")
-    g = p.add_argument_group("distribution (debug)")
-    g.add_argument("--check-replicas", action="store_true", help="debug: compare parameter checksums after each global sync")
 
     g = p.add_argument_group("emulation (experiments on one machine; always reported as emulation)")
     g.add_argument("--emulate-slowdown", default=None, metavar="F0,F1,...",
@@ -404,13 +370,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-level", default=d.log_level, help=f"one of {', '.join(LOG_LEVELS)}")
     g.add_argument("--progress-every", dest="progress_every_s", type=float, default=d.progress_every_s,
                    metavar="SECONDS", help="progress line within an epoch at most this often")
-
-    g = p.add_argument_group("failures")
-    g.add_argument("--on-nan", default=d.on_nan, help="NaN/Inf in the reduced gradient: stop or skip the step")
-    g.add_argument("--inject-fault", default=None, metavar="RANK:STEP[:KIND]",
-                   help="TESTING AID: at global step STEP, rank RANK raises an exception (KIND raise, "
-                        "if KIND is left out), puts NaN into its local gradient (KIND nan), or sends itself "
-                        "SIGTERM (KIND term) (default: no fault)")
     return p
 
 

@@ -30,6 +30,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from mpidl.data_tools.synthetic import scene_splits
 from mpidl.layout import LAYOUT_VERSION, SCENE_KIND, LayoutError, channel_stats, cut_patches, validate_layout
 
 READ_MODES = ("runs", "fancy")
@@ -568,8 +569,6 @@ def synthetic_splits(seed: int = 0, *, rows: int = 64, cols: int = 64, bands: in
     layout file would be. ``meta`` has the keys of :func:`validate_layout` (``path`` is None).
     See :mod:`mpidl.data_tools.synthetic` for the scene and what models reach on it.
     """
-    from mpidl.data_tools.synthetic import scene_splits  # noqa: PLC0415 - avoid an import cycle
-
     if train_fraction is not None:
         train_per_class = None  # an explicit fraction replaces the default count
     scene, split = scene_splits(seed=seed, rows=rows, cols=cols, bands=bands, classes=classes,

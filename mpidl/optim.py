@@ -125,14 +125,15 @@ class Optimizer:
         does so before each step); it must then be >= 0.
 
     Subclasses set ``name``, allocate their state buffers in ``__init__`` and implement
-    :meth:`_update` and :meth:`_named_state`.
+    :meth:`_update` and :meth:`named_state`.
     """
 
     name: str = "optimizer"
     #: True when the update of element ``j`` reads and writes only element ``j`` of the
-    #: parameters, the gradient and every state buffer (SGD, Adam): then :meth:`step` can
-    #: update a slice ``[lo, hi)`` alone, as the node-shared buffers need
-    #: (:mod:`mpidl.distributed.shm`). Layer-wise rules (norms over a tensor) leave it False.
+    #: parameters, the gradient and every state buffer (SGD, Adam): then the optimizer over
+    #: a slice ``[lo, hi)`` of them (views) updates that slice alone, as the node-shared
+    #: buffers need (:mod:`mpidl.distributed.shm`). Layer-wise rules (norms over a tensor)
+    #: leave it False.
     elementwise: bool = False
 
     def __init__(self, params: Any, lr: float):
@@ -143,7 +144,6 @@ class Optimizer:
         # The one temporary every update may use; allocated here so that step() never
         # allocates a parameter-sized array.
         self._scratch = get_array_module(params.data).zeros_like(params.data)
-        self._chunk: slice | None = None  # the slice step(chunk=) updates, read by _view
 
     # -- learning rate ------------------------------------------------------------------
 
@@ -158,61 +158,13 @@ class Optimizer:
 
     # -- the step -----------------------------------------------------------------------
 
-    def step(self, chunk: tuple[int, int] | None = None, grad=None) -> None:
-        """Apply one update to ``params.data`` from ``params.grad`` (in place).
-
-        ``chunk = (lo, hi)``: update only ``params.data[lo:hi]`` and the same slice of the
-        state, from ``grad[lo:hi]`` (elementwise optimizers only, see :attr:`elementwise`);
-        the result equals the slice of a whole-buffer step. ``grad``: the gradient to apply,
-        a (P,) array (default ``params.grad``).
-        """
-        grad = self.params.grad if grad is None else grad
-        if chunk is None:
-            # Counted before the update so that the first step is t = 1, as in the formulas.
-            if self._scratch.size != self.params.data.size:  # shrunk by rebind_state
-                self._scratch = get_array_module(self.params.data).zeros_like(self.params.data)
-            self.step_count += 1
-            self._update(self.params.data, grad, self._scratch)
-            return
-        if not self.elementwise:
-            raise ValueError(f"optimizer {self.name!r} is not elementwise: it cannot update a slice "
-                             "of the parameters alone (use the replicated path, --intra mpi)")
-        lo, hi = int(chunk[0]), int(chunk[1])
-        if not 0 <= lo <= hi <= self.params.data.size:
-            raise ValueError(f"chunk {chunk} is not inside [0, {self.params.data.size}]")
-        if self._scratch.size < hi - lo:
-            self._scratch = get_array_module(self.params.data).zeros(hi - lo, dtype=self.params.data.dtype)
+    def step(self) -> None:
+        """Apply one update to ``params.data`` from ``params.grad`` (in place)."""
+        if self._scratch.shape != self.params.data.shape:  # the parameters were rebound
+            self._scratch = get_array_module(self.params.data).zeros_like(self.params.data)
+        # Counted before the update so that the first step is t = 1, as in the formulas.
         self.step_count += 1
-        self._chunk = slice(lo, hi)
-        try:
-            self._update(self.params.data[lo:hi], grad[lo:hi], self._scratch[: hi - lo])
-        finally:
-            self._chunk = None
-
-    def _view(self, buffer):
-        """The part of a (P,) state buffer the current update works on: all of it, or the
-        slice of ``step(chunk=)``."""
-        return buffer if self._chunk is None else buffer[self._chunk]
-
-    def rebind_state(self, buffers: list, copy: bool = True, scratch_size: int | None = None) -> None:
-        """Move the state buffers onto other memory (e.g. a node-shared window), in
-        :meth:`state_buffers` order, copying the values first with ``copy``; a subclass's
-        state names are its attribute names. ``scratch_size``: shrink the private scratch
-        buffer to what ``step(chunk=)`` of that many elements needs."""
-        named = self._named_state()
-        if len(buffers) != len(named):
-            raise ValueError(f"{self.name} has {len(named)} state buffers, got {len(buffers)}")
-        for (key, old), new in zip(named, buffers):
-            if getattr(self, key, None) is not old:
-                raise ValueError(f"{type(self).__name__}: state {key!r} is not the attribute of that name")
-            if new.shape != old.shape or new.dtype != old.dtype:
-                raise ValueError(f"state {key!r}: got {new.shape} {new.dtype}, expected {old.shape} {old.dtype}")
-        for (key, old), new in zip(named, buffers):
-            if copy:
-                new[...] = old
-            setattr(self, key, new)
-        if scratch_size is not None:
-            self._scratch = get_array_module(self.params.data).zeros(int(scratch_size), dtype=self.params.data.dtype)
+        self._update(self.params.data, self.params.grad, self._scratch)
 
     def _update(self, p, grad, scratch) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -229,20 +181,21 @@ class Optimizer:
 
     # -- state --------------------------------------------------------------------------
 
-    def _named_state(self) -> list[tuple[str, Any]]:
-        """``[(name, flat state buffer), ...]`` in a fixed order (empty when stateless)."""
+    def named_state(self) -> list[tuple[str, Any]]:
+        """``[(name, flat state buffer), ...]`` in a fixed order (empty when stateless); each
+        name is the attribute that holds the buffer."""
         return []
 
     def state_buffers(self) -> list:
         """The flat state buffers (P,) (e.g. to average them across replicas); the scratch
         buffer is not state and is not included."""
-        return [buffer for _, buffer in self._named_state()]
+        return [buffer for _, buffer in self.named_state()]
 
     def state_dict_host(self) -> dict[str, Any]:
         """A host copy of the state: ``name`` (str), ``step_count`` (int), ``lr`` (float)
         and one NumPy array (P,) per state buffer."""
         state: dict[str, Any] = {"name": self.name, "step_count": self.step_count, "lr": self.lr}
-        for key, buffer in self._named_state():
+        for key, buffer in self.named_state():
             state[key] = np.array(to_host(buffer), copy=True)
         return state
 
@@ -256,7 +209,7 @@ class Optimizer:
 
         Nothing is written unless every buffer matches (``ValueError`` / ``KeyError`` otherwise).
         """
-        named = self._named_state()
+        named = self.named_state()
         checkpoint_form = "state" in state
         if checkpoint_form:
             required = ["step_count"]
@@ -326,7 +279,7 @@ class SGD(Optimizer):
         xp = get_array_module(params.data)
         self.momentum_buffer = xp.zeros_like(params.data) if self.momentum > 0 else None
 
-    def _named_state(self):
+    def named_state(self):
         return [] if self.momentum_buffer is None else [("momentum_buffer", self.momentum_buffer)]
 
     def _update(self, p, grad, scratch) -> None:
@@ -337,7 +290,7 @@ class SGD(Optimizer):
             p -= scratch
             return
 
-        buf = self._view(self.momentum_buffer)
+        buf = self.momentum_buffer
         if self.step_count == 1:
             xp.copyto(buf, g)
         else:
@@ -366,7 +319,28 @@ class SGD(Optimizer):
                 f"nesterov={self.nesterov}, weight_decay={self.weight_decay:g})")
 
 
-class Adam(Optimizer):
+class MomentEstimates(Optimizer):
+    """Base of the Adam family: ``betas``, ``eps`` and ``weight_decay`` checked once, the first
+    moment ``exp_avg`` (m) and a second one (``exp_avg_sq`` v, or Adamax's ``exp_inf`` u)."""
+
+    #: the attribute name of the second moment
+    second_moment = "exp_avg_sq"
+
+    def __init__(self, params: Any, lr: float, betas: tuple[float, float], eps: float,
+                 weight_decay: float):
+        super().__init__(params, lr)
+        self.betas = _check_betas(betas)
+        self.eps = _check_number("eps", eps, low=0.0)
+        self.weight_decay = _check_number("weight_decay", weight_decay, low=0.0)
+        xp = get_array_module(params.data)
+        self.exp_avg = xp.zeros_like(params.data)
+        setattr(self, self.second_moment, xp.zeros_like(params.data))
+
+    def named_state(self):
+        return [("exp_avg", self.exp_avg), (self.second_moment, getattr(self, self.second_moment))]
+
+
+class Adam(MomentEstimates):
     """Adam with bias correction and L2 weight decay added to the gradient, with the
     semantics of ``torch.optim.Adam`` (``amsgrad=False``).
 
@@ -398,21 +372,7 @@ class Adam(Optimizer):
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0):
-        super().__init__(params, lr)
-        try:
-            beta1, beta2 = betas
-        except (TypeError, ValueError):
-            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}") from None
-        self.betas = (_check_number("betas[0]", beta1, low=0.0, high=1.0),
-                      _check_number("betas[1]", beta2, low=0.0, high=1.0))
-        self.eps = _check_number("eps", eps, low=0.0)
-        self.weight_decay = _check_number("weight_decay", weight_decay, low=0.0)
-        xp = get_array_module(params.data)
-        self.exp_avg = xp.zeros_like(params.data)      # m: first moment
-        self.exp_avg_sq = xp.zeros_like(params.data)   # v: second moment
-
-    def _named_state(self):
-        return [("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)]
+        super().__init__(params, lr, betas, eps, weight_decay)
 
     def _update(self, p, grad, scratch) -> None:
         xp = get_array_module(p)
@@ -425,7 +385,7 @@ class Adam(Optimizer):
         else:
             g = self._l2_gradient(p, grad, scratch, self.weight_decay)  # grad, or scratch
 
-        m, v = self._view(self.exp_avg), self._view(self.exp_avg_sq)
+        m, v = self.exp_avg, self.exp_avg_sq
         # m = beta1*m + (1-beta1)*g, written as m = g + beta1*(m - g): the same value, but it
         # needs no temporary while g may itself occupy the scratch buffer.
         m -= g
@@ -528,7 +488,7 @@ class RMSprop(Optimizer):
         self.grad_avg = xp.zeros_like(params.data) if self.centered else None
         self._scratch2 = xp.zeros_like(params.data) if self.weight_decay != 0 else None
 
-    def _named_state(self):
+    def named_state(self):
         state = [("square_avg", self.square_avg)]
         if self.momentum_buffer is not None:
             state.append(("momentum_buffer", self.momentum_buffer))
@@ -609,7 +569,7 @@ class Adagrad(Optimizer):
         self.sum = xp.full_like(params.data, self.initial_accumulator_value)
         self._scratch2 = xp.zeros_like(params.data) if self.weight_decay != 0 else None
 
-    def _named_state(self):
+    def named_state(self):
         return [("sum", self.sum)]
 
     def _update(self, p, grad, scratch) -> None:
@@ -629,7 +589,7 @@ class Adagrad(Optimizer):
                 f"initial_accumulator_value={self.initial_accumulator_value:g}, eps={self.eps:g})")
 
 
-class RAdam(Optimizer):
+class RAdam(MomentEstimates):
     """Rectified Adam (Liu et al., 2020), with the semantics of ``torch.optim.RAdam``
     (L2 weight decay into the gradient, ``decoupled_weight_decay=False``).
 
@@ -664,16 +624,7 @@ class RAdam(Optimizer):
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0):
-        super().__init__(params, lr)
-        self.betas = _check_betas(betas)
-        self.eps = _check_number("eps", eps, low=0.0)
-        self.weight_decay = _check_number("weight_decay", weight_decay, low=0.0)
-        xp = get_array_module(params.data)
-        self.exp_avg = xp.zeros_like(params.data)
-        self.exp_avg_sq = xp.zeros_like(params.data)
-
-    def _named_state(self):
-        return [("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)]
+        super().__init__(params, lr, betas, eps, weight_decay)
 
     def rectification(self, t: int) -> float | None:
         """``r`` at step ``t``, or None while ``rho_t <= 5`` (the un-adapted step)."""
@@ -714,7 +665,7 @@ class RAdam(Optimizer):
                 f"eps={self.eps:g}, weight_decay={self.weight_decay:g})")
 
 
-class NAdam(Optimizer):
+class NAdam(MomentEstimates):
     """Adam with Nesterov momentum (Dozat, 2016), with the semantics of ``torch.optim.NAdam``
     (L2 weight decay into the gradient).
 
@@ -747,19 +698,10 @@ class NAdam(Optimizer):
 
     def __init__(self, params: Any, lr: float = 2e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, momentum_decay: float = 4e-3):
-        super().__init__(params, lr)
-        self.betas = _check_betas(betas)
-        self.eps = _check_number("eps", eps, low=0.0)
-        self.weight_decay = _check_number("weight_decay", weight_decay, low=0.0)
+        super().__init__(params, lr, betas, eps, weight_decay)
         self.momentum_decay = _check_number("momentum_decay", momentum_decay, low=0.0)
-        xp = get_array_module(params.data)
-        self.exp_avg = xp.zeros_like(params.data)
-        self.exp_avg_sq = xp.zeros_like(params.data)
-        self._scratch2 = xp.zeros_like(params.data)
+        self._scratch2 = get_array_module(params.data).zeros_like(params.data)
         self._mu_product = (0, 1.0)  # (t, Pi_t)
-
-    def _named_state(self):
-        return [("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)]
 
     def mu(self, t: int) -> float:
         return self.betas[0] * (1.0 - 0.5 * 0.96 ** (t * self.momentum_decay))
@@ -816,7 +758,7 @@ class NAdam(Optimizer):
                 f"weight_decay={self.weight_decay:g}, momentum_decay={self.momentum_decay:g})")
 
 
-class Adamax(Optimizer):
+class Adamax(MomentEstimates):
     """Adamax, Adam with the infinity norm (Kingma & Ba, 2015, section 7.1), with the
     semantics of ``torch.optim.Adamax``.
 
@@ -841,19 +783,11 @@ class Adamax(Optimizer):
     """
 
     name = "adamax"
+    second_moment = "exp_inf"
 
     def __init__(self, params: Any, lr: float = 2e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0):
-        super().__init__(params, lr)
-        self.betas = _check_betas(betas)
-        self.eps = _check_number("eps", eps, low=0.0)
-        self.weight_decay = _check_number("weight_decay", weight_decay, low=0.0)
-        xp = get_array_module(params.data)
-        self.exp_avg = xp.zeros_like(params.data)
-        self.exp_inf = xp.zeros_like(params.data)
-
-    def _named_state(self):
-        return [("exp_avg", self.exp_avg), ("exp_inf", self.exp_inf)]
+        super().__init__(params, lr, betas, eps, weight_decay)
 
     def _update(self, p, grad, scratch) -> None:
         xp = get_array_module(p)
@@ -913,7 +847,7 @@ class Adadelta(Optimizer):
         self.acc_delta = xp.zeros_like(params.data)
         self._scratch2 = xp.zeros_like(params.data)
 
-    def _named_state(self):
+    def named_state(self):
         return [("square_avg", self.square_avg), ("acc_delta", self.acc_delta)]
 
     def _update(self, p, grad, scratch) -> None:
@@ -943,7 +877,7 @@ class Adadelta(Optimizer):
                 f"weight_decay={self.weight_decay:g})")
 
 
-class LAMB(Optimizer):
+class LAMB(MomentEstimates):
     """LAMB, layer-wise adaptive moments (You et al., 2020, Algorithm 2), with bias
     correction and decoupled weight decay.
 
@@ -977,22 +911,13 @@ class LAMB(Optimizer):
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.0):
-        super().__init__(params, lr)
-        self.betas = _check_betas(betas)
-        self.eps = _check_number("eps", eps, low=0.0)
-        self.weight_decay = _check_number("weight_decay", weight_decay, low=0.0)
-        xp = get_array_module(params.data)
-        self.exp_avg = xp.zeros_like(params.data)
-        self.exp_avg_sq = xp.zeros_like(params.data)
+        super().__init__(params, lr, betas, eps, weight_decay)
         offsets = getattr(params, "offsets", None)
         shapes = getattr(params, "shapes", None)
         if offsets is None or shapes is None:
             self.segments = [(0, int(params.data.size))]
         else:
             self.segments = [(int(o), int(o) + math.prod(s)) for o, s in zip(offsets, shapes)]
-
-    def _named_state(self):
-        return [("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)]
 
     def _update(self, p, grad, scratch) -> None:
         xp = get_array_module(p)

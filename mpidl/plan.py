@@ -37,8 +37,7 @@ communicating. Assumptions: every rank computes at the same speed (no stragglers
 overlap of communication with compute (mpidl reduces after the backward pass); the links
 are uncontended (one leader per node talks across the network; in ``flat`` every rank's
 ring step crosses the slowest link); the non-exact ``node`` scheme's extra epochs to reach
-the same accuracy are not modelled (measured: -0.3 to -0.6 OA points after 4 epochs at
-K'=50 on 2 x 2, README).
+the same accuracy are not modelled (benchmarks/results/node.md measures them).
 
 ``--measure`` times the step in rounds (:func:`measure_rounds`) and prints their median and
 range; when the machine looks loaded (the rounds differ by more than ``WIDE_SPREAD`` of their
@@ -62,54 +61,39 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 
+from mpidl.links import LinkModel
+from mpidl.links import parse_link as parse_link_model
+
 STRATEGY_NAMES = ("flat", "hierarchical", "node")
 ALGORITHMS = ("best", "ring", "tree")
 DEFAULT_SYNC_EVERY = (1, 2, 5, 10, 20, 50, 100, 200)
 
 
-@dataclass(frozen=True)
-class Link:
-    """``latency_us`` (alpha, microseconds) and ``gbit_s`` (bandwidth)."""
-
-    latency_us: float
-    gbit_s: float
-
-    @property
-    def alpha(self) -> float:
-        return self.latency_us * 1e-6
-
-    @property
-    def beta(self) -> float:
-        return self.gbit_s * 1e9 / 8.0
-
-    def __str__(self) -> str:
-        return f"{self.latency_us:g} us, {self.gbit_s:g} Gbit/s"
+#: the planner's links are the emulation's (one alpha-beta model)
+Link = LinkModel
 
 
 def parse_link(text: str, option: str) -> Link:
-    parts = [p.strip() for p in str(text).split(",")]
+    """``LATENCY_US,GBIT_S`` for ``option``; ValueError naming it."""
     try:
-        lat, bw = (float(p) for p in parts)
-    except ValueError:
-        raise ValueError(f"{option}: expected LATENCY_US,GBIT_S (e.g. 10,25), got {text!r}") from None
-    if not (math.isfinite(lat) and lat >= 0 and math.isfinite(bw) and bw > 0):
-        raise ValueError(f"{option}: latency must be >= 0 and bandwidth > 0, got {text!r}")
-    return Link(lat, bw)
+        return parse_link_model(text)
+    except ValueError as exc:
+        raise ValueError(f"{option}: {exc}") from None
 
 
 def ring_allreduce(n: float, L: int, link: Link) -> float:
     """``2 (L - 1) (alpha + n / (L beta))``; 0 for ``L <= 1``."""
-    return 0.0 if L <= 1 else 2 * (L - 1) * (link.alpha + n / (L * link.beta))
+    return link.allreduce_seconds(n, L)
 
 
 def tree_allreduce(n: float, L: int, link: Link) -> float:
     """``2 ceil(log2 L) (alpha + n / beta)``; 0 for ``L <= 1``."""
-    return 0.0 if L <= 1 else 2 * math.ceil(math.log2(L)) * (link.alpha + n / link.beta)
+    return link.tree_allreduce_seconds(n, L)
 
 
 def tree_bcast(n: float, L: int, link: Link) -> float:
     """Binomial broadcast (or reduce): ``ceil(log2 L) (alpha + n / beta)``; 0 for ``L <= 1``."""
-    return 0.0 if L <= 1 else math.ceil(math.log2(L)) * (link.alpha + n / link.beta)
+    return link.tree_bcast_seconds(n, L)
 
 
 def allreduce(n: float, L: int, link: Link, algorithm: str = "best") -> float:

@@ -1,8 +1,8 @@
 """The thread policy: how many threads each process of mpidl uses, and how they wait.
 
 mpidl applies it itself, wherever it runs (the CLI, the Python API, the tests, the
-benchmarks): ``import mpidl`` sets the wait policy, and :func:`apply` (called by
-``build_model``, by ``DataParallel`` and by the CLI, idempotent) sets the thread counts. A
+benchmarks): :func:`apply` (called when a model is built, and by ``DataParallel`` with the
+number of ranks on the machine; idempotent) sets the thread counts and the wait policies. A
 user's explicit environment settings always win.
 
 Three thread pools share the cores: OpenBLAS's (the GEMMs), OpenMP's (Numba's
@@ -10,12 +10,8 @@ Three thread pools share the cores: OpenBLAS's (the GEMMs), OpenMP's (Numba's
 Python threads (:mod:`mpidl.blas`). Left at their defaults they fight: each runs one thread per
 core, and both OpenBLAS and libgomp keep their idle workers spinning after a call (OpenBLAS
 for about 0.1 s, libgomp for its ``GOMP_SPINCOUNT`` before it sleeps), so the next kernel of
-the other pool finds the cores taken. Measured on 2 cores (hsicnn, batch 64, one training step,
-fresh processes, loaded machine): nothing set 40 ms; ``OMP_WAIT_POLICY=PASSIVE`` alone
-20-24 ms; ``OPENBLAS_THREAD_TIMEOUT=4`` alone 64-107 ms (then OpenMP spins instead);
-both 13-14 ms; one OpenBLAS thread and passive OpenMP 17-24 ms (before mpidl split the
-products itself). The spinning is the cost, not the counts. With this policy and nothing set,
-``benchmarks/step.py`` (README, "One training step vs PyTorch") measures the API path.
+the other pool finds the cores taken. The spinning is the cost, not the counts: each pool's
+idle workers must sleep (measurements: benchmarks/results/thread_policy.md).
 
 The policy
 ----------
@@ -24,7 +20,7 @@ The policy
   (``MPI_LOCALNRANKS`` of MPICH, ``OMPI_COMM_WORLD_LOCAL_SIZE`` of Open MPI,
   ``SLURM_NTASKS_PER_NODE``) at first, then the shared-memory communicator's size when
   ``DataParallel`` or the CLI builds its topology. At least 1.
-* OpenMP workers wait passively (``OMP_WAIT_POLICY=PASSIVE``, set on ``import mpidl``, unless
+* OpenMP workers wait passively (``OMP_WAIT_POLICY=PASSIVE``, set by :func:`apply` unless
   already set; libgomp reads it when Numba first starts a parallel kernel, which is later).
 * Numba's kernels run on ``T`` threads (``numba.set_num_threads``), unless
   ``NUMBA_NUM_THREADS`` is set, which then decides.
@@ -43,15 +39,10 @@ The policy
   When the user sets ``OPENBLAS_NUM_THREADS`` or ``MKL_NUM_THREADS``, BLAS keeps that count and
   mpidl does not split single products; :func:`one_blas_thread` still applies.
 
-Why BLAS's own threads rather than mpidl's split, measured on a 2-core AMD EPYC (Zen 1, AVX2)
-VM: the weight gradient of vit's Linear layers, ``dy^T x`` of (128, 3200) by (3200, 64) in
-float32, takes 0.95 ms on OpenBLAS's 2 threads (PyTorch: 0.90 ms) but 2.4-2.7 ms split in two
-one-thread calls on two Python threads, slower than one thread alone (1.7-2.0 ms); the same two
-halves run 0.83 ms each in two processes at once, so it is two threads of one process calling
-OpenBLAS, not the cores. One training step (``benchmarks/profile_layers.py``, fresh process,
-nothing set), split -> BLAS threads: vit 81 -> 67 ms, resnet8 124-128 -> 119, hsicnn 47 -> 44,
-mlp 1.3 -> 0.9. Re-reading the environment and restarting the pool go through ``ctypes``:
-OpenBLAS exports both (``openblas_read_env``, ``blas_thread_shutdown_``, the latter what it
+Why BLAS's own threads rather than mpidl's split: two threads of one process calling
+a one-thread OpenBLAS each run slower than one BLAS call on two threads (the measurements are
+in benchmarks/results/thread_policy.md). Re-reading the environment and restarting the pool go
+through ``ctypes``: OpenBLAS exports both (``openblas_read_env``, ``blas_thread_shutdown_``, the latter what it
 runs itself before a ``fork``) but documents neither, so the result is checked and the
 fallback above taken when it does not hold. Call :func:`apply` when no other thread is inside
 a BLAS call (mpidl calls it before the first step).
@@ -62,8 +53,8 @@ a BLAS call (mpidl calls it before the first step).
   does (``OMP_NUM_THREADS=1``, or as many ranks as cores), nor does SciPy's OpenBLAS in any
   process (mpidl calls it with one thread). The counts in force are not changed; where
   the idle workers cannot be made to sleep (below), nothing is primed, as they would spin.
-* glibc's ``malloc`` keeps freed memory in the process (:func:`set_malloc_policy`, on ``import
-  mpidl``), unless ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_`` is set. Not a thread
+* glibc's ``malloc`` keeps freed memory in the process (:func:`set_malloc_policy`, on the first
+  :func:`apply`), unless ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_`` is set. Not a thread
   setting, but the same kind of process-wide choice that decides a step's speed, so it lives
   here. It goes through ``ctypes`` because no library exposes ``mallopt``.
 
@@ -109,12 +100,7 @@ def set_malloc_policy() -> bool:
     gradients). By default glibc serves such a block with ``mmap`` and ``munmap``s it on free, or
     trims the heap top, so the next step's array of the same size starts as fresh pages: a page
     fault per 4 KiB on first touch, inside kernels that would otherwise run at memory speed.
-    Measured on resnet8 (benchmarks/step.py, batch 64, 2 threads, 3 rounds, a noisy 2-core VM):
-    89.5 -> 85.3 and 79.7 -> 74.2 ms per step in two before/after pairs (the same thresholds as
-    environment variables: 90.4 / 88.0 -> 78.4 / 77.0 ms); no change at one thread; the
-    FusedResidual backward (page-faulting fresh outputs) 5.6 -> 2.7 ms in profile_layers.py.
-    The peak resident size is unchanged (422 MB): the same blocks are reused step after step,
-    and the resident growth during the timed steps falls from 11-15 MB to 0.
+    The peak resident size does not grow: the same blocks are reused step after step.
     """
     if any(name in os.environ for name in _MALLOC_ENV):
         return False
@@ -172,6 +158,8 @@ def apply(ranks_per_machine: int | None = None) -> dict:
     if _state["applied"] == threads:
         return describe()
     set_wait_policy()
+    if _state["applied"] is None:
+        set_malloc_policy()
     import numba  # noqa: PLC0415 - imports NumPy; kept out of ``import mpidl``
     from threadpoolctl import threadpool_limits  # noqa: PLC0415
 
@@ -206,18 +194,10 @@ def _prime_openblas() -> list[str]:
     """Run one ``PRIME_THREADS``-thread ``sgemm`` and ``dgemm`` on every loaded OpenBLAS, the
     thread counts restored after; returns the libraries' file names.
 
-    Why, measured on the 2-core Zen 1 VM (OpenBLAS 0.3.31, NumPy's and SciPy's wheels):
-    vit's weight gradient ``dy^T x``, (128, 3200) by (3200, 64) in float32 on one thread,
-    takes 4.4 ms in a process whose OpenBLAS never ran a multithreaded ``sgemm`` and 1.5-1.8
-    ms after one (4.4 and 8.5 ms without, 1.7 ms with, when the process is pinned to one
-    core); the float64 product 3.8 -> 3.3 ms after a ``dgemm``, which an ``sgemm`` does not
-    change. Each library needs its own call (SciPy's, behind Numba's ``np.dot``, stays slow
-    after NumPy's was primed). With the kernel's transparent huge pages set to ``always``
-    instead of this machine's ``madvise``, the product takes 1.5 ms unprimed: consistent with
-    OpenBLAS's multithreaded path leaving its buffers on huge pages (not checked in its
-    source). Effect on one training step, one thread (``OMP_NUM_THREADS=1``, fresh
-    processes): vit 111-116 -> 83-91 ms, spectral_lstm 9.1 -> 6.3 ms, resnet8 223 -> 198 ms,
-    hsicnn 55 -> 53 ms; none at two threads. A library that is not OpenBLAS is left alone.
+    Why: a one-thread product with a long inner dimension runs several times slower in a
+    process whose OpenBLAS never ran a multithreaded product of that precision, and each
+    library (NumPy's, and SciPy's behind Numba's ``np.dot``) needs its own call
+    (benchmarks/results/thread_policy.md). A library that is not OpenBLAS is left alone.
     """
     import numpy as np  # noqa: PLC0415
     from threadpoolctl import threadpool_info, threadpool_limits  # noqa: PLC0415
@@ -306,13 +286,12 @@ def _user_sets_blas_threads() -> bool:
 
 def one_blas_thread():
     """A context in which BLAS runs one thread: for a Numba kernel that calls BLAS (``np.dot``)
-    from its parallel threads, where a multithreaded BLAS oversubscribes the cores (resnet8's
-    step went from 66 to 100-137 ms with ``OPENBLAS_NUM_THREADS=2``, 2 cores) and OpenBLAS,
+    from its parallel threads, where a multithreaded BLAS oversubscribes the cores and OpenBLAS,
     called inside an OpenMP region, warns that it may hang; and for a stack of products too
     small for BLAS's threads (:func:`mpidl.blas.batched_matmul`). When BLAS already runs one
     thread this does nothing; else every BLAS library's count is set to 1 for the context and
     restored after (through ``threadpoolctl``'s controllers of the loaded libraries, kept from
-    the first call: about 5 us each way)."""
+    the first call)."""
     if _state["applied"] is None:
         apply()
     if _state["blas_threads"] == 1:

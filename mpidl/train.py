@@ -35,7 +35,6 @@ import sys
 
 
 def main(argv=None) -> int:
-    from mpidl import threads
     from mpidl.checkpoint import CheckpointError
     from mpidl.config import ConfigError, parse_config
     from mpidl.distributed import NonFiniteGradient, Topology
@@ -44,10 +43,9 @@ def main(argv=None) -> int:
     from mpidl.log import Printer
 
     rank, size = world()
-    # The ranks on this machine share its cores (the thread policy, mpidl/threads.py); the
-    # rank among them picks the GPU.
-    local_rank, ranks_on_machine = machine_rank_and_size()
-    threads.apply(ranks_per_machine=ranks_on_machine)
+    # The rank among the ranks on this machine picks the GPU. (The thread policy is applied
+    # when the model is built, and again by DataParallel for the ranks on this machine.)
+    local_rank, _ = machine_rank_and_size()
     # An unexpected exception anywhere (a bug, not a bad input) must not leave ranks hanging.
     sys.excepthook = abort_on_uncaught_exception
 

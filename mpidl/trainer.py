@@ -32,6 +32,7 @@ import numpy as np
 
 from mpidl.checkpoint import CHECKPOINT_NAME, CheckpointError, load_checkpoint, save_checkpoint, save_model
 from mpidl.distributed import DataParallel, NonFiniteGradient
+from mpidl.faults import ENV, InjectedFault, fault_from_environment
 from mpidl.log import MetricsWriter, RankTimingLog
 from mpidl.metrics import classification_report, confusion_matrix
 from mpidl.nn import SoftmaxCrossEntropy
@@ -41,10 +42,6 @@ from mpidl.outputs import rescue_model
 EVAL_BATCH = 512
 #: samples the speed probe cycles through (at most the training set)
 PROBE_SAMPLES = 64
-
-
-class InjectedFault(RuntimeError):
-    """Raised by ``--inject-fault RANK:STEP`` (a testing aid)."""
 
 
 class OutputWriteError(RuntimeError):
@@ -156,6 +153,8 @@ class Trainer:
         if self._signalled:
             self.dp.request_stop()
         self.rank = self.dp.rank
+        #: the tests' injected fault (mpidl/faults.py), or None
+        self.fault = fault_from_environment(self.dp.size)
         self.start_epoch = 0
         self.start_step_in_epoch = 0
         self.metrics = MetricsWriter(cfg.metrics, self.rank, append=cfg.resume)
@@ -207,16 +206,15 @@ class Trainer:
 
     def train_step(self, local: np.ndarray, totals: EpochTotals) -> None:
         """One global step on this rank (every rank calls it for every step)."""
-        cfg = self.cfg
         step = self.dp.steps
-        fault = cfg.fault if cfg.fault is not None and cfg.fault[:2] == (self.rank, step) else None
-        if fault and fault[2] == "raise":
-            raise InjectedFault(f"injected fault on rank {self.rank} at step {step} (--inject-fault)")
-        if fault and fault[2] == "term":
+        fault = self.fault.at(self.rank, step) if self.fault is not None else None
+        if fault == "raise":
+            raise InjectedFault(f"injected fault on rank {self.rank} at step {step} ({ENV})")
+        if fault == "term":
             os.kill(os.getpid(), signal.SIGTERM)  # the real handler, at a known step
         self.optimizer.lr = self.schedule(step)
         loss = self.compute(local)
-        if fault and fault[2] == "nan":  # a poisoned local gradient, to test the collective decision
+        if fault == "nan":  # a poisoned local gradient, to test the collective decision
             self.params.grad[0] = float("nan")
         try:
             self.dp.step(len(local))
@@ -333,7 +331,7 @@ class Trainer:
             write()
         except OSError as exc:
             problem = rescue_model(save_model, self.model, path, exc, what)
-        problem = next((p for p in self.dp.all_gather_object(problem) if p is not None), None)
+        problem = self.dp.agree_on_error(problem)
         if problem is not None:
             raise OutputWriteError(problem)
 

@@ -13,12 +13,25 @@ def test_defaults_are_valid():
 
 def test_lists_are_parsed():
     cfg = parse_config(["--speeds", "1,2,3,4", "--emulate-slowdown", "1,1,2,4",
-                        "--emulate-link", "50,1", "--inject-fault", "1:5"], world_size=4)
+                        "--emulate-link", "50,1"], world_size=4)
     assert cfg.speed_list == [1, 2, 3, 4]
     assert cfg.slowdown_list == [1, 1, 2, 4]
     assert cfg.link == (50.0, 1.0)
-    assert cfg.fault == (1, 5, "raise")
-    assert parse_config(["--inject-fault", "0:2:nan"]).fault == (0, 2, "nan")
+
+
+def test_fault_injection_is_read_from_the_environment_not_the_command_line(monkeypatch):
+    from mpidl.faults import ENV, Fault, fault_from_environment, parse_fault
+    assert parse_fault("1:5", 4) == Fault(1, 5, "raise") and parse_fault("0:2:nan", 1) == Fault(0, 2, "nan")
+    assert Fault(1, 5).at(1, 5) == "raise" and Fault(1, 5).at(0, 5) is None
+    for text, message in (("x", "is RANK:STEP"), ("5:1", r"rank must be in \[0, 2\)"), ("1:1:boom", "is RANK:STEP")):
+        with pytest.raises(ValueError, match=message):
+            parse_fault(text, 2)
+    monkeypatch.delenv(ENV, raising=False)
+    assert fault_from_environment(2) is None
+    monkeypatch.setenv(ENV, "1:3:term")
+    assert fault_from_environment(2) == Fault(1, 3, "term")
+    with pytest.raises(ConfigError, match="unrecognized arguments: --inject-fault"):
+        parse_config(["--inject-fault", "1:5"], world_size=2)
 
 
 @pytest.mark.parametrize(
@@ -33,7 +46,7 @@ def test_lists_are_parsed():
         (["--speeds", "1,0,1,1"], 4, "--speeds: entry 1 ('0') must be a finite number > 0"),
         (["--speeds", "1,x,1,1"], 4, "--speeds: entry 1 ('x') is not a number"),
         (["--sync-every", "0"], 1, "--sync-every must be a positive integer"),
-        (["--strategy", "ring"], 1, "--strategy 'ring' is not one of"),
+        (["--strategy", "ring"], 1, "--strategy: unknown strategy 'ring'"),
         (["--weighting", "weird"], 1, "--weighting"),
         (["--lr", "0"], 1, "--lr must be a positive number"),
         (["--momentum", "1.5"], 1, "--momentum must be in [0, 1)"),
@@ -42,8 +55,6 @@ def test_lists_are_parsed():
         (["--emulate-slowdown", "1,0.5"], 2, "must be >= 1"),
         (["--emulate-link", "50"], 1, "--emulate-link: expected 'LATENCY_US,GBIT_S'"),
         (["--emulate-link", "50,0"], 1, "--emulate-link: link gbit_s must be a finite number > 0"),
-        (["--inject-fault", "x"], 2, "--inject-fault is RANK:STEP[:raise|nan|term]"),
-        (["--inject-fault", "5:1"], 2, "rank must be in [0, 2)"),
         (["--resume"], 1, "--resume needs --checkpoint"),
         (["--balance", "none", "--rebalance"], 2, "--balance none keeps the equal split"),
         (["--emulate-clock", "cpu"], 2, "give --emulate-slowdown too"),

@@ -1,4 +1,4 @@
-"""The serial parts of hiding the communication: slice-wise optimizer steps, rebinding the
+"""The serial parts of hiding the communication: slice optimizers (intra='shm'), rebinding the
 flat buffers, the bucket plan, the backward hook, the link timeline, 16-bit compression with
 error feedback, and the configuration options."""
 
@@ -9,6 +9,7 @@ from mpidl.config import ConfigError, parse_config
 from mpidl.distributed.compress import Compressor, from_bf16, to_bf16
 from mpidl.distributed.emulation import LinkModel, LinkTimeline
 from mpidl.distributed.overlap import Bucket, plan_buckets
+from mpidl.distributed.shm import move_state, slice_optimizer
 from mpidl.nn import Linear, ReLU, Sequential
 from mpidl.optim import SGD, Adam, AdamW
 from mpidl.params import FlatParameters, Parameter, uniform
@@ -26,37 +27,36 @@ class Flat:
     (Adam, {"weight_decay": 1e-2}), (AdamW, {}),
 ])
 def test_slice_steps_equal_the_whole_step(cls, kwargs):
-    """Three optimizers on one shared parameter/state memory, each stepping its slice (what
+    """Three slice optimizers on one parameter/state memory, each stepping its slice (what
     the ranks of a node do under intra='shm'), equal one whole-buffer optimizer."""
     whole, shared = Flat(11, 0), Flat(11, 0)
     reference = cls(whole, 0.1, **kwargs)
-    owners = [cls(shared, 0.1, **kwargs) for _ in range(3)]
-    for o in owners[1:]:
-        o.rebind_state(owners[0].state_buffers(), copy=False)
+    owner = cls(shared, 0.1, **kwargs)
+    parts = [slice_optimizer(owner, lo, hi, shared.grad) for lo, hi in [(0, 4), (4, 4), (4, 11)]]  # one empty
     for t in range(4):
         whole.grad[...] = shared.grad[...] = np.random.default_rng(t).standard_normal(11)
         reference.step()
-        for o, chunk in zip(owners, [(0, 4), (4, 4), (4, 11)]):  # an empty slice too
-            o.step(chunk=chunk)
+        for part in parts:
+            part.lr, part.step_count = owner.lr, owner.step_count
+            part.step()
+        owner.step_count = parts[0].step_count
     assert np.array_equal(whole.data, shared.data)
-    for a, b in zip(reference.state_buffers(), owners[0].state_buffers()):
+    for a, b in zip(reference.state_buffers(), owner.state_buffers()):
         assert np.array_equal(a, b)
 
 
-def test_step_with_another_gradient_and_refusals():
+def test_slice_optimizer_refusals():
     p = Flat(5, 1)
-    opt = SGD(p, 0.5)
-    g = np.ones(5)
-    before = p.data.copy()
-    opt.step(chunk=(1, 3), grad=g)
-    assert np.allclose(p.data, before - 0.5 * np.array([0, 1, 1, 0, 0]))
     with pytest.raises(ValueError, match="inside"):
-        opt.step(chunk=(3, 9))
+        slice_optimizer(SGD(p, 0.5), 3, 9, p.grad)
 
     class LayerWise(SGD):
         elementwise = False
     with pytest.raises(ValueError, match="not elementwise"):
-        LayerWise(p, 0.1).step(chunk=(0, 2))
+        slice_optimizer(LayerWise(p, 0.1), 0, 2, p.grad)
+    opt = SGD(p, 0.1, momentum=0.9)
+    with pytest.raises(ValueError, match="state buffers"):
+        move_state(opt, [])
 
 
 def test_rebind_moves_storage_and_views():
@@ -141,13 +141,18 @@ def test_error_feedback_keeps_the_sum_of_exchanges(kind):
 
 @pytest.mark.parametrize("argv, message", [
     (["--intra", "tcp"], "--intra"),
-    (["--overlap", "--strategy", "node"], "--overlap works with"),
-    (["--overlap", "--intra", "shm"], "--intra mpi"),
+    (["--overlap", "--strategy", "node"], "--overlap: overlap works with strategy"),
+    (["--overlap", "--intra", "shm"], "--overlap: overlap works with intra='mpi'"),
+    (["--overlap", "--device", "gpu"], "--overlap: overlap needs the CPU backend"),
+    (["--intra", "shm", "--device", "gpu"], "--intra: intra='shm' shares host memory"),
     (["--bucket-mb", "0"], "--bucket-mb"),
     (["--compress", "int8"], "--compress"),
-    (["--compress", "bf16"], "inter-node level"),
-    (["--sync-overlap", "--strategy", "flat"], "--strategy node"),
-    (["--sync-overlap", "60", "--strategy", "node"], "smaller than --sync-every"),
+    (["--compress", "bf16"], "--compress: compress acts on the inter-node exchange"),
+    (["--compress", "bf16", "--strategy", "hierarchical", "--overlap"], "not with overlap"),
+    (["--sync-overlap", "--strategy", "flat"], "--sync-overlap: sync_overlap applies to strategy='node'"),
+    (["--sync-overlap", "60", "--strategy", "node"], r"--sync-overlap: .*in \[0, sync_every=50\)"),
+    (["--sync-overlap", "--strategy", "node", "--intra", "shm"], "--sync-overlap: sync_overlap works with intra='mpi'"),
+    (["--sync-overlap", "--strategy", "node", "--compress", "bf16"], "uncompressed"),
 ])
 def test_hiding_options_are_validated(argv, message):
     with pytest.raises(ConfigError, match=message):
@@ -155,7 +160,9 @@ def test_hiding_options_are_validated(argv, message):
 
 
 def test_hiding_options_parse():
-    cfg = parse_config(["--strategy", "node", "--sync-overlap", "--compress", "bf16"], world_size=2)
-    assert cfg.sync_overlap == 1 and cfg.compress == "bf16"
+    cfg = parse_config(["--strategy", "node", "--sync-overlap"], world_size=2)
+    assert cfg.sync_overlap == 1
+    cfg = parse_config(["--strategy", "node", "--compress", "bf16"], world_size=2)
+    assert cfg.compress == "bf16"
     cfg = parse_config(["--intra", "shm", "--strategy", "hierarchical", "--compress", "fp16"], world_size=2)
     assert cfg.intra == "shm" and cfg.sync_overlap == 0

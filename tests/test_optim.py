@@ -343,7 +343,7 @@ def test_state_dict_round_trip(index):
 
     # Saved arrays are copies: continuing to train does not change them.
     run_flat(a, flat_a, grads[4:])
-    for key, buffer in a._named_state():
+    for key, buffer in a.named_state():
         assert not np.shares_memory(saved[key], buffer)
 
     flat_b = make_flat(seed=99)
@@ -555,7 +555,7 @@ def test_device_buffers_match_host(index):
     assert flat_device.data.data.ptr == data_pointer
     np.testing.assert_allclose(cupy.asnumpy(flat_device.data), flat_host.data, rtol=1e-12, atol=1e-14)
     state = device.state_dict_host()
-    assert all(isinstance(state[k], np.ndarray) for k, _ in device._named_state())
+    assert all(isinstance(state[k], np.ndarray) for k, _ in device.named_state())
     device.load_state_dict_host(host.state_dict_host())
     for x, y in zip(device.state_buffers(), host.state_buffers()):
         np.testing.assert_array_equal(cupy.asnumpy(x), y)

@@ -243,8 +243,7 @@ def test_lamb_trust_ratio_is_per_layer():
     for param, old in zip(flat, before):
         moved = np.linalg.norm(param.data - old)
         assert moved == pytest.approx(0.01 * np.linalg.norm(old), rel=1e-12)
-    # Only the optimizers whose update reads its state through Optimizer._view can step a
-    # slice alone (--intra shm); LAMB never can.
+    # Only elementwise optimizers can update a slice alone (--intra shm); LAMB never can.
     assert LAMB.elementwise is False
     assert {n for n in OPTIMIZERS if OPTIMIZERS[n].elementwise} == {"sgd", "adam", "adamw"}
 

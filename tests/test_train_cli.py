@@ -13,20 +13,26 @@ import pytest
 
 import launcher
 from mpidl.checkpoint import load_model
+from mpidl.faults import ENV as FAULT_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 MPIEXEC = launcher.default_mpiexec()
 FAST = ["--epochs", "1", "--max-steps", "3", "--speeds", "auto"]
 
 
-def train(args, np_=None, timeout=120):
+def train(args, np_=None, timeout=120, fault=None):
+    """Run the command line; ``fault``: the tests' injected fault (mpidl/faults.py)."""
     cmd = [sys.executable, "-m", "mpidl.train", *args]
+    env = dict(os.environ)
+    env.pop(FAULT_ENV, None)
+    if fault is not None:
+        env[FAULT_ENV] = fault
     if np_ is not None:
         if not Path(MPIEXEC).exists():
             pytest.skip(f"no mpiexec at {MPIEXEC}")
         cmd = launcher.mpiexec(np_, cmd, exe=MPIEXEC)
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     proc.seconds = time.perf_counter() - start
     return proc
 
@@ -136,7 +142,7 @@ def test_batch_smaller_than_world_is_refused_on_every_rank():
 
 @pytest.mark.launcher
 def test_exception_on_one_rank_ends_the_job_promptly():
-    proc = train(["--epochs", "50", "--speeds", "1,1,1,1", "--inject-fault", "1:5"], np_=4)
+    proc = train(["--epochs", "50", "--speeds", "1,1,1,1"], np_=4, fault="1:5")
     assert proc.returncode != 0
     assert "rank 1 failed: InjectedFault" in proc.stderr
     assert proc.stderr.count("rank 1 failed") == 1
@@ -148,7 +154,7 @@ def test_exception_on_one_rank_ends_the_job_promptly():
 def test_nan_on_one_rank_stops_every_rank(tmp_path, strategy):
     metrics = tmp_path / "m.jsonl"
     proc = train(["--epochs", "2", "--speeds", "1,1,1,1", "--strategy", strategy, "--sync-every", "5",
-                  "--ranks-per-node", "2", "--inject-fault", "2:3:nan", "--metrics", str(metrics)], np_=4)
+                  "--ranks-per-node", "2", "--metrics", str(metrics)], np_=4, fault="2:3:nan")
     assert proc.returncode == 1, proc.stderr
     assert "non-finite" in proc.stderr and proc.stderr.count("error:") == 1
     end = read_jsonl(metrics)[-1]
@@ -162,7 +168,7 @@ def test_nan_on_one_rank_stops_every_rank(tmp_path, strategy):
 def test_nan_skip_keeps_training(tmp_path):
     metrics = tmp_path / "m.jsonl"
     proc = train(["--epochs", "1", "--max-steps", "6", "--speeds", "1,1", "--on-nan", "skip",
-                  "--inject-fault", "1:2:nan", "--metrics", str(metrics)], np_=2)
+                  "--metrics", str(metrics)], np_=2, fault="1:2:nan")
     assert proc.returncode == 0, proc.stderr
     assert "step skipped" in proc.stdout
     assert read_jsonl(metrics)[-1]["step"] == 6

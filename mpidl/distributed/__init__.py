@@ -1,14 +1,19 @@
 """mpidl.distributed: everything that talks MPI, and nothing that knows a layer.
 
 * :mod:`~mpidl.distributed.data_parallel` ``DataParallel``: the public object a training
-  loop uses (split, step, sync, decisions, state for checkpoints)
-* :mod:`~mpidl.distributed.topology`  world / node / leader communicators
-* :mod:`~mpidl.distributed.balance`   rank speeds -> local batch sizes and data shares
-* :mod:`~mpidl.distributed.reducers`  gradient reduction strategies (``make_reducer``)
-* :mod:`~mpidl.distributed.emulation` EMULATED slow ranks and slow inter-node links
+  loop uses (split, step, sync, decisions); its split is :mod:`~mpidl.distributed.hdp`, its
+  checkpoint state :mod:`~mpidl.distributed.checkpoint_state`
+* :mod:`~mpidl.distributed.exchange`  ``build_exchange``: the strategy and its variants behind
+  one interface (``reducer_base.Reducer``), and the rules between their options
+* :mod:`~mpidl.distributed.reducers`  the strategies (``flat.py``, ``hierarchical.py``,
+  ``node.py``) and ``make_reducer``; :mod:`~mpidl.distributed.message` the message layout
 * :mod:`~mpidl.distributed.shm`       node-shared buffers in an MPI-3 window (``intra='shm'``)
 * :mod:`~mpidl.distributed.overlap`   bucketed non-blocking gradient exchange (``overlap``)
 * :mod:`~mpidl.distributed.compress`  16-bit inter-node exchange with error feedback
+* :mod:`~mpidl.distributed.topology`  world / node / leader communicators
+* :mod:`~mpidl.distributed.balance`   rank speeds -> local batch sizes and data shares
+* :mod:`~mpidl.distributed.emulation` EMULATED slow ranks and slow inter-node links
+* :mod:`~mpidl.distributed.launch`    the job: rank, agreed errors, ending every rank on a failure
 """
 
 from mpidl.distributed.balance import (RankCost, choose_split, fit_cost, parse_speeds, solve_split,

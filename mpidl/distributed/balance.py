@@ -53,11 +53,9 @@ steps is a point ``(b_j, median_j)``. Only when the points' sizes span at least
 :data:`MIN_SIZE_SPREAD` of the largest (half of it: the probe spans three quarters) does the
 least-squares line through them separate ``a_i`` from ``c_i``. Over a narrower span the slope
 is mostly noise: the medians of 20 steps that vary by 10 % are each uncertain by about 3 %, so
-between sizes 12 and 19 of a 45 ms step the slope is known to about 0.25 ms per sample, a
-quarter of its value; and a slow phase of the machine during one of the two periods (the
-shared 2-core machine of the README's tables has them, tens of steps long) becomes a slope (in
-one run, sizes 19 then 12 samples: a negative intercept, clipped to ``a = 0``; it kept for 80
-more steps a split that left the slow rank idle a quarter of the time). So otherwise the
+between sizes 12 and 19 the slope is known to about a quarter of its value; and a slow phase
+of the machine during one of the two periods becomes a slope (a negative intercept, clipped
+to ``a = 0``, and a split that leaves the slow rank idle). So otherwise the
 previous model keeps its shape and is scaled through the steps: ``a_i`` and ``c_i`` both times
 the median over steps of ``seconds_k / t_i(b_k)`` (:func:`scale_cost`). The shape was measured
 by the probe over a wide span, and a re-split moves the sizes only near the points that scale

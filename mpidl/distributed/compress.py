@@ -26,11 +26,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpidl.distributed.reducer_base import SLOTS
+from mpidl.distributed.message import SLOTS
 
-__all__ = ["COMPRESSIONS", "Compressor", "to_bf16", "from_bf16"]
+__all__ = ["COMPRESSIONS", "Compressor", "check_compression", "to_bf16", "from_bf16"]
 
 COMPRESSIONS = ("none", "bf16", "fp16")
+
+
+def check_compression(kind) -> str:
+    """``kind`` must be one of :data:`COMPRESSIONS`."""
+    if kind not in COMPRESSIONS:
+        raise ValueError(f"compress must be one of {', '.join(COMPRESSIONS)}, got {kind!r}")
+    return kind
 
 
 def to_bf16(x) -> np.ndarray:
@@ -49,8 +56,8 @@ class Compressor:
     """The compressed SUM of a message among the leaders (see the module docstring)."""
 
     def __init__(self, kind: str):
-        if kind not in COMPRESSIONS or kind == "none":
-            raise ValueError(f"compress must be one of {', '.join(COMPRESSIONS)}, got {kind!r}")
+        if check_compression(kind) == "none":
+            raise ValueError("Compressor('none'): no compression has no compressor")
         self.kind = kind
         #: rounding error carried to the next exchange, per kind of message
         self.residuals: dict = {}

@@ -40,39 +40,30 @@ call their collectives in the same order because every rank runs the same loop.
 from __future__ import annotations
 
 import hashlib
-import statistics
 import time
-from collections import deque
-from numbers import Integral, Real
+from numbers import Real
 from typing import Callable, Sequence
 
 import numpy as np
 
-from mpidl import kernels
-from mpidl.backend import get_array_module, to_host
+from mpidl.backend import to_host
 from mpidl.distributed import balance
 from mpidl.distributed import probe as speed_probe
-from mpidl.distributed.compress import COMPRESSIONS, Compressor
-from mpidl.distributed.emulation import LinkModel, Slowdown, parse_link
-from mpidl.distributed.reducer_base import COUNT, NONFINITE, SLOTS, STOP, WEIGHTINGS
-from mpidl.distributed.reducers import STRATEGIES, make_reducer
-from mpidl.distributed.overlap import OVERLAP_STRATEGIES, OverlappedExchange, plan_buckets
-from mpidl.distributed.shm import SharedNode, check_shared_supported
+from mpidl.distributed.emulation import LinkModel, compute_clock
+from mpidl.distributed.exchange import BUCKET_MB, INTRA, build_exchange
+from mpidl.distributed.checkpoint_state import CheckpointState
+from mpidl.distributed.hdp import HeterogeneousSplit, check_split_fits, check_split_options
+from mpidl.distributed.launch import first_error
+from mpidl.distributed.message import SLOTS
 from mpidl.distributed.topology import Topology
 from mpidl.threads import apply as apply_thread_policy
 
 ON_NAN = ("stop", "skip")
-#: default bucket size of ``overlap`` (MiB)
-BUCKET_MB = 1.0
-#: how the ranks of one node combine (see the ``intra`` parameter)
-INTRA = ("mpi", "shm")
 #: default minimum predicted gain (a fraction of the step) for an uneven split or a re-split
 BALANCE_THRESHOLD = 0.05
 #: default samples every rank computes at least in a full global batch (``min_local_batch``):
 #: a loop written for DataParallel never sees an empty local batch of a full global batch
 MIN_LOCAL_BATCH = 1
-#: steps whose compute times a re-fit may use (a bound on memory, not a tuning knob)
-RECENT_STEPS = 1024
 
 __all__ = ["DataParallel", "NonFiniteGradient", "ON_NAN", "INTRA"]
 
@@ -82,7 +73,7 @@ class NonFiniteGradient(RuntimeError):
     every rank at the same step."""
 
 
-class DataParallel:
+class DataParallel(HeterogeneousSplit, CheckpointState):
     """Data-parallel training of one model over the ranks of a topology.
 
     Parameters
@@ -96,40 +87,37 @@ class DataParallel:
     batch_size : int
         ``B``, the GLOBAL batch: :meth:`local_indices` splits it over the ranks.
     topology : Topology, default ``Topology()`` of ``MPI.COMM_WORLD`` (collective)
-    strategy : 'flat' | 'hierarchical' | 'node'   (see :func:`~mpidl.distributed.make_reducer`)
-    sync_every : int
-        ``K'``, steps between the node strategy's parameter syncs.
-    weighting : 'balanced' | 'uniform'
+    strategy, weighting, sync_every, intra, overlap, bucket_mb, compress, sync_overlap
+        The exchange, built by :func:`~mpidl.distributed.exchange.build_exchange` (whose
+        table says what works with what): ``strategy`` 'flat' | 'hierarchical' | 'node'
+        (``sync_every`` = K'); ``weighting`` 'balanced' (``c_i = b_i``) | 'uniform' (``c_i =
+        1``); ``intra`` 'mpi' | 'shm' (the node-shared window, :mod:`~mpidl.distributed.shm`:
+        call :meth:`close` or use ``with``); ``overlap`` buckets of ``bucket_mb`` MiB started
+        by the backward hook (:mod:`~mpidl.distributed.overlap`: call :meth:`local_indices`,
+        then ONE backward, then :meth:`step`); ``compress`` 'none' | 'bf16' | 'fp16' for the
+        inter-node level (:mod:`~mpidl.distributed.compress`); ``sync_overlap`` steps between
+        the start of the node strategy's parameter sync and its application (0 blocks).
     speeds : 'equal' | 'auto' | sequence of P positive numbers
-        How ``B`` is split (:mod:`~mpidl.distributed.balance`): equally; by a cost model
-        ``t_i(b) = a_i + c_i b`` of every rank fitted from timed ``probe`` passes at several
-        batch sizes (:mod:`~mpidl.distributed.probe`), the split minimizing the slowest rank's step, kept equal unless it is
-        predicted to be more than ``balance_threshold`` faster; or in proportion to the given
-        relative speeds (``t_i(b) = b / s_i``).
+        How ``B`` is split (:mod:`~mpidl.distributed.hdp`): equally; by a cost model ``t_i(b)
+        = a_i + c_i b`` of every rank fitted from timed ``probe`` passes, the split minimizing
+        the slowest rank's step, kept equal unless it is predicted to be more than
+        ``balance_threshold`` faster; or in proportion to the given speeds (``t_i(b) = b / s_i``).
     probe : callable(n), optional
-        Runs one forward + backward pass of the real model on ``n`` samples, with no
-        communication. Needed for ``speeds='auto'``; when given it also runs once untimed
-        on every rank before training (the Numba JIT compiles then: the node's first rank
-        compiles and writes the on-disk cache while the others wait in a sleeping poll, then
-        they load it), so the first timed step measures the model and not the compiler.
+        One forward + backward pass of the real model on ``n`` samples, no communication.
+        Needed for ``speeds='auto'``; when given it also runs once untimed on every rank first
+        (the Numba JIT compiles then, one rank per node writing the on-disk cache), so the
+        first timed step measures the model and not the compiler.
     balance_threshold : float in [0, 1)
         The predicted gain (a fraction of the step time) an uneven split must bring over the
         equal one, and a re-split over the current one (hysteresis).
     min_local_batch : int >= 0
         Samples every rank gets at least of a full global batch (default 1). 0 lets the split
-        be the cost model's min-max optimum, which leaves out a rank whose fixed cost alone
-        exceeds the others' step (EMULATED 1,1,2,4 x3 on 2 cores: the x12 rank's one sample
-        made it the slowest of every step; epoch / ideal 1.51-1.85 with 0 against 1.79-2.17
-        with 1 in four pairs). Such a rank still takes part in every exchange (weight 0) and
-        keeps its fitted model, so a re-fit cannot bring it back unless the others slow down.
-        The loop must then handle an empty local batch (zero gradient, then :meth:`step`), as
-        ``python -m mpidl.train`` does.
+        be the cost model's min-max optimum, which may leave out a rank whose fixed cost alone
+        exceeds the others' step (it still joins every exchange with weight 0); the loop must
+        then handle an empty local batch (zero gradient, then :meth:`step`).
     rebalance_every : int, optional
-        Every ``rebalance_every`` steps, re-fit every rank's cost model from its own steps of
-        the last two periods (their compute times and batch sizes) and re-split when the
-        predicted gain passes the margin twice in a row, or twice the margin once (see
-        :meth:`rebalance`); a collective decision every rank takes alike
-        (:attr:`last_rebalance` records it).
+        Every ``rebalance_every`` steps, re-fit the cost models from the ranks' own steps and
+        re-split when the predicted gain is confirmed (:meth:`rebalance`; collective).
     sync_optimizer_state : bool
         ``node``: average the optimizer state at each parameter sync too.
     on_nan : 'stop' | 'skip'
@@ -137,37 +125,11 @@ class DataParallel:
         (``node`` on several nodes: at the next sync), or skip that update.
     check_replicas : bool
         Debug: compare a checksum of every replica's parameters whenever they must agree.
-    emulate_slowdown : float or sequence of P floats >= 1
-        EMULATION: this rank's compute takes that factor longer (it sleeps).
-    emulate_clock : 'wall' | 'cpu'
-        What ``emulate_slowdown`` multiplies: the compute's wall time, or its CPU time (then
-        the compute lasts ``max(wall, f * cpu)``: on a machine with more ranks than cores the
-        wall time includes waiting for a core; see :class:`~mpidl.distributed.emulation.Slowdown`).
-    emulate_link : LinkModel, 'LATENCY_US,GBIT_S' or None
-        EMULATION: every inter-node collective also sleeps its alpha-beta time.
-    intra : 'mpi' | 'shm'
-        How the ranks of a node combine: MPI collectives on private replicas ('mpi'), or one
-        node-shared MPI-3 window holding the parameters and optimizer state once and every
-        rank's gradient slot, each rank reducing and updating its ``1/R`` slice
-        (:mod:`~mpidl.distributed.shm`; elementwise optimizers, CPU). Call :meth:`close`
-        (or use ``with``) at the end to free the window.
-    overlap : bool
-        ``flat`` / ``hierarchical``: exchange the gradient in buckets of about ``bucket_mb``
-        MiB with non-blocking collectives started from the model's backward hook as soon as
-        a bucket's layers are done, waited for in :meth:`step`
-        (:mod:`~mpidl.distributed.overlap`). Needs a Model whose ``net`` is a Sequential, the
-        CPU backend and intra='mpi'; the hook takes this rank's sample count from
-        :meth:`local_indices`, so call it, then ONE backward, then :meth:`step`.
-    bucket_mb : float > 0
-        The bucket size of ``overlap`` in MiB.
-    compress : 'none' | 'bf16' | 'fp16'
-        ``hierarchical`` / ``node``: the leaders' (inter-node) exchange in 16 bits with error
-        feedback and float32 accumulation (:mod:`~mpidl.distributed.compress`); the node
-        strategy then sends the parameters' changes since the last sync.
-    sync_overlap : int >= 0
-        ``node``: start each inter-node parameter average without waiting and apply it this
-        many steps later as ``theta <- avg(theta_t) + (theta_now - theta_t)``
-        (:meth:`~mpidl.distributed.node.NodeReducer._start_async`); 0 blocks.
+    emulate_slowdown, emulate_clock, emulate_link
+        EMULATION (:mod:`~mpidl.distributed.emulation`): this rank's compute lasts
+        ``emulate_slowdown`` times longer (one factor, or one per rank) on the 'wall' or 'cpu'
+        clock; every inter-node collective also sleeps the alpha-beta time of
+        ``emulate_link`` (a LinkModel or 'LATENCY_US,GBIT_S').
 
     Construction is collective: it broadcasts rank 0's parameters (and buffers) to every
     replica, warms up and measures with ``probe``, and splits ``B``. Bad arguments raise
@@ -196,52 +158,13 @@ class DataParallel:
         if getattr(optimizer, "params", None) is not params:
             raise ValueError("the optimizer must be built on the same parameters as the model "
                              "(e.g. SGD(model.params, ...))")
-        if strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
-        if weighting not in WEIGHTINGS:
-            raise ValueError(f"unknown weighting {weighting!r}; choose one of {', '.join(WEIGHTINGS)}")
         if on_nan not in ON_NAN:
             raise ValueError(f"on_nan must be one of {', '.join(ON_NAN)}, got {on_nan!r}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, Integral) or batch_size < 1:
-            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-        if isinstance(speeds, str) and speeds not in ("equal", "auto"):
-            raise ValueError(f"speeds must be 'equal', 'auto' or one number per rank, got {speeds!r}")
-        if speeds == "auto" and probe is None:
-            raise ValueError("speeds='auto' measures the ranks with probe(n): pass probe=")
-        if isinstance(balance_threshold, bool) or not isinstance(balance_threshold, Real) \
-                or not 0 <= balance_threshold < 1:
-            raise ValueError(f"balance_threshold must be a number in [0, 1), got {balance_threshold!r}")
-        if isinstance(min_local_batch, bool) or not isinstance(min_local_batch, Integral) or min_local_batch < 0:
-            raise ValueError(f"min_local_batch must be an integer >= 0, got {min_local_batch!r}")
-        if rebalance_every is not None and (isinstance(rebalance_every, bool) or not isinstance(
-                rebalance_every, Integral) or rebalance_every < 1):
-            raise ValueError(f"rebalance_every must be an integer >= 1 or None, got {rebalance_every!r}")
-        if intra not in INTRA:
-            raise ValueError(f"intra must be one of {', '.join(INTRA)}, got {intra!r}")
-        if intra == "shm":
-            check_shared_supported(params, optimizer)
-        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, Real) or not 0 < bucket_mb < float("inf"):
-            raise ValueError(f"bucket_mb must be a number > 0, got {bucket_mb!r}")
-        if compress not in COMPRESSIONS:
-            raise ValueError(f"compress must be one of {', '.join(COMPRESSIONS)}, got {compress!r}")
-        if compress != "none" and (strategy == "flat" or overlap):
-            raise ValueError("compress acts on the blocking inter-node exchange of the hierarchical "
-                             "or node strategy (not flat, not with overlap)")
-        if sync_overlap and (strategy != "node" or intra != "mpi" or compress != "none"):
-            raise ValueError("sync_overlap applies to strategy='node' with intra='mpi' and no compress")
-        if overlap:
-            net = getattr(model, "net", None)
-            if strategy not in OVERLAP_STRATEGIES:
-                raise ValueError(f"overlap works with strategy {' or '.join(OVERLAP_STRATEGIES)}, not {strategy!r}")
-            if intra != "mpi":
-                raise ValueError("overlap works with intra='mpi' (the shared window is reduced in place)")
-            if net is None or not hasattr(net, "backward_hook"):
-                raise ValueError("overlap needs a Model whose net is a Sequential (its backward hook "
-                                 "starts the buckets)")
-            if not isinstance(params.data, np.ndarray):
-                raise ValueError("overlap needs the CPU backend (host buffers for non-blocking MPI)")
-        if isinstance(emulate_link, str):
-            emulate_link = parse_link(emulate_link)
+        check_split_options(batch_size, speeds, probe, balance_threshold, min_local_batch, rebalance_every)
+        exchange_options = dict(strategy=strategy, weighting=weighting, sync_every=sync_every,
+                                emulate_link=emulate_link, intra=intra, overlap=overlap,
+                                bucket_mb=bucket_mb, compress=compress, sync_overlap=sync_overlap)
+        build_exchange(model, params, optimizer, None, check_only=True, **exchange_options)
         self.model = model if params is not model else None
         self.params = params
         self.optimizer = optimizer
@@ -256,49 +179,25 @@ class DataParallel:
         topo = self.topology
         # The cores of a machine are shared by the ranks on it (mpidl/threads.py).
         apply_thread_policy(ranks_per_machine=topo.machine_size)
-        if self.batch_size < topo.size:
-            raise ValueError(f"batch_size {self.batch_size} is smaller than the number of ranks "
-                             f"{topo.size}: every rank needs at least one sample of each global batch")
-        if self.min_local_batch * topo.size > self.batch_size:
-            raise ValueError(f"min_local_batch {self.min_local_batch} x {topo.size} ranks is more than "
-                             f"batch_size {self.batch_size}")
+        check_split_fits(self.batch_size, self.min_local_batch, topo.size)
         factors = [emulate_slowdown] * topo.size if isinstance(emulate_slowdown, Real) else list(emulate_slowdown)
         if len(factors) != topo.size:
             raise ValueError(f"emulate_slowdown has {len(factors)} factors for {topo.size} ranks")
-        self.slowdown = Slowdown(factors[topo.rank], emulate_clock)
-        self.reducer = make_reducer(strategy, topo, weighting=weighting, sync_every=sync_every,
-                                    emulate_link=emulate_link, sync_overlap=sync_overlap)
-        if compress != "none":
-            self.reducer.compressor = Compressor(compress)
+        self._backend = getattr(params, "backend", None)
+        #: this rank's compute clock (EMULATED slow when its factor is not 1)
+        self.clock = compute_clock(factors[topo.rank], emulate_clock,
+                                   self._backend.synchronize if self._backend is not None else None)
         self.strategy = strategy
         self.weighting = weighting
-        self._backend = getattr(params, "backend", None)
         given = None if isinstance(speeds, str) else balance.check_speeds(speeds, topo.size)
-        self.intra = intra
         # ---- collective set-up
         self._broadcast_initial_state()
-        if compress != "none" and hasattr(self.reducer, "set_reference"):
-            self.reducer.set_reference(params.data, self._synced_state())
-        #: the node's shared window under intra='shm', else None
-        self.shared: SharedNode | None = None
-        if intra == "shm":
-            self.shared = SharedNode(params, optimizer, topo)
-            if hasattr(self.reducer, "shared"):
-                self.reducer.shared = self.shared
+        #: what every step calls: the strategy and its variants (mpidl.distributed.exchange)
+        self.exchange = build_exchange(model, params, optimizer, topo, **exchange_options)
+        self.exchange.set_reference(params.data, self._synced_state())
         if probe is not None:
             speed_probe.warm_up(self, probe)
-        if speeds == "auto":
-            #: every rank's cost model t_i(b) = a_i + c_i b (seconds), indexed by rank
-            self.costs, self.noise, self.batch_sizes, self.predicted_step_s = speed_probe.measured_split(self, probe)
-            self.speeds_source = "measured"
-        else:
-            self.costs = balance.costs_from_speeds(given if given is not None else [1.0] * topo.size)
-            self.noise = 0.0
-            self.speeds_source = "given" if given is not None else "equal"
-            self.batch_sizes = (balance.solve_split(self.costs, self.batch_size, self.min_local_batch)
-                                if given is not None
-                                else balance.equal_split(self.batch_size, topo.size))
-            self.predicted_step_s = balance.step_time(self.costs, self.batch_sizes)
+        self._first_split(speeds, given, probe)
         #: the last re-split: {"step", "old", "new", "predicted_old_s", "predicted_new_s", "costs",
         #: "noise"} or None
         self.last_rebalance: dict | None = None
@@ -309,31 +208,9 @@ class DataParallel:
         self._pending_stop = False
         self._pending_nonfinite = False
         self._local_count: int | None = None
-        #: (samples, compute seconds) of this rank's steps since the last re-fit (the latest
-        #: only), and those of the period before it: the window of the next re-fit
-        self._recent: deque = deque(maxlen=RECENT_STEPS)
-        self._previous_period: list = []
-        #: the last re-fit proposed a re-split that was not taken (to be confirmed)
-        self._resplit_proposed = False
-        #: the bucketed non-blocking exchange under overlap=True (None on one rank: nothing
-        #: to exchange), and its bucket plan
-        self.exchange: OverlappedExchange | None = None
-        self.buckets: list = []
-        if overlap and topo.size > 1:
-            layers = [sum(p.size for _, p in layer.named_parameters()) for layer in model.net.layers]
-            self.buckets = plan_buckets(layers, float(bucket_mb) * 2 ** 20, params.data.itemsize)
-            self.exchange = OverlappedExchange(self.reducer, params.message, self.buckets)
-            model.net.backward_hook = self._backward_hook
-            for module in model.net.modules():
-                if module is not model.net and hasattr(module, "backward_hook"):
-                    module.backward_hook = self.exchange.poll  # progress inside the blocks
+        self._closed = False
         self.reset_counters()
-        self._start_compute_clock()
-
-    def _start_compute_clock(self) -> None:
-        """Start timing this rank's compute: wall seconds, and CPU seconds for the emulation."""
-        self._mark = time.perf_counter()
-        self._cpu_mark = time.process_time()
+        self.clock.start()
 
     # ------------------------------------------------------------------ who is where
     @property
@@ -347,30 +224,20 @@ class DataParallel:
     @property
     def exact(self) -> bool:
         """True when every replica holds the same parameters after every step."""
-        return self.reducer.exact
+        return self.exchange.exact
+
+    @property
+    def reducer(self):
+        """The strategy inside the exchange (its counters, its node-sync state)."""
+        return self.exchange.reducer
 
     def describe(self) -> str:
-        """One line for the log: world, nodes, strategy and weighting."""
+        """One line for the log: world, nodes, strategy, weighting and variants."""
         topo = self.topology
-        extra = f", K'={self.reducer.sync_every}" if self.strategy == "node" else ""
-        if getattr(self.reducer, "sync_overlap", 0):
-            extra += f", sync applied {self.reducer.sync_overlap} step(s) after it starts"
-        hiding = [f"intra {self.intra}"]
-        if self.exchange is not None:
-            hiding.append(f"overlap in {len(self.buckets)} buckets")
-        if self.reducer.compressor is not None:
-            hiding.append(f"inter-node {self.reducer.compressor.kind}")
         return (f"{topo.size} rank(s) on {topo.num_nodes} node(s) {topo.node_sizes}; "
-                f"strategy {self.strategy} ({self.weighting} weighting{extra}); {', '.join(hiding)}")
+                f"{self.exchange.describe()}")
 
     # ------------------------------------------------------------------ the split (HDP)
-    def split(self, n: int) -> list[int]:
-        """Samples of every rank in a global batch of ``n``: :attr:`batch_sizes` for a full
-        batch, the same proportions (largest remainder, zeros allowed) for a smaller one."""
-        if n == self.batch_size:
-            return list(self.batch_sizes)
-        return balance.split_counts(n, self.batch_sizes)
-
     def local_indices(self, global_batch) -> np.ndarray:
         """This rank's contiguous slice of ``global_batch`` (the same indices on every rank):
         ``global_batch[lo:hi]`` with ``hi - lo = split(len(global_batch))[rank]``.
@@ -380,12 +247,9 @@ class DataParallel:
         counts = self.split(len(batch))
         lo = sum(counts[: self.rank])
         self._local_count = counts[self.rank]
-        self._start_compute_clock()
+        self.exchange.begin(self._local_count, lambda: self._pending_stop)
+        self.clock.start()
         return batch[lo: lo + counts[self.rank]]
-
-    def shard(self, n: int) -> tuple[int, int]:
-        """``[lo, hi)`` of this rank's equal share of ``n`` items (e.g. the test set)."""
-        return self.rank * n // self.size, (self.rank + 1) * n // self.size
 
     # ------------------------------------------------------------------ the step
     def request_stop(self) -> None:
@@ -407,40 +271,28 @@ class DataParallel:
         if count is None:
             raise ValueError("step(): give local_count, or take the slice with local_indices() first")
         self._local_count = None
-        if self._backend is not None:
-            self._backend.synchronize()  # the clock stops when the device has finished
-        seconds = time.perf_counter() - self._mark
-        # EMULATION: sleeps (f - 1) * seconds, or f * cpu - seconds on the CPU clock
-        seconds += self.slowdown.stretch(seconds, time.process_time() - self._cpu_mark)
+        seconds = self.clock.stop()
         self._step_compute.append(seconds)
         self._recent.append((int(count), seconds))
 
         t0 = time.perf_counter()
-        if self.shared is not None:
-            finite, stop = self._reduce_shared(count)
-        elif self.exchange is not None:
-            finite, stop = self._reduce_overlapped(count)
-        else:
-            finite, stop = self._reduce_replicated(count)
+        finite, stop = self.exchange.reduce(self.params.message, count, self._pending_stop)
         if stop > 0:
-            if self.reducer.step_is_global:
+            if self.exchange.step_is_global:
                 self.should_stop = True
             else:
                 self._pending_stop = True  # the node agrees now; the world at the next sync
         self.last_step_skipped = not finite
-        if self.shared is not None:
-            self.shared.update(apply=finite)
-        elif finite:
-            self.optimizer.step()
+        self.exchange.update(self.optimizer, finite)
         if not finite and self.on_nan == "stop":
-            if self.reducer.step_is_global:
+            if self.exchange.step_is_global:
                 self._wait_seconds += time.perf_counter() - t0
                 raise NonFiniteGradient(
                     f"non-finite (NaN/Inf) reduced gradient at step {self.steps}; stopping "
                     "(on_nan='stop'; 'skip' skips such steps instead)")
             self._pending_nonfinite = True
         self.steps += 1
-        result = self.reducer.after_step(self.params.data, self._synced_state(), self._flags(), self.steps)
+        result = self.exchange.after_step(self.params.data, self._synced_state(), self._flags(), self.steps)
         if result is not None:
             self._agree(result)
         if self.check_replicas and (self.exact or result is not None):
@@ -449,61 +301,8 @@ class DataParallel:
         if self.rebalance_every is not None and self.steps % self.rebalance_every == 0:
             self.rebalance()
         self._wait_seconds += time.perf_counter() - t0
-        self._start_compute_clock()
+        self.clock.start()
         return result is not None
-
-    def _reduce_replicated(self, count) -> tuple[bool, float]:
-        """intra='mpi': the reducer on this rank's message; returns (finite, stop sum)."""
-        message = self.params.message
-        message[STOP] = 1.0 if self._pending_stop else 0.0
-        message[NONFINITE] = 0.0
-        self.reducer.reduce_gradients(message, count)
-        xp = get_array_module(message)
-        if xp is np:
-            return kernels.all_finite(self.params.grad), float(message[STOP])
-        # On a device: one float64 sum instead of an elementwise test (NaN or Inf anywhere
-        # makes it non-finite, no parameter-sized temporary) and one device read for both.
-        checks = to_host(xp.stack([self.params.grad.sum(dtype=np.float64),
-                                   message[STOP].astype(np.float64)]))
-        return bool(np.isfinite(checks[0])), float(checks[1])
-
-    def _backward_hook(self, layer: int) -> None:
-        """Installed as ``model.net.backward_hook``: start the buckets whose layers are done."""
-        exchange = self.exchange
-        if not exchange.active:
-            if self._local_count is None:
-                return  # a backward outside a step (local_indices not called): nothing starts
-            exchange.begin(self._local_count, 1.0 if self._pending_stop else 0.0)
-        exchange.ready(layer)
-
-    def _reduce_overlapped(self, count) -> tuple[bool, float]:
-        """overlap=True: wait for the buckets the hooks started (start the others first)."""
-        exchange = self.exchange
-        if not exchange.active:
-            exchange.begin(count, 1.0 if self._pending_stop else 0.0)
-        elif exchange.count != count:
-            exchange.finish()  # complete the collectives every rank has started
-            raise ValueError(f"step({count}): the backward hook already sent this rank's gradient "
-                             f"weighted by {exchange.count} samples (the size of local_indices())")
-        total = exchange.finish()
-        if total == 0:
-            raise ValueError("no rank computed a sample this step (every count was 0)")
-        message = self.params.message
-        return kernels.all_finite(self.params.grad), float(message[STOP])
-
-    def _reduce_shared(self, count) -> tuple[bool, float]:
-        """intra='shm': the weighted sum in the node's window (over the world for the exact
-        strategies on several nodes); returns (finite, stop sum)."""
-        reducer = self.reducer
-        weight = reducer._weight_count(count)
-        inter = reducer.step_is_global and self.topology.num_nodes > 1
-        total, stop, nonfinite = self.shared.reduce(weight, 1.0 if self._pending_stop else 0.0,
-                                                    reducer, inter=inter)
-        if reducer.step_is_global and total == 0:
-            raise ValueError("no rank computed a sample this step (every count was 0)")
-        if hasattr(reducer, "samples_since_sync") and reducer.weighting == "balanced":
-            reducer.samples_since_sync += int(round(total))
-        return nonfinite == 0, stop
 
     def close(self) -> None:
         """Free what this object holds beyond the model (collective over the node under
@@ -511,21 +310,11 @@ class DataParallel:
         and the window is freed; an overlapped node sync in flight is applied; duplicated
         communicators are freed). The model and optimizer stay usable, this object does not;
         a second call does nothing."""
-        if self.shared is not None:
-            self.shared.close()
-            self.shared = None
-            if hasattr(self.reducer, "shared"):
-                self.reducer.shared = None
-        if hasattr(self.reducer, "finish_pending"):
-            self.reducer.finish_pending(self.params.data, self._synced_state())
-        self.reducer.close()
-        if self.exchange is not None:
-            if getattr(self.model, "net", None) is not None:
-                for module in self.model.net.modules():
-                    if hasattr(module, "backward_hook"):
-                        module.backward_hook = None
-            self.exchange.close()
-            self.exchange = None
+        if self._closed:
+            return
+        self._closed = True
+        self.exchange.finish_pending(self.params.data, self._synced_state())
+        self.exchange.close()
 
     def __enter__(self) -> "DataParallel":
         return self
@@ -539,18 +328,18 @@ class DataParallel:
         since the last one, and the batch-norm buffers averaged over the world. Also a
         control point: pending stop requests and non-finite gradients are agreed here."""
         t0 = time.perf_counter()
-        self._agree(self.reducer.synchronize(self.params.data, self._synced_state(), self._flags()))
+        self._agree(self.exchange.synchronize(self.params.data, self._synced_state(), self._flags()))
         self._average_buffers()
         if self.check_replicas:
             self._compare_replicas()
         self._wait_seconds += time.perf_counter() - t0
-        self._start_compute_clock()
+        self.clock.start()
 
     def consensus(self) -> np.ndarray:
         """A host copy of the parameters every replica agrees on (collective): the replicas'
         own for exact strategies; the node-weighted average for ``node`` between syncs. The
         replicas are left as they are."""
-        return np.array(to_host(self.reducer.consensus(self.params.data)), copy=True)
+        return np.array(to_host(self.exchange.consensus(self.params.data)), copy=True)
 
     # ------------------------------------------------------------------ decisions, small collectives
     def any(self, flag: bool) -> bool:
@@ -565,86 +354,30 @@ class DataParallel:
     def sum(self, array: np.ndarray) -> np.ndarray:
         """World SUM of a host array, in place on every rank (e.g. confusion matrices)."""
         array = np.ascontiguousarray(array)
-        self.reducer._allreduce("control", self.topology.world, array)
+        self.exchange.allreduce("control", self.topology.world, array)
         return array
+
+    def agree_on_error(self, error: str | None) -> str | None:
+        """Every rank's ``error`` (or None) -> the first one, naming the ranks that had it,
+        the same on every rank (:func:`~mpidl.distributed.launch.first_error`; collective)."""
+        return first_error(self.all_gather_object(error))
 
     def all_gather_object(self, value) -> list:
         """Every rank's ``value`` (any picklable object), in rank order, on every rank."""
-        self.reducer.counters["control"]["calls"] += 1
+        self.exchange.counters["control"]["calls"] += 1
         return self.topology.world.allgather(value)
-
-    # ------------------------------------------------------------------ balance
-    @property
-    def speeds(self) -> list[float]:
-        """Every rank's marginal speed ``1 / c_i`` (samples per second) from its cost model."""
-        return [1.0 / cost.c for cost in self.costs]
-
-    def describe_split(self) -> str:
-        """One line for the log: how ``B`` is split, each rank's model and predicted time."""
-        times = [cost.time(b) for cost, b in zip(self.costs, self.batch_sizes)]
-        if self.speeds_source != "measured":
-            speeds = ", ".join(f"{s:.3g}" for s in self.speeds)
-            return f"split ({self.speeds_source} speeds [{speeds}]): batch sizes {self.batch_sizes}"
-        equal = balance.step_time(self.costs, balance.equal_split(self.batch_size, self.size))
-        a = ", ".join(f"{cost.a * 1e3:.3g}" for cost in self.costs)
-        c = ", ".join(f"{cost.c * 1e3:.3g}" for cost in self.costs)
-        t = ", ".join(f"{x * 1e3:.3g}" for x in times)
-        return (f"split (measured cost t_i(b) = a_i + c_i b; a [{a}] ms, c [{c}] ms/sample): "
-                f"batch sizes {self.batch_sizes}, predicted step [{t}] ms (equal split "
-                f"{equal * 1e3:.3g} ms; kept unless {100 * max(self.balance_threshold, self.noise):.3g} % "
-                f"faster: threshold {100 * self.balance_threshold:g} %, measurement noise "
-                f"{100 * self.noise:.3g} %)")
-
-    def rebalance(self) -> tuple[list[int], list[int]] | None:
-        """Re-fit every rank's cost model from its own steps and re-split when that is
-        predicted to be faster than the current split by more than the margin (collective;
-        every rank computes the same split from the same gathered numbers). Returns ``(old,
-        new)`` batch sizes when they changed, else None.
-
-        Each rank re-fits from the steps since the last call and the ones of the call before
-        (:func:`~mpidl.distributed.balance.refit_cost`): when its batch sizes span at least half
-        of the largest, their medians separate ``a_i`` from ``c_i``; otherwise the model keeps
-        its shape and is scaled through the window's steps. The margin is ``max(balance_threshold, noise)`` (``noise``:
-        the median over ranks of their steps' :func:`~mpidl.distributed.balance.timing_noise`),
-        and a gain must pass it in two consecutive calls, or pass twice the margin in one
-        (:func:`~mpidl.distributed.balance.confirm_resplit`): no move on one noisy period."""
-        window = list(self._previous_period) + list(self._recent)
-        self._previous_period = list(self._recent)
-        self._recent.clear()
-        cost = balance.refit_cost(self.costs[self.rank], [b for b, _ in window], [t for _, t in window])
-        current = [t for b, t in window if b == self.batch_sizes[self.rank] and b > 0]
-        spread = balance.timing_noise(current) if current else 0.0
-        gathered = self.all_gather_object((cost.a, cost.c, spread))
-        self.costs = [balance.RankCost(a, c) for a, c, _ in gathered]
-        self.noise = statistics.median(s for _, _, s in gathered)
-        old = list(self.batch_sizes)
-        best = balance.solve_split(self.costs, self.batch_size, self.min_local_batch)
-        predicted_old, predicted = balance.step_time(self.costs, old), balance.step_time(self.costs, best)
-        gain = 1.0 - predicted / predicted_old if predicted_old > 0 else 0.0
-        margin = max(self.balance_threshold, self.noise)
-        taken = best != old and balance.confirm_resplit(gain, margin, self._resplit_proposed)
-        self._resplit_proposed = best != old and gain > margin and not taken
-        self.predicted_step_s = predicted if taken else predicted_old
-        if not taken:
-            return None
-        self.batch_sizes = best
-        self.last_rebalance = {"step": self.steps, "old": old, "new": best,
-                               "predicted_old_s": predicted_old, "predicted_new_s": predicted,
-                               "gain": gain, "margin": margin,
-                               "costs": [[c.a, c.c] for c in self.costs], "noise": self.noise}
-        return old, best
 
     # ------------------------------------------------------------------ counters and timers
     def reset_counters(self) -> None:
         """Start a new period for :attr:`counters` and :meth:`timings` (e.g. every epoch)."""
-        self.reducer.reset_counters()
+        self.exchange.reset_counters()
         self._step_compute: list[float] = []
         self._wait_seconds = 0.0
 
     @property
     def counters(self) -> dict:
         """``{level: {"calls", "bytes"}}`` of this rank since :meth:`reset_counters`."""
-        return self.reducer.counters
+        return self.exchange.counters
 
     def timings(self) -> dict:
         """Per-rank seconds since :meth:`reset_counters` (collective; lists indexed by rank).
@@ -669,95 +402,6 @@ class DataParallel:
         return {"comp_s": comp, "comm_s": comm, "idle_s": [float(i) for i in idle],
                 "steps": len(self._step_compute), "step_comp_s": list(self._step_compute)}
 
-    # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict | None:
-        """Everything a checkpoint needs to continue exactly (collective); the full dict on
-        rank 0, None elsewhere.
-
-        Keys: ``strategy``, ``weighting``, ``world_size``, ``num_nodes``, ``steps``,
-        ``steps_since_sync``, ``costs`` (``[a_i, c_i]`` per rank), ``batch_sizes``, ``params``
-        (the consensus),
-        ``optimizer`` (``{"step_count", "state": [arrays]}``, the replicas' common state, or
-        None when it is per node), ``nodes`` (None, or per node ``{"params": array or None,
-        "state": [arrays] or None, "samples": int}`` when the nodes' parameters or optimizer
-        state differ: ``node`` strategy between syncs, or with node-local optimizer state),
-        ``buffers`` (the world average) and ``rank_buffers`` (each rank's own).
-        """
-        topo = self.topology
-        if hasattr(self.reducer, "finish_pending"):
-            # An overlapped sync in flight is applied first: a checkpoint cannot hold it.
-            sums = self.reducer.finish_pending(self.params.data, self._synced_state())
-            if sums is not None:
-                self._agree(sums)
-        since_sync = getattr(self.reducer, "steps_since_sync", 0)
-        params_differ = not self.exact and since_sync > 0
-        state_differs = not self.exact and (params_differ or not self.sync_optimizer_state)
-        params = self.consensus()
-        state = [np.array(to_host(b), copy=True) for b in self.optimizer.state_buffers()]
-        nodes = None
-        if params_differ or state_differs:
-            own = {"params": np.array(to_host(self.params.data), copy=True) if params_differ else None,
-                   "state": state if state_differs else None,
-                   "samples": int(self.reducer.pending_samples())}
-            nodes = self._gather_from_leaders(own)
-        buffers_own = self._buffers_host()
-        rank_buffers = self.all_gather_object(buffers_own) if buffers_own else None
-        if self.rank != 0:
-            return None
-        averaged = ({name: sum(b[name] for b in rank_buffers) / len(rank_buffers) for name in buffers_own}
-                    if rank_buffers else {})
-        return {
-            "strategy": self.strategy, "weighting": self.weighting, "world_size": topo.size,
-            "num_nodes": topo.num_nodes, "steps": self.steps, "steps_since_sync": since_sync,
-            "costs": [[c.a, c.c] for c in self.costs], "batch_sizes": list(self.batch_sizes),
-            "params": params,
-            "optimizer": {"step_count": int(self.optimizer.step_count),
-                          "state": None if state_differs else state},
-            "nodes": nodes, "buffers": averaged, "rank_buffers": rank_buffers,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        """Continue from :meth:`state_dict`'s dict (collective: every rank passes it, or the
-        parts of it its node needs; see :func:`mpidl.checkpoint.read_checkpoint`).
-
-        Everything is checked first on every rank and the ranks agree: a problem on any rank
-        raises the same ValueError on every rank, before anything is changed. The split and
-        the cost models are restored when the world size is the same (the run continues exactly);
-        otherwise this run's own are kept.
-        """
-        problem = None
-        try:
-            parts = self._state_for_this_rank(state)
-        except (KeyError, ValueError, TypeError) as exc:
-            problem, parts = str(exc), None
-        problems = self.all_gather_object(problem)
-        first = next((p for p in problems if p is not None), None)
-        if first is not None:
-            failing = [r for r, p in enumerate(problems) if p is not None]
-            where = "" if len(failing) == self.size else f" (on ranks {failing})"
-            raise ValueError(first + where)
-        params, opt_state, samples, buffers = parts
-        if self.shared is not None:
-            # The ranks of a node write the same values into its one copy; none may still
-            # be reading it, and none reads it before all have written.
-            self.shared.barrier()
-        self.optimizer.load_state_dict_host({"state": opt_state, "step_count": state["optimizer"]["step_count"]})
-        self.params.data[...] = self._backend.asarray(params) if self._backend else params
-        if buffers and self.model is not None:
-            self.model.load_buffers_host(buffers)
-        self.steps = int(state["steps"])
-        if hasattr(self.reducer, "steps_since_sync"):
-            self.reducer.steps_since_sync = int(state["steps_since_sync"])
-        self.reducer.set_pending_samples(samples)
-        if self.reducer.compressor is not None and hasattr(self.reducer, "set_reference"):
-            common = self._backend.asarray(np.asarray(state["params"])) if self._backend else np.asarray(state["params"])
-            self.reducer.set_reference(common)  # the consensus: the same on every node
-        if self.shared is not None:
-            self.shared.barrier()
-        if state["world_size"] == self.size:
-            self.costs = [balance.RankCost(a, c) for a, c in state["costs"]]
-            self.batch_sizes = list(state["batch_sizes"])
-
     # ------------------------------------------------------------------ internals
     def _flags(self) -> tuple[float, float]:
         return float(self._pending_stop), float(self._pending_nonfinite)
@@ -779,7 +423,7 @@ class DataParallel:
 
     def _decide(self, flag: bool, op: str) -> bool:
         buf = np.array([float(bool(flag)), float(self._pending_stop), float(self._pending_nonfinite)])
-        self.reducer._allreduce("control", self.topology.world, buf)
+        self.exchange.allreduce("control", self.topology.world, buf)
         self._agree((buf[1], buf[2]))
         return bool(buf[0] > 0) if op == "any" else bool(buf[0] == self.size)
 
@@ -791,24 +435,25 @@ class DataParallel:
         host = np.array(to_host(self.params.data), copy=True)
         world.Bcast(host, root=0)
         self.params.data[...] = self._backend.asarray(host) if self._backend else host
-        buffers = self._buffers_host()
+        buffers = self.buffers_host()
         if buffers:
             self.model.load_buffers_host(world.bcast(buffers, root=0))
 
-    def _buffers_host(self) -> dict:
-        if self.model is None or not hasattr(self.model, "buffers_host"):
+    def buffers_host(self) -> dict:
+        """Host copies of the model's buffers (batch-norm statistics); ``{}`` without a Model."""
+        if self.model is None:
             return {}
         return self.model.buffers_host()
 
     def _average_buffers(self) -> None:
         """Batch-norm running statistics are each rank's own; the world average makes every
         replica evaluate (and save) the same model. One collective for all of them."""
-        buffers = self._buffers_host()
+        buffers = self.buffers_host()
         if not buffers or self.size == 1:
             return
         names = sorted(buffers)
         flat = np.concatenate([np.asarray(buffers[n], np.float64).ravel() for n in names])
-        self.reducer._allreduce("world", self.topology.world, flat)
+        self.exchange.allreduce("world", self.topology.world, flat)
         flat /= self.size
         averaged, offset = {}, 0
         for n in names:
@@ -824,47 +469,3 @@ class DataParallel:
         if len(set(digests)) != 1:
             raise RuntimeError(f"replicas diverged at step {self.steps}: checksums {digests}")
 
-    def _gather_from_leaders(self, own: dict) -> list | None:
-        """Rank 0 receives every node's ``own`` dict (from its leader), in node order."""
-        topo = self.topology
-        gathered = None
-        if topo.is_leader:
-            gathered = topo.leaders.gather(own, root=0) if topo.num_nodes > 1 else [own]
-            self.reducer.counters["control"]["calls"] += 1
-        return gathered if self.rank == 0 else None
-
-    def _state_for_this_rank(self, state: dict):
-        """(params, optimizer state, node samples, buffers) of this rank from a state dict;
-        raises ValueError naming the mismatch."""
-        topo = self.topology
-        for key in ("strategy", "world_size", "num_nodes", "steps", "params", "optimizer"):
-            if key not in state:
-                raise KeyError(f"state dict lacks {key!r}")
-        nodes = state.get("nodes")
-        if nodes is not None and (self.strategy != "node" or self.exact or state["num_nodes"] != topo.num_nodes):
-            raise ValueError(
-                f"the state holds per-node state of {state['num_nodes']} nodes (strategy "
-                f"{state['strategy']}); this run has strategy {self.strategy} on "
-                f"{topo.num_nodes} node(s). Resume with the same strategy and number of nodes.")
-        mine = nodes[topo.node_id] if nodes is not None else {}
-        params = mine.get("params") if mine.get("params") is not None else state["params"]
-        params = np.asarray(params)
-        if params.shape != (self.params.size,):
-            raise ValueError(f"the state has {params.size} parameters, the model {self.params.size}")
-        opt_state = mine.get("state") if mine.get("state") is not None else state["optimizer"]["state"]
-        if opt_state is None:
-            raise ValueError("the state holds no optimizer state for this node")
-        expected = [tuple(b.shape) for b in self.optimizer.state_buffers()]
-        got = [tuple(np.shape(b)) for b in opt_state]
-        if got != expected:
-            raise ValueError(f"optimizer state of shapes {got} does not fit {type(self.optimizer).__name__} "
-                             f"(expects {expected})")
-        rank_buffers = state.get("rank_buffers")
-        if rank_buffers is not None and len(rank_buffers) == self.size and rank_buffers[self.rank] is not None:
-            buffers = rank_buffers[self.rank]
-        else:
-            buffers = state.get("buffers") or {}
-        own_buffers = self._buffers_host()
-        if set(buffers) != set(own_buffers):
-            raise ValueError(f"buffers {sorted(buffers)} do not match the model's {sorted(own_buffers)}")
-        return params, opt_state, int(mine.get("samples", 0)), buffers

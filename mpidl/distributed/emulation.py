@@ -7,8 +7,9 @@ tested on a laptop. Every number produced under emulation must be reported as em
 * :class:`Slowdown` makes a rank ``f`` times slower: after a compute interval of ``t``
   seconds it sleeps ``(f - 1) t``, so the interval takes ``f t`` in total (or, on the CPU
   clock, ``f`` times the interval's CPU seconds).
-* :class:`LinkModel` is the alpha-beta (latency-bandwidth) model of an inter-node link; the
-  reducers sleep the modelled time of every BLOCKING collective on the inter-node level.
+* :class:`~mpidl.links.LinkModel` is the alpha-beta (latency-bandwidth) model of an inter-node
+  link (the planner's too); the reducers sleep the modelled time of every BLOCKING
+  collective on the inter-node level.
 * :class:`LinkTimeline` schedules the modelled time of NON-BLOCKING inter-node collectives
   on the link, so that it runs concurrently with the compute that overlaps them.
 """
@@ -21,18 +22,9 @@ from dataclasses import dataclass, field
 from numbers import Real
 from typing import Callable
 
+from mpidl.distributed.hdp import ComputeClock
+from mpidl.links import LinkModel, parse_link, parse_numbers as _parse_numbers  # noqa: F401
 
-def _parse_numbers(text: str, what: str) -> list[float]:
-    parts = [p.strip() for p in str(text).split(",")]
-    values = []
-    for i, part in enumerate(parts):
-        try:
-            values.append(float(part))
-        except ValueError:
-            raise ValueError(f"{what}: entry {i} ({part!r}) is not a number in {text!r}") from None
-        if not math.isfinite(values[-1]):
-            raise ValueError(f"{what}: entry {i} ({part!r}) must be finite")
-    return values
 
 
 # --------------------------------------------------------------------------- slow ranks
@@ -57,9 +49,8 @@ class Slowdown:
     itself (``u = t`` for one busy thread). With more ranks than cores they do not: ``t`` then
     includes the time a rank waited for a core another rank held, which changes from step to
     step with what the others compute at that moment, and the wall basis multiplies that
-    waiting by ``f`` as well (4 ranks over 2 cores, factors 3,3,3,6 and 3,3,6,12, measured
-    splits: the steps' waiting for their slowest rank, the HDP experiment's *variation* factor,
-    is 1.08-1.20 on the wall basis and 1.000-1.004 on the CPU basis). The cluster being
+    waiting by ``f`` as well, which makes the emulated ranks wait for each other more than
+    the emulated cluster would. The cluster being
     emulated gives every rank its own processor, so its step time is ``f`` times its own work:
     the CPU basis, as long as ``f u >= t`` (the factors must exceed the contention, as the HDP
     experiment's x3 does). On several threads ``u`` adds them up: the emulated rank runs its
@@ -67,9 +58,8 @@ class Slowdown:
 
     Notes
     -----
-    ``time.sleep(s)`` returns late: by 0.08-0.3 ms on the 2-core VM of the README's tables,
-    2-3 % of a 10 ms step, which a rank would lose on every step without any part of it being
-    counted. So :meth:`stretch` asks for ``s - o`` where ``o`` is a running estimate of the
+    ``time.sleep(s)`` returns late (by a fraction of a millisecond, a few per cent of a short
+    step), which a rank would lose on every step without any part of it being counted. So :meth:`stretch` asks for ``s - o`` where ``o`` is a running estimate of the
     lateness (``o <- o + (late - o) / 4`` after every sleep, ``0 <= o <= s / 2``), and returns
     the seconds it really slept: the emulated interval is then ``f t`` to within the lateness's
     jitter, and whatever is left is counted as the rank's compute, not lost.
@@ -115,6 +105,30 @@ class Slowdown:
         return slept
 
 
+class SlowedClock(ComputeClock):
+    """EMULATION: a :class:`ComputeClock` whose :meth:`stop` first sleeps the
+    :class:`Slowdown`'s stretch of the interval, and counts it."""
+
+    def __init__(self, slowdown: Slowdown, synchronize: Callable[[], None] | None = None):
+        self.slowdown = slowdown
+        super().__init__(synchronize)
+
+    def start(self) -> None:
+        super().start()
+        self._cpu_mark = time.process_time()
+
+    def stop(self) -> float:
+        seconds = super().stop()
+        return seconds + self.slowdown.stretch(seconds, time.process_time() - self._cpu_mark)
+
+
+def compute_clock(factor: float = 1.0, basis: str = "wall",
+                  synchronize: Callable[[], None] | None = None) -> ComputeClock:
+    """The plain clock, or the EMULATED slow one when ``factor != 1`` (both checked)."""
+    slowdown = Slowdown(factor, basis)
+    return ComputeClock(synchronize) if slowdown.factor == 1.0 else SlowedClock(slowdown, synchronize)
+
+
 def parse_slowdowns(text: str, world_size: int) -> list[float]:
     """Parse ``"1,1,2,4"`` (one slowdown factor per rank, each >= 1) for ``--emulate-slowdown``."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -130,65 +144,6 @@ def parse_slowdowns(text: str, world_size: int) -> list[float]:
 
 
 # --------------------------------------------------------------------------- slow links
-@dataclass(frozen=True)
-class LinkModel:
-    """EMULATED inter-node link: alpha-beta model of latency and bandwidth.
-
-    Parameters
-    ----------
-    latency_us : float
-        ``alpha``, the start-up time of one message, in microseconds (>= 0).
-    gbit_s : float
-        Link bandwidth in Gbit/s (> 0); ``beta = gbit_s * 1e9 / 8`` bytes per second.
-
-    Notes
-    -----
-    Time of one collective on ``n`` bytes among ``L`` participants (0 when ``L <= 1``):
-
-    * ring allreduce (reduce-scatter + allgather, ``2 (L-1)`` steps of ``n / L`` bytes)::
-
-          T = 2 (L - 1) (alpha + n / (L beta))
-
-    * ring allgather of ``n`` bytes from every participant: ``T = (L - 1) (alpha + n / beta)``
-    """
-
-    latency_us: float
-    gbit_s: float
-
-    def __post_init__(self):
-        for name, value, ok in (("latency_us", self.latency_us, lambda v: v >= 0),
-                                ("gbit_s", self.gbit_s, lambda v: v > 0)):
-            if isinstance(value, bool) or not isinstance(value, Real) \
-                    or not math.isfinite(value) or not ok(value):
-                need = ">= 0" if name == "latency_us" else "> 0"
-                raise ValueError(f"link {name} must be a finite number {need}, got {value!r}")
-
-    @property
-    def alpha(self) -> float:
-        """Latency in seconds."""
-        return self.latency_us * 1e-6
-
-    @property
-    def beta(self) -> float:
-        """Bandwidth in bytes per second."""
-        return self.gbit_s * 1e9 / 8.0
-
-    def allreduce_seconds(self, nbytes: int, participants: int) -> float:
-        """``2 (L-1) (alpha + n / (L beta))`` for a ring allreduce of ``n`` bytes among ``L``."""
-        if participants <= 1:
-            return 0.0
-        return 2 * (participants - 1) * (self.alpha + nbytes / (participants * self.beta))
-
-    def allgather_seconds(self, nbytes: int, participants: int) -> float:
-        """``(L-1) (alpha + n / beta)`` for a ring allgather of ``n`` bytes from each of ``L``."""
-        if participants <= 1:
-            return 0.0
-        return (participants - 1) * (self.alpha + nbytes / self.beta)
-
-    def describe(self) -> str:
-        return f"EMULATED inter-node link: {self.latency_us:g} us latency, {self.gbit_s:g} Gbit/s"
-
-
 class LinkTimeline:
     """EMULATED occupancy of one inter-node link, for collectives that do not block.
 
@@ -227,9 +182,3 @@ class LinkTimeline:
         return 0.0
 
 
-def parse_link(text: str) -> LinkModel:
-    """Parse ``"50,1"`` = 50 microseconds latency, 1 Gbit/s, for ``--emulate-link``."""
-    values = _parse_numbers(text, "link")
-    if len(values) != 2:
-        raise ValueError(f"link: expected 'LATENCY_US,GBIT_S' (e.g. '50,1'), got {text!r}")
-    return LinkModel(latency_us=values[0], gbit_s=values[1])

@@ -29,7 +29,7 @@ class FlatReducer(Reducer):
     def reduce_gradients(self, message, count: int) -> None:
         check_message(message)
         topo = self.topology
-        total = self._weighted_sum("world", topo.world, message, count, self._allreduce)
+        total = self._weighted_sum("world", topo.world, message, count, self.allreduce)
         if total == 0:
             raise ValueError("no rank computed a sample this step (every count was 0)")
         if self.emulate_link is not None and topo.num_nodes > 1:

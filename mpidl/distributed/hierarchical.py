@@ -46,5 +46,5 @@ class HierarchicalReducer(Reducer):
         topo = self.topology
         self._reduce_to_root("intra", topo.node, message)
         if topo.is_leader:
-            self._inter_sum(message)
+            self.inter_sum(message)
         self._bcast_from_root("intra", topo.node, message)

@@ -47,11 +47,10 @@ def machine_rank_and_size(comm=None) -> tuple[int, int]:
         machine.Free()
 
 
-def agree_on_error(error: str | None, comm=None) -> str | None:
-    """Collective: the first rank's error message (with ``(on rank[s] [...])`` when not every
-    rank saw one), the same on every rank; None when no rank had an error."""
-    comm = MPI.COMM_WORLD if comm is None else comm
-    errors = comm.allgather(error)
+def first_error(errors: list) -> str | None:
+    """The first error of ``errors`` (one entry per rank in rank order, None where a rank had
+    none), with ``(on rank[s] [...])`` when not every rank had one; None when no rank had.
+    The one rule by which the ranks agree on an error (set-up, checkpoint, output)."""
     first = next((e for e in errors if e is not None), None)
     if first is None:
         return None
@@ -59,6 +58,12 @@ def agree_on_error(error: str | None, comm=None) -> str | None:
     if len(failing) == len(errors):
         return first
     return f"{first} (on rank{'s' if len(failing) > 1 else ''} {failing})"
+
+
+def agree_on_error(error: str | None, comm=None) -> str | None:
+    """Collective: :func:`first_error` of every rank's ``error``, the same on every rank."""
+    comm = MPI.COMM_WORLD if comm is None else comm
+    return first_error(comm.allgather(error))
 
 
 def abort_on_uncaught_exception(exc_type, exc, tb) -> None:

@@ -61,13 +61,10 @@ class NodeReducer(Reducer):
     name = "node"
 
     def __init__(self, topology, weighting="balanced", sync_every: int = 50, emulate_link=None,
-                 sync_overlap: int = 0):
-        super().__init__(topology, weighting, emulate_link)
+                 sync_overlap: int = 0, compress: str = "none"):
         self.sync_every = check_sync_every(sync_every)
-        if isinstance(sync_overlap, bool) or not isinstance(sync_overlap, Integral) \
-                or not 0 <= sync_overlap < self.sync_every:
-            raise ValueError(f"sync_overlap must be an integer in [0, sync_every={self.sync_every}), "
-                             f"got {sync_overlap!r}")
+        check_sync_overlap(sync_overlap, self.sync_every, compress)
+        super().__init__(topology, weighting, emulate_link, compress)
         #: steps between the start of an overlapped parameter sync and its application (0: blocking)
         self.sync_overlap = int(sync_overlap)
         self._async = None  # the overlapped sync in flight: dict, or None
@@ -79,7 +76,7 @@ class NodeReducer(Reducer):
         #: optimizer steps since the last parameter sync (the same on every rank)
         self.steps_since_sync = 0
         self._scratch = None
-        #: the node's SharedNode under intra='shm' (set by DataParallel): the parameter sync
+        #: the node's SharedNode under intra='shm' (see attach_shared): the parameter sync
         #: then reads and writes the one copy in the window
         self.shared = None
         #: compressed syncs: buffer index -> its value at the last sync (common to all nodes)
@@ -94,13 +91,22 @@ class NodeReducer(Reducer):
         """One node is the flat scheme; several differ between syncs."""
         return self.topology.num_nodes == 1
 
-    def describe(self) -> str:
-        return super().describe() + f", parameter sync every {self.sync_every} steps"
+    def _details(self) -> str:
+        text = f", K'={self.sync_every}"
+        if self.sync_overlap:
+            text += f", sync applied {self.sync_overlap} step(s) after it starts"
+        return text
+
+    def attach_shared(self, shared) -> None:
+        self.shared = shared
+
+    def add_samples(self, total: float) -> None:
+        if self.weighting == "balanced":
+            self.samples_since_sync += int(round(total))
 
     def reduce_gradients(self, message, count: int) -> None:
         check_message(message)
-        total = self._weighted_sum("intra", self.topology.node, message, count, self._allreduce)
-        self.samples_since_sync += int(round(total)) if self.weighting == "balanced" else 0
+        self.add_samples(self._weighted_sum("intra", self.topology.node, message, count, self.allreduce))
 
     def after_step(self, params_data, state_buffers, flags, steps_done: int) -> tuple | None:
         """Sync the parameters when ``steps_done`` is a multiple of ``sync_every``."""
@@ -222,7 +228,8 @@ class NodeReducer(Reducer):
     def pending_samples(self) -> int:
         return self.samples_since_sync
 
-    def set_pending_samples(self, samples: int) -> None:
+    def restore(self, steps_since_sync: int, samples: int) -> None:
+        self.steps_since_sync = int(steps_since_sync)
         self.samples_since_sync = int(samples)
 
     def _average_over_nodes(self, params_data, state_buffers, flags, *, into, reset=True) -> tuple:
@@ -249,7 +256,7 @@ class NodeReducer(Reducer):
             message[COUNT] = weight
             message[STOP] = flags[0]
             message[NONFINITE] = flags[1]
-            self._inter_sum(message, key="parameters")
+            self.inter_sum(message, key="parameters")
             if self.compressor is not None and message[COUNT] > 0:
                 # theta = theta_ref + sum_n v_n (theta_n - theta_ref) / sum_n v_n, finished
                 # here (the node's ranks then divide by 1); the result is the next reference
@@ -282,7 +289,9 @@ class NodeReducer(Reducer):
     def set_reference(self, params_data, state_buffers=()) -> None:
         """Compressed syncs: the common reference ``theta_ref`` (and state references), the
         same on every leader (the broadcast start, a checkpoint's consensus); a state without
-        one is sent whole."""
+        one is sent whole. Uncompressed syncs send the parameters themselves: nothing to keep."""
+        if self.compressor is None:
+            return
         self._refs = {0: params_data.copy()}
         for k, buf in enumerate(state_buffers, start=1):
             self._refs[k] = buf.copy()
@@ -314,6 +323,18 @@ class NodeReducer(Reducer):
             self.samples_since_sync = 0
             self.steps_since_sync = 0
         return stop, nonfinite
+
+
+def check_sync_overlap(sync_overlap, sync_every: int, compress: str = "none") -> int:
+    """``sync_overlap`` must be an integer in ``[0, K')``; the overlapped sync sends the
+    parameters themselves, so it does not combine with a compressed sync."""
+    if isinstance(sync_overlap, bool) or not isinstance(sync_overlap, Integral) \
+            or not 0 <= sync_overlap < sync_every:
+        raise ValueError(f"sync_overlap must be an integer in [0, sync_every={sync_every}), "
+                         f"got {sync_overlap!r}")
+    if sync_overlap and compress != "none":
+        raise ValueError("sync_overlap works with the uncompressed sync (no compress)")
+    return int(sync_overlap)
 
 
 def check_sync_every(sync_every) -> int:

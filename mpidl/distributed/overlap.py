@@ -51,11 +51,12 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
+from mpidl import kernels
 from mpidl.distributed.emulation import LinkTimeline
-from mpidl.distributed.reducer_base import COUNT, NONFINITE, SLOTS, STOP
+from mpidl.distributed.reducer_base import COUNT, NONFINITE, SLOTS, STOP, Variant
 from mpidl.distributed.shm import POLL_S, self_oversubscribed
 
-__all__ = ["Bucket", "plan_buckets", "OverlappedExchange", "OVERLAP_STRATEGIES"]
+__all__ = ["Bucket", "plan_buckets", "OverlappedExchange", "Overlapped", "OVERLAP_STRATEGIES"]
 
 OVERLAP_STRATEGIES = ("flat", "hierarchical")
 
@@ -112,8 +113,6 @@ class OverlappedExchange:
     """
 
     def __init__(self, reducer, message, buckets: list[Bucket]):
-        if reducer.name not in OVERLAP_STRATEGIES:
-            raise ValueError(f"overlap works with {', '.join(OVERLAP_STRATEGIES)}, not {reducer.name!r}")
         self.reducer = reducer
         self.message = message
         self.buckets = list(buckets)
@@ -147,7 +146,7 @@ class OverlappedExchange:
     def begin(self, count, stop: float) -> None:
         """A new step: this rank computed ``count`` samples; ``stop`` its stop request."""
         self.count = count
-        self.weight = self.reducer._weight_count(count)
+        self.weight = self.reducer.weight(count)
         self.message[COUNT] = self.weight
         self.message[STOP] = stop
         self.message[NONFINITE] = 0.0
@@ -264,3 +263,73 @@ class OverlappedExchange:
             if comm != MPI.COMM_NULL:
                 comm.Free()
         self._comms = []
+
+
+class Overlapped(Variant):
+    """``overlap=True``: the strategy's weighted SUM in buckets started from the model's
+    backward hooks (:class:`OverlappedExchange`), waited for in :meth:`reduce`.
+
+    The hook takes this rank's sample count from :meth:`begin` (``local_indices``), so a step
+    is ``begin``, then ONE backward, then :meth:`reduce`. Collective construction."""
+
+    def __init__(self, reducer, model, bucket_mb: float):
+        self.check_model(model)
+        super().__init__(reducer)
+        params = model.params
+        layers = [sum(p.size for _, p in layer.named_parameters()) for layer in model.net.layers]
+        self.buckets = plan_buckets(layers, float(bucket_mb) * 2 ** 20, params.data.itemsize)
+        self.engine = OverlappedExchange(reducer, params.message, self.buckets)
+        self.model = model
+        self._step = None  # (count, stop_requested) from begin, until reduce
+        model.net.backward_hook = self._backward_hook
+        for module in model.net.modules():
+            if module is not model.net and hasattr(module, "backward_hook"):
+                module.backward_hook = self.engine.poll  # progress inside the blocks
+
+    @staticmethod
+    def check_model(model) -> None:
+        """The buckets follow the layers of a Sequential, whose backward hook starts them."""
+        net = getattr(model, "net", None)
+        if net is None or not hasattr(net, "backward_hook"):
+            raise ValueError("overlap needs a Model whose net is a Sequential (its backward hook "
+                             "starts the buckets)")
+
+    def describe(self) -> str:
+        return self.reducer.describe() + f"; overlap in {len(self.buckets)} buckets"
+
+    def begin(self, count, stop_requested) -> None:
+        self._step = (count, stop_requested)
+
+    def _backward_hook(self, layer: int) -> None:
+        """Installed as ``model.net.backward_hook``: start the buckets whose layers are done."""
+        if not self.engine.active:
+            if self._step is None:
+                return  # a backward outside a step (begin not called): nothing starts
+            count, stop_requested = self._step
+            self.engine.begin(count, 1.0 if stop_requested() else 0.0)
+        self.engine.ready(layer)
+
+    def started_buckets(self) -> int:
+        """Buckets whose exchange has started in this step (for tests and diagnostics)."""
+        return 0 if self.engine._pending is None else sum(1 for p in self.engine._pending if p.stage >= 0)
+
+    def reduce(self, message, count, stop) -> tuple[bool, float]:
+        """Wait for the buckets the hooks started (start the others first)."""
+        self._step = None
+        engine = self.engine
+        if not engine.active:
+            engine.begin(count, 1.0 if stop else 0.0)
+        elif engine.count != count:
+            engine.finish()  # complete the collectives every rank has started
+            raise ValueError(f"step({count}): the backward hook already sent this rank's gradient "
+                             f"weighted by {engine.count} samples (the size of local_indices())")
+        if engine.finish() == 0:
+            raise ValueError("no rank computed a sample this step (every count was 0)")
+        return kernels.all_finite(message[:COUNT]), float(message[STOP])
+
+    def close(self) -> None:
+        for module in self.model.net.modules():
+            if hasattr(module, "backward_hook"):
+                module.backward_hook = None
+        self.engine.close()
+        self.reducer.close()

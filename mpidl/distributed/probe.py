@@ -49,14 +49,14 @@ def sleeping_barrier(comm, poll_s: float) -> None:
 
 def warm_up(dp, probe) -> None:
     """One untimed ``probe(2)`` per rank of ``dp``, the node's first rank first."""
-    saved = dp._buffers_host()  # probe passes must not move batch-norm statistics
+    saved = dp.buffers_host()  # probe passes must not move batch-norm statistics
     node = dp.topology.node
     for first_turn in (True, False):
         if (node.Get_rank() == 0) == first_turn:
             probe(min(2, dp.batch_size))
         if first_turn:
             # Sleeping, not MPI_Barrier, whose busy-wait would take the cores from the
-            # compiling rank (default job, 4 ranks on 2 cores, cold cache: 56 s -> 26 s).
+            # compiling rank.
             sleeping_barrier(node, 0.005)
     if saved:
         dp.model.load_buffers_host(saved)
@@ -66,18 +66,15 @@ def measure_costs(dp, probe) -> tuple[list[balance.RankCost], float]:
     """Every rank's ``t_i(b) = a_i + c_i b`` and the measurements' noise (collective; steps 2
     and 3 of the module docstring). The noise is the median over ranks of each rank's median
     over batch sizes of :func:`~mpidl.distributed.balance.timing_noise`."""
-    saved = dp._buffers_host()
+    saved = dp.buffers_host()
     sizes = probe_sizes(dp.batch_size, dp.size)
     measured_sizes, measured_times = [], []
     for round_ in range(PROBE_ROUNDS + 1):
         for b in sizes[round_ % len(sizes):] + sizes[:round_ % len(sizes)]:  # rotate the order
             sleeping_barrier(dp.topology.world, 0.0005)
-            t0, cpu0 = time.perf_counter(), time.process_time()
+            dp.clock.start()
             probe(b)
-            if dp._backend is not None:
-                dp._backend.synchronize()
-            seconds = time.perf_counter() - t0
-            seconds += dp.slowdown.stretch(seconds, time.process_time() - cpu0)
+            seconds = dp.clock.stop()
             if round_ > 0:
                 measured_sizes.append(b)
                 measured_times.append(max(seconds, 1e-9))

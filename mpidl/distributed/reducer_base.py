@@ -47,16 +47,30 @@ from numbers import Real
 import numpy as np
 from mpi4py import MPI
 
-from mpidl.backend import is_device_array
+from mpidl import kernels
+from mpidl.backend import get_array_module, is_device_array, to_host
+from mpidl.distributed.compress import Compressor, check_compression
+from mpidl.distributed.message import COUNT, NONFINITE, SLOTS, STOP, check_message  # noqa: F401
 from mpidl.distributed.emulation import LinkModel, parse_link
 from mpidl.distributed.topology import Topology
 
 LEVELS = ("intra", "inter", "world", "control")
 WEIGHTINGS = ("balanced", "uniform")
 CUDA_AWARE_ENV = "MPIDL_CUDA_AWARE_MPI"
-#: positions of the three slots after the gradient, counted from the end of the message
-COUNT, STOP, NONFINITE = -3, -2, -1
-SLOTS = 3
+
+
+class OptionError(ValueError):
+    """A bad exchange option; :attr:`option` names the keyword argument that broke the rule."""
+
+    def __init__(self, option: str, message: str):
+        super().__init__(message)
+        self.option = option
+
+
+def check_weighting(weighting) -> str:
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"unknown weighting {weighting!r}; choose one of {', '.join(WEIGHTINGS)}")
+    return weighting
 
 
 def mpi_is_cuda_aware() -> bool:
@@ -124,13 +138,22 @@ class _MPIBuffers:
 
 
 class Reducer:
-    """Base class: the weighting, the counted collectives and the per-step interface.
+    """Base class of the strategies, and the exchange interface every variant composes.
 
-    Per training step :class:`~mpidl.distributed.DataParallel` calls, in order::
+    Per training step :class:`~mpidl.distributed.DataParallel` calls, in order, whatever the
+    strategy (flat, hierarchical, node) and the variant wrapped around it
+    (:mod:`~mpidl.distributed.exchange`: overlapped buckets, the node-shared window)::
 
-        reducer.reduce_gradients(message, count)   # after backward, before optimizer.step
-        optimizer.step()
-        reducer.after_step(params.data, state, flags, steps_done)   # the node strategy's K' sync
+        exchange.begin(count, stop_requested)          # local_indices(): a step starts
+        finite, stop = exchange.reduce(message, count, stop)   # after backward
+        exchange.update(optimizer, finite)             # the optimizer (unless not finite)
+        exchange.after_step(params.data, state, flags, steps_done)   # node: the K' sync
+
+    and outside the step :meth:`synchronize`, :meth:`consensus`, :meth:`finish_pending`,
+    :meth:`set_reference`, :meth:`pending_samples` / :meth:`restore` (checkpoints),
+    :meth:`allreduce` (the loop's own counted collectives), :meth:`reset_counters` and
+    :meth:`close`. A strategy implements :meth:`reduce_gradients` (and the node strategy the
+    syncs); the defaults here are those of an exact strategy.
 
     Attributes a caller reads:
 
@@ -140,14 +163,19 @@ class Reducer:
     ``step_is_global``
         True when the per-step reduction spans the whole world, so that the ``stop`` and
         ``nonfinite`` slots of the reduced message are world-wide decisions.
+    ``steps_since_sync``
+        Optimizer steps since the last parameter sync (0 for the exact strategies).
+    ``compressor``
+        The :class:`~mpidl.distributed.compress.Compressor` of the leaders' level, or None.
     """
 
     name = "base"
+    #: steps between the start of an overlapped parameter sync and its application
+    sync_overlap = 0
 
     def __init__(self, topology: Topology, weighting: str = "balanced",
-                 emulate_link: LinkModel | str | None = None):
-        if weighting not in WEIGHTINGS:
-            raise ValueError(f"unknown weighting {weighting!r}; choose one of {', '.join(WEIGHTINGS)}")
+                 emulate_link: LinkModel | str | None = None, compress: str = "none"):
+        check_weighting(weighting)
         if isinstance(emulate_link, str):
             emulate_link = parse_link(emulate_link)
         if emulate_link is not None and not isinstance(emulate_link, LinkModel):
@@ -156,10 +184,16 @@ class Reducer:
         self.topology = topology
         self.weighting = weighting
         self.emulate_link = emulate_link
-        #: a :class:`~mpidl.distributed.compress.Compressor` for the leaders' level, or None
-        self.compressor = None
+        self.compressor = None if check_compression(compress) == "none" else Compressor(compress)
+        self.steps_since_sync = 0
+        self.shared = None
         self._buffers = _MPIBuffers()
         self.reset_counters()
+
+    @property
+    def reducer(self) -> "Reducer":
+        """The strategy itself (a :class:`Variant` answers with the strategy it wraps)."""
+        return self
 
     @property
     def exact(self) -> bool:
@@ -180,10 +214,43 @@ class Reducer:
         self.emulated_seconds = 0.0
 
     def describe(self) -> str:
-        link = f"; {self.emulate_link.describe()}" if self.emulate_link else ""
-        return f"{self.name} reducer, {self.weighting} weighting{link}"
+        """The strategy and its variants, for the log."""
+        text = f"strategy {self.name} ({self.weighting} weighting{self._details()})"
+        if self.compressor is not None:
+            text += f"; inter-node {self.compressor.kind}"
+        if self.emulate_link is not None:
+            text += f"; {self.emulate_link.describe()}"
+        return text
+
+    def _details(self) -> str:
+        return ""
 
     # -- the per-step interface ------------------------------------------------------------
+    def begin(self, count: int, stop_requested) -> None:
+        """A step starts: this rank will compute ``count`` samples; ``stop_requested()`` says
+        whether it asks for a stop. Nothing to do for a blocking exchange."""
+
+    def reduce(self, message, count: int, stop: bool) -> tuple[bool, float]:
+        """Reduce this rank's message (its local mean gradient, unscaled) in place; returns
+        ``(finite, stop sum)``: whether the reduced gradient is finite, and the sum of the
+        ``stop`` requests of the ranks that reduced together."""
+        message[STOP] = 1.0 if stop else 0.0
+        message[NONFINITE] = 0.0
+        self.reduce_gradients(message, count)
+        grad = message[:COUNT]
+        xp = get_array_module(message)
+        if xp is np:
+            return kernels.all_finite(grad), float(message[STOP])
+        # On a device: one float64 sum instead of an elementwise test (NaN or Inf anywhere
+        # makes it non-finite, no parameter-sized temporary) and one device read for both.
+        checks = to_host(xp.stack([grad.sum(dtype=np.float64), message[STOP].astype(np.float64)]))
+        return bool(np.isfinite(checks[0])), float(checks[1])
+
+    def update(self, optimizer, finite: bool) -> None:
+        """Apply the optimizer to the reduced gradient, unless it is not finite."""
+        if finite:
+            optimizer.step()
+
     def reduce_gradients(self, message, count: int) -> None:
         """Replace this rank's local mean gradient ``message[:-3]`` by the reduced one, in place.
 
@@ -193,6 +260,10 @@ class Reducer:
         the ranks wrote there.
         """
         raise NotImplementedError
+
+    def add_samples(self, total: float) -> None:
+        """The samples a per-step reduction summed (the node strategy counts them between
+        syncs; the others need nothing)."""
 
     def after_step(self, params_data, state_buffers, flags, steps_done: int) -> tuple | None:
         """Called after every optimizer step with the number of steps done so far; returns
@@ -206,23 +277,41 @@ class Reducer:
         only exchange the flags."""
         return self._world_flags(flags)
 
+    def finish_pending(self, params_data, state_buffers) -> tuple | None:
+        """Apply a parameter sync still in flight (collective); its flag sums, or None."""
+        return None
+
     def consensus(self, params_data):
         """The parameters every replica agrees on (a copy; collective): the replicas' own for
         the exact strategies."""
         return params_data.copy()
 
+    def set_reference(self, params_data, state_buffers=()) -> None:
+        """The parameters (and state) every node starts from, after the broadcast or a
+        restore: the compressed node syncs send the changes from them."""
+
+    def writing_parameters(self):
+        """A context around writing new values into the parameters on every rank (a restore):
+        nothing for private replicas; the shared window's barriers."""
+        return contextlib.nullcontext()
+
     def pending_samples(self) -> int:
         """Samples of this rank's node since the last parameter sync (node strategy), else 0."""
         return 0
 
-    def set_pending_samples(self, samples: int) -> None:
-        """Restore :meth:`pending_samples` from a checkpoint (a no-op for exact strategies)."""
+    def restore(self, steps_since_sync: int, samples: int) -> None:
+        """Restore :attr:`steps_since_sync` and :meth:`pending_samples` from a checkpoint."""
+
+    def attach_shared(self, shared) -> None:
+        """The node's :class:`~mpidl.distributed.shm.SharedNode` (or None): the node strategy's
+        syncs then work in the window."""
+        self.shared = shared
 
     def close(self) -> None:
         """Free what the reducer holds beyond its counters (duplicated communicators)."""
 
     # -- helpers for the strategies --------------------------------------------------------
-    def _weight_count(self, count) -> int:
+    def weight(self, count) -> int:
         """``c_i``: the samples of this rank (balanced) or 1 (uniform)."""
         if isinstance(count, bool) or not isinstance(count, Real) or count < 0 \
                 or not float(count).is_integer():
@@ -238,9 +327,9 @@ class Reducer:
         """
         grad = message[:COUNT]
         if comm == MPI.COMM_NULL or comm.Get_size() == 1:
-            message[COUNT] = self._weight_count(count)
+            message[COUNT] = self.weight(count)
             return float(message[COUNT])
-        weight = self._weight_count(count)
+        weight = self.weight(count)
         if weight != 1:
             grad *= weight
         message[COUNT] = weight
@@ -253,7 +342,7 @@ class Reducer:
     def _world_flags(self, flags) -> tuple:
         """World SUM of this rank's ``(stop, nonfinite)`` (one small counted collective)."""
         buf = np.asarray(flags, dtype=np.float64).copy()
-        self._allreduce("control", self.topology.world, buf)
+        self.allreduce("control", self.topology.world, buf)
         return float(buf[0]), float(buf[1])
 
     def _collective(self, level: str, comm, array, call, copy_in=True, copy_out=True) -> None:
@@ -267,7 +356,7 @@ class Reducer:
         self.counters[level]["calls"] += 1
         self.counters[level]["bytes"] += array.nbytes
 
-    def _allreduce(self, level: str, comm, array) -> None:
+    def allreduce(self, level: str, comm, array) -> None:
         """In-place SUM over ``comm``: every rank ends with ``sum_i array_i``."""
         self._collective(level, comm, array,
                          lambda buf: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM))
@@ -288,7 +377,7 @@ class Reducer:
         self._collective(level, comm, array, lambda buf: comm.Bcast(buf, root=0),
                          copy_in=root, copy_out=not root)
 
-    def _inter_sum(self, message, key: str = "gradient") -> None:
+    def inter_sum(self, message, key: str = "gradient") -> None:
         """The leaders' SUM of ``message`` in place (leaders only): one ``Allreduce``, or,
         with a compressor, the compressed ``Allgather`` and a local sum with error feedback
         under ``key`` (:mod:`~mpidl.distributed.compress`); EMULATED link time included."""
@@ -297,7 +386,7 @@ class Reducer:
             return
         nodes = comm.Get_size()
         if self.compressor is None:
-            self._allreduce("inter", comm, message)
+            self.allreduce("inter", comm, message)
             seconds = self.emulate_link.allreduce_seconds(message.nbytes, nodes) if self.emulate_link else 0.0
         else:
             packed = self.compressor.packed(message, key)
@@ -315,9 +404,67 @@ class Reducer:
             self.emulated_seconds += seconds
 
 
-def check_message(message) -> None:
-    """The reducers exchange one flat, contiguous 1-D message: ``P`` gradients + 3 slots."""
-    if getattr(message, "ndim", None) != 1 or not message.flags.c_contiguous or message.size <= SLOTS:
-        raise ValueError("the reducer works on one flat, contiguous 1-D message of the gradients "
-                         f"and {SLOTS} slots (FlatParameters.message); got shape "
-                         f"{getattr(message, 'shape', None)}")
+class Variant:
+    """An exchange around a strategy (overlapped buckets, the node-shared window): the same
+    interface as :class:`Reducer`, each call passed to the strategy unless the variant
+    overrides it. ``counters`` and the timers are the strategy's."""
+
+    def __init__(self, reducer: Reducer):
+        self.reducer = reducer
+
+    name = property(lambda self: self.reducer.name)
+    weighting = property(lambda self: self.reducer.weighting)
+    topology = property(lambda self: self.reducer.topology)
+    exact = property(lambda self: self.reducer.exact)
+    step_is_global = property(lambda self: self.reducer.step_is_global)
+    steps_since_sync = property(lambda self: self.reducer.steps_since_sync)
+    sync_overlap = property(lambda self: self.reducer.sync_overlap)
+    compressor = property(lambda self: self.reducer.compressor)
+    counters = property(lambda self: self.reducer.counters)
+    comm_seconds = property(lambda self: self.reducer.comm_seconds)
+    emulated_seconds = property(lambda self: self.reducer.emulated_seconds)
+
+    def reset_counters(self) -> None:
+        self.reducer.reset_counters()
+
+    def describe(self) -> str:
+        return self.reducer.describe()
+
+    def begin(self, count, stop_requested) -> None:
+        self.reducer.begin(count, stop_requested)
+
+    def reduce(self, message, count, stop) -> tuple[bool, float]:
+        return self.reducer.reduce(message, count, stop)
+
+    def update(self, optimizer, finite: bool) -> None:
+        self.reducer.update(optimizer, finite)
+
+    def after_step(self, params_data, state_buffers, flags, steps_done: int):
+        return self.reducer.after_step(params_data, state_buffers, flags, steps_done)
+
+    def synchronize(self, params_data, state_buffers, flags) -> tuple:
+        return self.reducer.synchronize(params_data, state_buffers, flags)
+
+    def finish_pending(self, params_data, state_buffers):
+        return self.reducer.finish_pending(params_data, state_buffers)
+
+    def consensus(self, params_data):
+        return self.reducer.consensus(params_data)
+
+    def set_reference(self, params_data, state_buffers=()) -> None:
+        self.reducer.set_reference(params_data, state_buffers)
+
+    def writing_parameters(self):
+        return self.reducer.writing_parameters()
+
+    def pending_samples(self) -> int:
+        return self.reducer.pending_samples()
+
+    def restore(self, steps_since_sync: int, samples: int) -> None:
+        self.reducer.restore(steps_since_sync, samples)
+
+    def allreduce(self, level: str, comm, array) -> None:
+        self.reducer.allreduce(level, comm, array)
+
+    def close(self) -> None:
+        self.reducer.close()

@@ -19,8 +19,10 @@ from __future__ import annotations
 from mpidl.distributed.emulation import LinkModel
 from mpidl.distributed.flat import FlatReducer
 from mpidl.distributed.hierarchical import HierarchicalReducer
-from mpidl.distributed.node import NodeReducer, check_sync_every
-from mpidl.distributed.reducer_base import LEVELS, WEIGHTINGS, Reducer, mpi_is_cuda_aware
+from mpidl.distributed.compress import check_compression
+from mpidl.distributed.node import NodeReducer, check_sync_every, check_sync_overlap
+from mpidl.distributed.reducer_base import (LEVELS, WEIGHTINGS, OptionError, Reducer, check_weighting,
+                                            mpi_is_cuda_aware)
 from mpidl.distributed.topology import Topology
 
 STRATEGIES = {
@@ -35,7 +37,7 @@ __all__ = ["make_reducer", "Reducer", "FlatReducer", "HierarchicalReducer", "Nod
 
 def make_reducer(strategy: str, topology: Topology, weighting: str = "balanced",
                  sync_every: int = 50, emulate_link: LinkModel | str | None = None,
-                 sync_overlap: int = 0) -> Reducer:
+                 sync_overlap: int = 0, compress: str = "none") -> Reducer:
     """Create the gradient reducer for ``strategy``.
 
     ==================  ======  ===========================================================
@@ -70,16 +72,39 @@ def make_reducer(strategy: str, topology: Topology, weighting: str = "balanced",
     sync_overlap : int
         ``node``: apply each parameter sync this many steps after starting it
         non-blockingly (0: blocking); see :meth:`NodeReducer._start_async`.
+    compress : 'none' | 'bf16' | 'fp16'
+        ``hierarchical`` / ``node``: the leaders' exchange in 16 bits
+        (:mod:`~mpidl.distributed.compress`).
 
-    Raises ValueError for an unknown strategy or weighting, or ``sync_every < 1``.
+    Raises :class:`OptionError` (a ValueError) as :func:`check_strategy` says.
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown reduction strategy {strategy!r}; "
-                         f"choose one of {', '.join(STRATEGIES)}")
-    check_sync_every(sync_every)  # validated for every strategy: a bad value is a bad config
+    check_strategy(strategy, weighting, sync_every, sync_overlap, compress)
     if strategy == NodeReducer.name:
         return NodeReducer(topology, weighting, sync_every=sync_every, emulate_link=emulate_link,
-                           sync_overlap=sync_overlap)
-    if sync_overlap:
-        raise ValueError("sync_overlap applies to the node strategy")
-    return STRATEGIES[strategy](topology, weighting, emulate_link=emulate_link)
+                           sync_overlap=sync_overlap, compress=compress)
+    return STRATEGIES[strategy](topology, weighting, emulate_link=emulate_link, compress=compress)
+
+
+def check_strategy(strategy, weighting="balanced", sync_every=50, sync_overlap=0, compress="none") -> None:
+    """The strategy's options, each rule once (no MPI); :class:`OptionError` names the option:
+    a known strategy and weighting, ``sync_every >= 1`` (checked for every strategy: a bad
+    value is a bad configuration), ``sync_overlap`` only with ``node`` (and ``< sync_every``,
+    uncompressed), ``compress`` only where there is an inter-node exchange of its own
+    (hierarchical, node)."""
+    def owned(option, check, *args):
+        try:
+            check(*args)
+        except ValueError as exc:
+            raise OptionError(option, str(exc)) from None
+
+    if strategy not in STRATEGIES:
+        raise OptionError("strategy", f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    owned("weighting", check_weighting, weighting)
+    owned("sync_every", check_sync_every, sync_every)
+    owned("compress", check_compression, compress)
+    if compress != "none" and strategy == FlatReducer.name:
+        raise OptionError("compress", "compress acts on the inter-node exchange of the hierarchical or "
+                                      "node strategy (not flat)")
+    if sync_overlap and strategy != NodeReducer.name:
+        raise OptionError("sync_overlap", "sync_overlap applies to strategy='node'")
+    owned("sync_overlap", check_sync_overlap, sync_overlap, sync_every, compress)

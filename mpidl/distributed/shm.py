@@ -32,7 +32,7 @@ One step, on every rank ``r`` of the node (``[lo_r, hi_r)`` = rank r's ``1/R`` s
       compress='bf16'|'fp16')
       ---- barrier 3
     g[lo_r:hi_r] = slot_0[lo_r:hi_r] / count                (its slice only)
-    if the sum is finite everywhere: optimizer.step(chunk=(lo_r, hi_r)) on theta, s_k
+    if the sum is finite everywhere: the optimizer over slice [lo_r, hi_r) of theta, s_k, g
     ---- barrier 4; every rank reads the updated theta in its next forward
 
 One node thus needs two barriers per step, several nodes four, and
@@ -74,6 +74,8 @@ Adams): a rank updates its slice of the parameters and of the state alone. CPU b
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import os
 import time
 
@@ -81,20 +83,62 @@ import numpy as np
 from mpi4py import MPI
 
 from mpidl import kernels
-from mpidl.distributed.reducer_base import COUNT, NONFINITE, SLOTS, STOP
+from mpidl.distributed.reducer_base import COUNT, NONFINITE, SLOTS, STOP, Variant
 
-__all__ = ["SharedNode", "check_shared_supported"]
+__all__ = ["SharedNode", "SharedExchange", "check_shared_supported"]
 
 
-def check_shared_supported(params, optimizer) -> None:
-    """ValueError (the same on every rank) when ``intra='shm'`` cannot hold this model."""
+def check_elementwise(optimizer) -> None:
     if not getattr(optimizer, "elementwise", False):
         raise ValueError(f"intra='shm' needs an elementwise optimizer (sgd, adam, adamw): each rank "
                          f"updates its slice of the shared parameters alone; "
                          f"{type(optimizer).__name__} is not elementwise, use intra='mpi'")
+
+
+def check_shared_supported(params, optimizer) -> None:
+    """ValueError (the same on every rank) when ``intra='shm'`` cannot hold this model."""
+    check_elementwise(optimizer)
     if not isinstance(params.data, np.ndarray):
         raise ValueError("intra='shm' shares host memory: it needs the CPU backend "
                          f"(the parameters are a {type(params.data).__module__} array); use intra='mpi'")
+
+
+class _Slice:
+    """``[lo, hi)`` of the node's parameters and reduced gradient (views), what a rank's
+    slice optimizer updates."""
+
+    def __init__(self, data, grad):
+        self.data, self.grad, self.size = data, grad, data.size
+
+
+def move_state(optimizer, buffers: list, copy: bool = True) -> None:
+    """Point the optimizer's state buffers (:meth:`~mpidl.optim.Optimizer.named_state`
+    order) at ``buffers`` (e.g. the window), copying the values in first with ``copy``."""
+    named = optimizer.named_state()
+    if len(buffers) != len(named):
+        raise ValueError(f"{optimizer.name} has {len(named)} state buffers, got {len(buffers)}")
+    for (key, old), new in zip(named, buffers):
+        if getattr(optimizer, key, None) is not old:
+            raise ValueError(f"{type(optimizer).__name__}: state {key!r} is not the attribute of that name")
+        if copy and new.shape != old.shape:
+            raise ValueError(f"state {key!r}: got {new.shape}, expected {old.shape}")
+    for (key, old), new in zip(named, buffers):
+        if copy:
+            new[...] = old
+        setattr(optimizer, key, new)
+
+
+def slice_optimizer(optimizer, lo: int, hi: int, gradient):
+    """A copy of an elementwise ``optimizer`` that updates ``[lo, hi)`` of its parameters and
+    state (views) from ``gradient[lo:hi]``, with its own scratch. Before each
+    ``step()`` set its ``lr`` and ``step_count`` to the whole optimizer's."""
+    check_elementwise(optimizer)
+    if not 0 <= lo <= hi <= optimizer.params.data.size:
+        raise ValueError(f"slice [{lo}, {hi}) is not inside [0, {optimizer.params.data.size}]")
+    part = copy.copy(optimizer)
+    part.params = _Slice(optimizer.params.data[lo:hi], gradient[lo:hi])
+    move_state(part, [s[lo:hi] for s in optimizer.state_buffers()], copy=False)
+    return part
 
 
 #: sleep between the tests of a sleeping barrier (see SharedNode.barrier)
@@ -163,13 +207,16 @@ class SharedNode:
         # its current message.
         first = self.local_rank == 0
         params.rebind(self.theta if first else np.empty_like(self.theta), self.slots[self.local_rank])
-        optimizer.rebind_state(self.state if first else [np.empty_like(s) for s in self.state],
-                               scratch_size=self.hi - self.lo)
+        move_state(optimizer, self.state if first else [np.empty_like(s) for s in self.state])
         self.barrier()
         if not first:
             params.rebind(self.theta, self.slots[self.local_rank], copy=False)
             params.message[...] = 0
-            optimizer.rebind_state(self.state, copy=False)
+            move_state(optimizer, self.state, copy=False)
+        #: the optimizer over this rank's slice: views of theta, the state and the reduced
+        #: gradient, its own scratch (an elementwise update of a slice is that slice of the
+        #: whole update)
+        self.slice_optimizer = slice_optimizer(optimizer, self.lo, self.hi, self.gradient)
 
     # ------------------------------------------------------------------ synchronization
     def barrier(self) -> None:
@@ -195,7 +242,7 @@ class SharedNode:
 
         The rank's gradient must be in its slot (``params.message``), unscaled. ``inter``:
         the leaders also sum the node sums among themselves through ``reducer``'s counted
-        ``_allreduce('inter', ...)`` (and its emulated link)."""
+        ``allreduce('inter', ...)`` (and its emulated link)."""
         own = self.slots[self.local_rank]
         alone = self.ranks == 1 and not inter  # one rank scales nothing: the same bits
         if weight != 1 and not alone:
@@ -222,7 +269,7 @@ class SharedNode:
         head = self.slots[0]
         if self.topology.is_leader:
             head[NONFINITE] += self.flags.sum()
-            reducer._inter_sum(head)
+            reducer.inter_sum(head)
         self.barrier()  # 3: the world sum is in every node's window
         nonfinite = float(head[NONFINITE])
         total = float(head[COUNT])
@@ -239,7 +286,10 @@ class SharedNode:
         """The optimizer on this rank's slice (when ``apply``), then the barrier after which
         every rank may read the new parameters."""
         if apply:
-            self.optimizer.step(chunk=(self.lo, self.hi), grad=self.gradient)
+            part, whole = self.slice_optimizer, self.optimizer
+            part.lr, part.step_count = whole.lr, whole.step_count  # the schedule sets whole.lr
+            part.step()
+            whole.step_count = part.step_count
         self.barrier()  # 4
 
     # ------------------------------------------------------------------ memory
@@ -259,9 +309,53 @@ class SharedNode:
             return
         self.barrier()
         self.params.rebind(np.array(self.theta), np.array(self.slots[self.local_rank]), copy=False)
-        self.optimizer.rebind_state([np.array(s) for s in self.state], copy=False)
+        move_state(self.optimizer, [np.array(s) for s in self.state], copy=False)
         self.barrier()
         self.slots = self.theta = self.flags = self.window = None
         self.state = []
         self.win.Unlock_all()
         self.win.Free()
+
+
+class SharedExchange(Variant):
+    """``intra='shm'``: the strategy's step through the node's :class:`SharedNode` (the
+    weighted sum in the window, over the world for the exact strategies on several nodes;
+    the optimizer on this rank's slice). Collective construction over the node."""
+
+    check = staticmethod(check_shared_supported)
+
+    def __init__(self, reducer, params, optimizer):
+        super().__init__(reducer)
+        self.shared = SharedNode(params, optimizer, reducer.topology)
+        reducer.attach_shared(self.shared)
+
+    def describe(self) -> str:
+        return self.reducer.describe() + "; intra shm"
+
+    def reduce(self, message, count, stop) -> tuple[bool, float]:
+        reducer = self.reducer
+        inter = reducer.step_is_global and reducer.topology.num_nodes > 1
+        total, stop_sum, nonfinite = self.shared.reduce(reducer.weight(count), 1.0 if stop else 0.0,
+                                                        reducer, inter=inter)
+        if reducer.step_is_global and total == 0:
+            raise ValueError("no rank computed a sample this step (every count was 0)")
+        reducer.add_samples(total)
+        return nonfinite == 0, stop_sum
+
+    def update(self, optimizer, finite: bool) -> None:
+        self.shared.update(apply=finite)
+
+    @contextlib.contextmanager
+    def writing_parameters(self):
+        # The ranks of a node write the same values into its one copy; none may still be
+        # reading it, and none reads it before all have written.
+        self.shared.barrier()
+        yield
+        self.shared.barrier()
+
+    def close(self) -> None:
+        """Copy the parameters and state back to private memory and free the window."""
+        self.shared.close()
+        self.shared = None
+        self.reducer.attach_shared(None)
+        self.reducer.close()

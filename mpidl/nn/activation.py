@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from mpidl import kernels
 from mpidl.backend import get_array_module
+from mpidl.kernels.elementwise_reference import sigmoid
 from mpidl.nn.module import Module
 
 __all__ = ["ReLU", "LeakyReLU", "GELU", "Tanh", "Sigmoid", "sigmoid"]
@@ -115,13 +116,6 @@ class Tanh(Module):
         if self._y is None:
             raise RuntimeError("Tanh.backward called before forward")
         return dy * (1 - self._y * self._y)
-
-
-def sigmoid(xp, x):
-    """``1 / (1 + exp(-x))`` without overflow warnings: ``exp`` of a non-positive number only
-    (``exp(x) / (1 + exp(x))`` for ``x < 0``)."""
-    z = xp.exp(-xp.abs(x))
-    return xp.where(x >= 0, 1 / (1 + z), z / (1 + z))
 
 
 class Sigmoid(Module):

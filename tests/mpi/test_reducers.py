@@ -440,7 +440,7 @@ def test_emulated_link_sleeps_the_modelled_time_on_the_inter_node_level():
 def test_make_reducer_refuses_bad_arguments():
     topo = build_topology("one")
     for kwargs, match in [
-        (dict(strategy="ring"), "unknown reduction strategy 'ring'.*flat, hierarchical, node"),
+        (dict(strategy="ring"), "unknown strategy 'ring'.*flat, hierarchical, node"),
         (dict(strategy="flat", weighting="mean"), "unknown weighting"),
         (dict(strategy="node", sync_every=0), "sync_every"),
         (dict(strategy="node", sync_every=2.5), "sync_every"),

@@ -202,4 +202,5 @@ def test_missing_node_state_on_one_node(mpi_tmp_path):
     WORLD.Barrier()
     # the ranks of the other node read fine: still every rank raises, naming the failing ranks
     failing = [r for r, n in enumerate(topo.node_of_rank) if n == topo.num_nodes - 1]
-    expect_checkpoint_error(argv + ["--resume"], f"(on ranks {failing})", ranks_per_node=TWO_NODES)
+    expect_checkpoint_error(argv + ["--resume"], f"(on rank{'s' if len(failing) > 1 else ''} {failing})",
+                            ranks_per_node=TWO_NODES)

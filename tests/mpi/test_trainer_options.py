@@ -68,12 +68,13 @@ def test_node_strategy_on_one_node_stops_inside_the_epoch():
 
 
 @pytest.mark.mpi(min_size=2)
-def test_max_steps_does_not_drop_a_pending_node_nan():
+def test_max_steps_does_not_drop_a_pending_node_nan(monkeypatch):
     """A node's non-finite gradient under ``node`` is decided at the next sync; a run that
     ends by --max-steps before it still meets that decision (the last epoch-end sync)."""
+    monkeypatch.setenv("MPIDL_INJECT_FAULT", "0:1:nan")
     try:
         run(WORLD, ["--batch-size", "8", "--epochs", "2", "--strategy", "node", "--sync-every", "100",
-                    "--speeds", ",".join(["1"] * P), "--inject-fault", "0:1:nan", "--max-steps", "3"],
+                    "--speeds", ",".join(["1"] * P), "--max-steps", "3"],
             ranks_per_node=1)
         outcome = "completed"
     except NonFiniteGradient as exc:

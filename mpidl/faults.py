@@ -1,0 +1,53 @@
+"""Fault injection for the tests: not a user option.
+
+``MPIDL_INJECT_FAULT=RANK:STEP[:KIND]`` in the environment of ``python -m mpidl.train`` makes
+rank ``RANK``, at global step ``STEP``, raise :class:`InjectedFault` (``raise``, the default),
+put NaN into its local gradient (``nan``: the collective non-finite decision), or send itself
+SIGTERM (``term``: the real signal handler at a known step). The tests use it to check that a
+failure on one rank ends, or stops, every rank alike.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+ENV = "MPIDL_INJECT_FAULT"
+KINDS = ("raise", "nan", "term")
+
+__all__ = ["ENV", "KINDS", "Fault", "InjectedFault", "parse_fault", "fault_from_environment"]
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the ``raise`` fault."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    rank: int
+    step: int
+    kind: str = "raise"
+
+    def at(self, rank: int, step: int) -> str | None:
+        """The kind of fault to inject on ``rank`` at ``step``, or None."""
+        return self.kind if (rank, step) == (self.rank, self.step) else None
+
+
+def parse_fault(text: str, world_size: int) -> Fault:
+    """``"1:5"`` / ``"2:3:nan"`` -> :class:`Fault`; ValueError naming the variable otherwise."""
+    parts = text.split(":")
+    try:
+        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in KINDS):
+            raise ValueError
+        fault = Fault(int(parts[0]), int(parts[1]), parts[2] if len(parts) == 3 else "raise")
+    except ValueError:
+        raise ValueError(f"{ENV} is RANK:STEP[:{'|'.join(KINDS)}] (e.g. 1:5), got {text!r}") from None
+    if not 0 <= fault.rank < world_size or fault.step < 0:
+        raise ValueError(f"{ENV}={text}: rank must be in [0, {world_size}) and step >= 0")
+    return fault
+
+
+def fault_from_environment(world_size: int) -> Fault | None:
+    """The fault :data:`ENV` asks for, or None when it is unset or empty."""
+    text = os.environ.get(ENV, "").strip()
+    return parse_fault(text, world_size) if text else None
