@@ -1,11 +1,12 @@
-"""The README's reading-order table: the files one training step of ``python -m mpidl.train``
-passes through, in the order a reader meets them, with their line counts.
+"""The reading-order tables: the files one training step passes through, in the order a reader
+meets them, with their line counts. README.md has the step of ``python -m mpidl.train``;
+docs/tour.md also has the custom loop's ``dp.step`` under the node strategy.
 
-    python docs/reading_order.py            # print the table (Markdown)
-    python docs/reading_order.py --write    # replace the table in README.md between its markers
-    python docs/reading_order.py --check    # exit 1 if README.md's counts are off by more than 10 %
+    python docs/reading_order.py            # print the tables (Markdown)
+    python docs/reading_order.py --write    # replace the tables between their markers
+    python docs/reading_order.py --check    # exit 1 if a table's counts are off by more than 10 %
 
-Edit ``STEP`` when the code moves; the counts come from the files themselves.
+Edit ``STEP`` / ``NODE_STEP`` when the code moves; the counts come from the files themselves.
 """
 
 import argparse
@@ -15,14 +16,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+TOUR = ROOT / "docs" / "tour.md"
 START, END = "<!-- reading-order:start -->", "<!-- reading-order:end -->"
+NODE_START, NODE_END = "<!-- reading-order-node:start -->", "<!-- reading-order-node:end -->"
 TOLERANCE = 0.10
 
-#: (file, what a reader finds there), in the order one step of the default job reaches them:
-#: hsicnn on the built-in scene, strategy flat, balanced weighting, SGD with momentum.
+#: (file, what a reader finds there), in the order one CLI step of the default job reaches
+#: them (hsicnn on the built-in scene, strategy flat, balanced weighting, SGD with momentum,
+#: no emulation): first the set-up that builds the exchange, then the step itself.
 STEP = [
-    ("mpidl/train.py", "the command line: options in, `Trainer` built, `run()`"),
-    ("mpidl/config.py", "every option validated once, before any MPI call"),
+    ("mpidl/train.py", "set-up: the command line: options in, `Trainer` built, `run()`"),
+    ("mpidl/config.py", "set-up: every option validated once, before any MPI call"),
+    ("mpidl/distributed/exchange.py", "set-up: `check_options` (what works with what) and `build_exchange`: the strategy and its variants"),
+    ("mpidl/distributed/reducers.py", "set-up: the strategy's own rules and `make_reducer`: the strategy by name"),
     ("mpidl/trainer.py", "the loop: epoch order, one step, evaluation, checkpoints"),
     ("mpidl/data.py", "this rank's slice of the global batch, read from HDF5 or memory"),
     ("mpidl/models.py", "`hsicnn`: the layers of the default model"),
@@ -33,11 +39,27 @@ STEP = [
     ("kernels/__init__.py", "the kernels' one dispatch and argument checks"),
     ("kernels/winograd_reference.py", "the Winograd convolution in NumPy: the definition"),
     ("mpidl/nn/loss.py", "softmax cross-entropy, fused"),
-    ("mpidl/distributed/data_parallel.py", "`DataParallel.step`: weighted reduce, update, agree"),
-    ("mpidl/distributed/reducer_base.py", "one message: the weighted gradient, its count, the stop and NaN flags"),
+    ("mpidl/distributed/data_parallel.py", "`DataParallel.local_indices` and `step`: one path over the exchange"),
+    ("mpidl/distributed/hdp.py", "the split `local_indices` takes its slice from; the plain compute clock `step` stops"),
+    ("mpidl/distributed/reducer_base.py", "the exchange interface: the weighted sum, the flags, the finiteness check, the update"),
+    ("mpidl/distributed/message.py", "the message: the gradient and its count, stop and non-finite slots"),
     ("mpidl/distributed/flat.py", "the flat strategy: one `Allreduce`"),
     ("mpidl/optim.py", "SGD (and the other rules) on the flat buffers"),
 ]
+
+#: the custom loop's ``dp.step`` (README) under ``strategy="node"``, SGD: from the call to the
+#: update and the K' parameter sync.
+NODE_STEP = [
+    ("mpidl/distributed/data_parallel.py", "`DataParallel.step`: the clock, the exchange's four calls, the agreed flags"),
+    ("mpidl/distributed/hdp.py", "the plain compute clock `step` stops (and the split of `local_indices`)"),
+    ("mpidl/distributed/reducer_base.py", "`reduce`: the flags, the weighted sum, the finiteness check; `update`"),
+    ("mpidl/distributed/message.py", "the message's slots"),
+    ("mpidl/distributed/node.py", "the node strategy: the node-local weighted `Allreduce`; every K' steps `after_step` averages the parameters between nodes"),
+    ("mpidl/optim.py", "SGD on the flat buffers"),
+]
+
+#: page, its markers, its table, the prefix of its links (relative to the page)
+TABLES = [(README, START, END, STEP, ""), (TOUR, NODE_START, NODE_END, NODE_STEP, "../")]
 
 
 def line_count(path: str) -> int:
@@ -45,37 +67,41 @@ def line_count(path: str) -> int:
         return sum(1 for _ in f)
 
 
-def table() -> str:
-    missing = [path for path, _ in STEP if not (ROOT / path).is_file()]
+def table(step=None, prefix: str = "") -> str:
+    step = STEP if step is None else step
+    missing = [path for path, _ in step if not (ROOT / path).is_file()]
     if missing:
         raise SystemExit(f"reading_order: no such file(s): {', '.join(missing)}; edit STEP in {__file__}")
     rows = ["| # | file | lines | what |", "| --- | --- | ---: | --- |"]
     total = 0
-    for i, (path, what) in enumerate(STEP, 1):
+    for i, (path, what) in enumerate(step, 1):
         n = line_count(path)
         total += n
-        rows.append(f"| {i} | [`{path}`]({path}) | {n} | {what} |")
+        rows.append(f"| {i} | [`{path}`]({prefix}{path}) | {n} | {what} |")
     rows.append(f"| | **total** | **{total}** | |")
     return "\n".join(rows)
 
 
-def readme_counts(text: str) -> dict[str, int]:
-    """``{file: lines}`` as the README's table states them."""
-    block = text.split(START, 1)[1].split(END, 1)[0]
+def readme_counts(text: str, start: str = START, end: str = END) -> dict[str, int]:
+    """``{file: lines}`` as a page's table (between ``start`` and ``end``) states them."""
+    block = text.split(start, 1)[1].split(end, 1)[0]
     return {m[1]: int(m[2]) for m in re.finditer(r"^\| \d+ \| \[`([^`]+)`\]\([^)]*\) \| (\d+) \|", block, re.M)}
 
 
-def check(text: str) -> list[str]:
-    """What is wrong with the README's table: files it lacks or has too many, counts off by
+def check(text: str, step=None, start: str = START, end: str = END) -> list[str]:
+    """What is wrong with a page's table: files it lacks or has too many, counts off by
     more than ``TOLERANCE``."""
-    stated = readme_counts(text)
-    problems = [f"{path}: listed in STEP but not in the README" for path, _ in STEP if path not in stated]
-    problems += [f"{path}: in the README but not in STEP" for path in stated if path not in dict(STEP)]
+    step = STEP if step is None else step
+    if start not in text or end not in text:
+        return [f"no table between {start} and {end}"]
+    stated = readme_counts(text, start, end)
+    problems = [f"{path}: listed in the script but not in the table" for path, _ in step if path not in stated]
+    problems += [f"{path}: in the table but not in the script" for path in stated if path not in dict(step)]
     for path, n in stated.items():
         if (ROOT / path).is_file():
             real = line_count(path)
             if abs(real - n) > TOLERANCE * real:
-                problems.append(f"{path}: README says {n} lines, the file has {real}")
+                problems.append(f"{path}: the table says {n} lines, the file has {real}")
         else:
             problems.append(f"{path}: no such file")
     return problems
@@ -84,22 +110,24 @@ def check(text: str) -> list[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--write", action="store_true", help="rewrite the table in README.md")
-    mode.add_argument("--check", action="store_true", help="exit 1 if README.md's table is stale")
+    mode.add_argument("--write", action="store_true", help="rewrite the tables in their pages")
+    mode.add_argument("--check", action="store_true", help="exit 1 if a table is stale")
     args = parser.parse_args(argv)
-    text = README.read_text(encoding="utf-8")
-    if args.check:
-        problems = check(text)
-        for p in problems:
-            print(f"reading_order: {p}", file=sys.stderr)
-        return 1 if problems else 0
-    if args.write:
-        head, rest = text.split(START, 1)
-        tail = rest.split(END, 1)[1]
-        README.write_text(f"{head}{START}\n{table()}\n{END}{tail}", encoding="utf-8")
-        return 0
-    print(table())
-    return 0
+    problems = []
+    for page, start, end, step, prefix in TABLES:
+        text = page.read_text(encoding="utf-8")
+        name = page.relative_to(ROOT)
+        if args.check:
+            problems += [f"{name}: {p}" for p in check(text, step, start, end)]
+        elif args.write:
+            head, rest = text.split(start, 1)
+            tail = rest.split(end, 1)[1]
+            page.write_text(f"{head}{start}\n{table(step, prefix)}\n{end}{tail}", encoding="utf-8")
+        else:
+            print(f"{name}:\n{table(step, prefix)}\n")
+    for p in problems:
+        print(f"reading_order: {p}", file=sys.stderr)
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":
