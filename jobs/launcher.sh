@@ -141,7 +141,8 @@ mpidl_mpiexec() {
 }
 
 mpidl_cluster_cmd() {  # KIND EXE RANKS "SIZES" PROG...: MPIDL_CMD for the cluster $MPIDL_CLUSTER
-    local kind=$1 exe=$2 ranks=$3 i hosts="" env_file=/run/mpidl-cluster/$MPIDL_CLUSTER/cluster.env
+    local kind=$1 exe=$2 ranks=$3 i hosts=""
+    local env_file=${MPIDL_CLUSTER_STATE_ROOT:-/run/mpidl-cluster}/$MPIDL_CLUSTER/cluster.env
     local -a sizes
     read -r -a sizes <<< "$4"
     shift 4
