@@ -24,7 +24,8 @@
 #                         or partial start)
 #   status                the hosts, their links (rate, cut), CPU shares, frozen, processes
 #   hosts                 the MPI host list, e.g. mpidl-node1:2,mpidl-node2:2
-#   env                   shell lines to export for this cluster (SLURM_CONF, MPIDL_CLUSTER)
+#   env                   shell lines to export for this cluster: MPIDL_CLUSTER, and with
+#                         Slurm SLURM_CONF and the transports of the ranks srun starts
 #   run HOST -- CMD...    run CMD inside HOST (net + uts + mount namespaces, cgroups)
 #   link HOST RATE        change HOST's link rate (both directions; `none` unshaped)
 #   cpu HOST SHARE        change HOST's CPU share (cores; `none` no limit)
@@ -103,9 +104,12 @@ shape() {  # shape NETNS_OR_- DEV RATE: tbf on DEV (in NETNS, or the head for -)
     fi
     bits=$(rate_bits "$rate")
     (( bits >= 8000 )) || die "rate '$rate' below 8 kbit/s"
-    # A small bucket: about 0.25 ms of the rate, at least 16 KB. A large one lets a whole
-    # gradient message after an idle gap leave at the veth's own speed, unshaped.
-    burst=$(( bits / 8 / 4000 ))
+    # A small bucket: 1 ms of the rate, at least 16 KB. A large one lets a whole gradient
+    # message after an idle gap leave at the veth's own speed, unshaped (256 KB at 100 Mbit/s:
+    # 308 KB crossed in 5 ms instead of 24.6); a smaller one than 1 ms needs the qdisc's
+    # timer to fire more often than a loaded machine does (0.25 ms at 1 Gbit/s: 4 MiB
+    # allreduces ran at a seventh of the rate here; 1 ms: near the rate).
+    burst=$(( bits / 8 / 1000 ))
     (( burst >= 16384 )) || burst=16384
     "${tc[@]}" qdisc replace dev "$dev" root tbf rate "${bits}bit" burst "$burst" latency 100ms
 }
@@ -197,6 +201,7 @@ stop_cluster() {
         kill -KILL "$(cat "$pid")" 2>/dev/null || true
         rm -f "$pid"
     done
+    if [[ -f "$STATE/munged.started" ]]; then bash "$JOBS_DIR/cluster_slurm.sh" "$NAME" stop || true; fi
     for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E "^$NAME-(node[0-9]+|tbfcheck)$" || true); do
         ip netns del "$ns" 2>/dev/null || true
     done
@@ -407,8 +412,15 @@ case "$CMD" in
     env)
         load_state
         echo "export MPIDL_CLUSTER=$NAME"
-        [[ "$SLURM" == 1 ]] && echo "export SLURM_CONF=$STATE/slurm.conf"
-        true ;;
+        if [[ "$SLURM" == 1 ]]; then
+            echo "export SLURM_CONF=$STATE/slurm.conf"
+            # For ranks that srun starts (sbatch and srun pass the environment on), what
+            # jobs/launcher.sh gives mpiexec on the cluster: MPICH's UCX over TCP on eth0 (its
+            # default reaches across the namespaces through shared memory, off the link),
+            # its progress time-out; Open MPI's TCP BTL on the cluster's subnet.
+            echo "export UCX_TLS=tcp,self UCX_NET_DEVICES=eth0 MPIR_CVAR_PROGRESS_TIMEOUT=\${MPIDL_FAULT_TIMEOUT:-60}"
+            echo "export OMPI_MCA_pml=ob1 OMPI_MCA_btl=tcp,sm,self OMPI_MCA_btl_tcp_if_include=10.77.$SUBNET.0/24"
+        fi ;;
     run) [[ $# -ge 2 ]] || usage; run_in_host "$@" ;;
     link)
         load_state; i=$(host_index "${1:?link HOST RATE}")
