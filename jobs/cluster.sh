@@ -312,6 +312,12 @@ start_cluster() {
         ip netns exec "$ns" ip addr add "$(addr_of "$i")/24" dev eth0
         ip netns exec "$ns" ip link set eth0 up
         ip netns exec "$ns" ip route add default via "10.77.$subnet.1"
+        # A host's TCP gives up on a peer that stopped answering after ~12.6 s of
+        # retransmissions (tcp_retries2=5 from a 200 ms RTO) instead of ~15 min, and probes
+        # idle keepalive sockets after 5 s (5 probes 1 s apart): what makes an MPI whose
+        # transport reports a dead connection (Open MPI's TCP BTL) end the job (docs/cluster.md).
+        ip netns exec "$ns" sysctl -q -w net.ipv4.tcp_retries2=5 net.ipv4.tcp_keepalive_time=5 \
+            net.ipv4.tcp_keepalive_intvl=1 net.ipv4.tcp_keepalive_probes=5
         # Both directions of the link: the host's egress on its eth0, its ingress on the
         # head's end of the veth.
         shape "$ns" eth0 "${rate_of[i-1]}"

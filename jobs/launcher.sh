@@ -47,7 +47,9 @@
 #   Open MPI: --host NAME-node1:s1,... with prterun's plm_ssh_agent = jobs/cluster_ssh.sh,
 #     its out-of-band and the TCP BTL on the cluster's subnet (oob_tcp_if_include,
 #     btl_tcp_if_include), pml ob1 with the tcp, sm and self BTLs (nothing else reaches
-#     across the namespaces), and the TCP keepalive of the BTL.
+#     across the namespaces), and a keepalive of 5 + 5 x 1 s on prterun's connections to its
+#     daemons (default 300 + 9 x 20 s), so that prterun learns of a host cut off or frozen and
+#     ends the job (a rank's own TCP gives up on a silent peer by the hosts' tcp_retries2).
 # Both: at most as many nodes as the cluster has hosts; the cluster's state (hosts, subnet)
 # is read from /run/mpidl-cluster/NAME/cluster.env.
 
@@ -167,7 +169,9 @@ mpidl_cluster_cmd() {  # KIND EXE RANKS "SIZES" PROG...: MPIDL_CMD for the clust
     else
         local net="10.77.$SUBNET.0/24"
         MPIDL_CMD=("$exe" -n "$ranks" --host "$hosts" --prtemca plm_ssh_agent "$jobs_dir/cluster_ssh.sh"
-                   --prtemca oob_tcp_if_include "$net" --mca btl_tcp_if_include "$net"
+                   --prtemca oob_tcp_if_include "$net" --prtemca oob_tcp_keepalive_time 5
+                   --prtemca oob_tcp_keepalive_intvl 1 --prtemca oob_tcp_keepalive_probes 5
+                   --mca btl_tcp_if_include "$net"
                    --mca pml ob1 --mca btl tcp,sm,self
                    --oversubscribe --bind-to none --mca mpi_yield_when_idle 1)
         if (( EUID == 0 )); then MPIDL_CMD+=(--allow-run-as-root); fi

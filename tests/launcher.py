@@ -187,7 +187,9 @@ def cluster_command(name: str, kind: str, exe: str, ranks: int, sizes: list[int]
     if kind == OPENMPI:
         net = f"10.77.{state['SUBNET']}.0/24"
         cmd = [exe, "-n", str(ranks), "--host", hosts, "--prtemca", "plm_ssh_agent", agent,
-               "--prtemca", "oob_tcp_if_include", net, "--mca", "btl_tcp_if_include", net,
+               "--prtemca", "oob_tcp_if_include", net, "--prtemca", "oob_tcp_keepalive_time", "5",
+               "--prtemca", "oob_tcp_keepalive_intvl", "1", "--prtemca", "oob_tcp_keepalive_probes", "5",
+               "--mca", "btl_tcp_if_include", net,
                "--mca", "pml", "ob1", "--mca", "btl", "tcp,sm,self",
                "--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1"]
         if os.geteuid() == 0:
