@@ -22,6 +22,7 @@
 #   stop                  remove everything: processes of the hosts, daemons, namespaces,
 #                         veths, bridge, cgroups, /etc/hosts lines, state (also after a failed
 #                         or partial start)
+#   check                 whether this machine can run a cluster (else: why not; exit 1)
 #   status                the hosts, their links (rate, cut), CPU shares, frozen, processes
 #   hosts                 the MPI host list, e.g. mpidl-node1:2,mpidl-node2:2
 #   env                   shell lines to export for this cluster: MPIDL_CLUSTER, and with
@@ -338,9 +339,12 @@ start_cluster() {
         # /sys/class/net must be its eth0), with the machine's /sys/fs/cgroup moved back onto
         # it (slurmd and the cgroups need it; `ip netns exec` loses it).
         touch "$STATE/node$i.uts" "$STATE/node$i.mnt"
-        mkdir -p "$STATE/node$i.cgroup"
+        # $STATE/local is the host's own folder (node$i.local): for what must not be shared
+        # between hosts although /tmp is (Slurm's PMIx client folders, named by job only).
+        mkdir -p "$STATE/node$i.cgroup" "$STATE/node$i.local" "$STATE/local"
         nsenter --net="/var/run/netns/$ns" unshare --uts="$STATE/node$i.uts" --mount="$STATE/node$i.mnt" \
             --propagation private sh -c "hostname '$NAME-node$i' && mount --bind '$STATE/resolv.conf' /etc/resolv.conf \
+                && mount --bind '$STATE/node$i.local' '$STATE/local' \
                 && mount --rbind /sys/fs/cgroup '$STATE/node$i.cgroup' && mount -t sysfs sysfs /sys \
                 && mount --move '$STATE/node$i.cgroup' /sys/fs/cgroup"
         hosts_lines+=("$(addr_of "$i") $NAME-node$i")
@@ -405,6 +409,10 @@ CMD=${1:-}
 shift
 case "$CMD" in
     start) start_cluster "$@" ;;
+    check)  # exit 0 when this machine can run a cluster, else 1 with the reason
+        check_machine
+        check_tbf
+        say "this machine can run a cluster (root, namespaces, tbf, cgroup v1 cpu/cpuset/freezer)" ;;
     stop)
         check_machine
         stop_cluster

@@ -83,6 +83,10 @@ start() {
         echo "PartitionName=$NAME Nodes=$NAME-node[1-$HOSTS] Default=YES MaxTime=INFINITE State=UP"
     } > "$CONF.tmp"
     mv "$CONF.tmp" "$CONF"
+    # srun --mpi=pmix makes a client folder per job step named by job and step only, under
+    # /tmp by default: the hosts share /tmp, so the second host's slurmstepd fails ("File
+    # exists"). Each host sees its own folder at $STATE/local (jobs/cluster.sh).
+    echo "PMIxCliTmpDirBase=$STATE/local" > "$STATE/mpi.conf"
     export SLURM_CONF=$CONF
     if ! alive munged; then
         mkdir -p /run/munge && chown munge:munge /run/munge
