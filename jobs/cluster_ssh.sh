@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# jobs/cluster_ssh.sh [SSH OPTIONS] HOST COMMAND...   -- ssh's stand-in for the hosts of jobs/cluster.sh
+# bash jobs/cluster_ssh.sh [SSH OPTIONS] HOST COMMAND...   -- ssh's stand-in for the hosts of jobs/cluster.sh
 #
 # MPICH's hydra (`-launcher ssh -launcher-exec jobs/cluster_ssh.sh`) and Open MPI's prterun
 # (`--prtemca plm_ssh_agent jobs/cluster_ssh.sh`) start their proxy on each host as
