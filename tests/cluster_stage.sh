@@ -18,7 +18,7 @@
 #      new job resumes from the last checkpoint and completes;
 #   5. fault (d): every rank of host 2 SIGKILLed: the job ends within 10 s.
 # CLUSTER_FAULTS=all adds (b) link cut for 3 s and restored, (c) host 2 frozen for good,
-# (e) host 2's link lowered to 10 Mbit/s in training; each prints its time to end.
+# (e) host 2's link lowered to 50 Mbit/s in training; each prints its time to end.
 # Exit code 0 when every check passes, 1 when one fails, 77 when no cluster can run here
 # (not root, no namespaces, no tbf: the reason is printed). Slurm's part is skipped, with the
 # reason, where Slurm is neither installed nor installable (no apt-get).
@@ -223,8 +223,8 @@ if [[ "${CLUSTER_FAULTS:-}" == all ]]; then
     say "(c) the job ended after $ELAPSED s, exit code $CODE"
     grep -aE "node2|TIMEOUT|timed out|lost communication" "$WORK/freeze.out" | head -n 5 || true
     bash jobs/cluster.sh --name "$NAME" thaw node2
-    say "(e) host 2's link lowered to 10 Mbit/s"
-    fault_run slow bash jobs/cluster.sh --name "$NAME" link node2 10mbit
+    say "(e) host 2's link lowered to 50 Mbit/s"
+    fault_run slow bash jobs/cluster.sh --name "$NAME" link node2 50mbit
     say "(e) the job ended after $ELAPSED s, exit code $CODE, end record: $(record "$WORK/slow.jsonl" end)"
     bash jobs/cluster.sh --name "$NAME" link node2 1gbit
 fi
