@@ -11,7 +11,8 @@
 # are installed by jobs/local_slurm.sh's rules when missing (root + apt-get). Everything it
 # writes is in the cluster's state folder, and everything it starts is stopped by
 # `jobs/cluster.sh stop`: slurmctld by its pid file there, the slurmds with the hosts'
-# processes, munged only if this script started it and no other cluster's Slurm is up.
+# processes, munged only if this script started it and no other cluster's Slurm nor
+# jobs/local_slurm.sh's is up.
 set -euo pipefail
 NAME=${1:?usage: cluster_slurm.sh NAME start|stop}
 ACTION=${2:?usage: cluster_slurm.sh NAME start|stop}
@@ -121,7 +122,10 @@ stop() {
     if [[ -f "$STATE/munged.started" ]]; then
         local other
         other=$(grep -l '^SLURM=1' /run/mpidl-cluster/*/cluster.env 2>/dev/null | grep -v "^$STATE/" || true)
-        if [[ -z "$other" ]] && ! pgrep -x slurmctld >/dev/null; then
+        # jobs/local_slurm.sh's slurmctld (its pid file) needs munged too.
+        local local_ctld=""
+        [[ -f /run/mpidl-slurm/slurmctld.pid ]] && local_ctld=$(cat /run/mpidl-slurm/slurmctld.pid)
+        if [[ -z "$other" ]] && ! { [[ -n "$local_ctld" ]] && kill -0 "$local_ctld" 2>/dev/null; }; then
             kill "$(cat "$STATE/munged.started")" 2>/dev/null || true
         fi
         rm -f "$STATE/munged.started"
