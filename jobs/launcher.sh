@@ -33,6 +33,31 @@
 # --mca mpi_yield_when_idle 1 (waiting ranks yield the core instead of spinning: the cores
 # are shared) and, as root, --allow-run-as-root.
 
+#
+# A cluster of jobs/cluster.sh (MPIDL_CLUSTER=NAME, the cluster up): the nodes are its hosts
+# NAME-node1, NAME-node2, ... (node i of the sizes on host i), with their own network stacks,
+# so COMM_TYPE_SHARED finds them with no override, under both MPIs:
+#   MPICH: -launcher ssh -launcher-exec jobs/cluster_ssh.sh (ssh's stand-in: the proxy of each
+#     host runs inside that host) -localhost NAME-head (the address the proxies call back) and
+#     -hosts NAME-node1:s1,...; -genv UCX_TLS tcp,self and UCX_NET_DEVICES eth0: UCX's default
+#     transports reach across network namespaces through shared memory and would put nothing
+#     on the link; -genv MPIR_CVAR_PROGRESS_TIMEOUT $MPIDL_FAULT_TIMEOUT: a rank whose MPI
+#     call makes no progress for that many seconds fails, and the job ends (a host cut off
+#     or frozen is otherwise waited for for ever: UCX does not report the lost connection).
+#   Open MPI: --host NAME-node1:s1,... with prterun's plm_ssh_agent = jobs/cluster_ssh.sh,
+#     its out-of-band and the TCP BTL on the cluster's subnet (oob_tcp_if_include,
+#     btl_tcp_if_include), pml ob1 with the tcp, sm and self BTLs (nothing else reaches
+#     across the namespaces), and a keepalive of 5 + 5 x 1 s on prterun's connections to its
+#     daemons (default 300 + 9 x 20 s), so that prterun learns of a host cut off or frozen and
+#     ends the job (a rank's own TCP gives up on a silent peer by the hosts' tcp_retries2).
+# Both: at most as many nodes as the cluster has hosts; the cluster's state (hosts, subnet)
+# is read from /run/mpidl-cluster/NAME/cluster.env.
+
+# Seconds a rank may wait in one MPI call without progress before the job is ended, on a
+# cluster (docs/cluster.md, "Faults"): above any legitimate wait (a slow rank's step, the
+# evaluation, a checkpoint written by rank 0), below what a stuck job may cost.
+MPIDL_FAULT_TIMEOUT=${MPIDL_FAULT_TIMEOUT:-60}
+
 # Host names of the emulated nodes under MPICH: distinct strings, all this machine.
 MPIDL_HOSTS=(localhost 127.0.0.1 127.0.0.2 127.0.0.3 127.0.0.4 127.0.0.5 127.0.0.6 127.0.0.7)
 
@@ -82,6 +107,10 @@ mpidl_mpiexec() {
         echo "launcher.sh: node sizes $nodes do not add up to $ranks ranks" >&2
         return 2
     fi
+    if [[ -n "${MPIDL_CLUSTER:-}" ]]; then
+        mpidl_cluster_cmd "$kind" "$exe" "$ranks" "${sizes[*]}" "$@"
+        return
+    fi
     if [[ "$kind" == mpich ]]; then
         MPIDL_CMD=("$exe" -n "$ranks")
         if (( ${#sizes[@]} > 1 )); then
@@ -108,6 +137,43 @@ mpidl_mpiexec() {
             MPIDL_CMD=(env "MPIDL_RANKS_PER_NODE=$k")
         fi
         MPIDL_CMD+=("$exe" -n "$ranks" --oversubscribe --bind-to none --mca mpi_yield_when_idle 1)
+        if (( EUID == 0 )); then MPIDL_CMD+=(--allow-run-as-root); fi
+        MPIDL_CMD+=("$@")
+    fi
+}
+
+mpidl_cluster_cmd() {  # KIND EXE RANKS "SIZES" PROG...: MPIDL_CMD for the cluster $MPIDL_CLUSTER
+    local kind=$1 exe=$2 ranks=$3 i hosts=""
+    local env_file=${MPIDL_CLUSTER_STATE_ROOT:-/run/mpidl-cluster}/$MPIDL_CLUSTER/cluster.env
+    local -a sizes
+    read -r -a sizes <<< "$4"
+    shift 4
+    local jobs_dir
+    jobs_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+    if [[ ! -f "$env_file" ]]; then
+        echo "launcher.sh: MPIDL_CLUSTER=$MPIDL_CLUSTER, but that cluster is not up (bash jobs/cluster.sh --name $MPIDL_CLUSTER start)" >&2
+        return 2
+    fi
+    local HOSTS SUBNET
+    HOSTS=$(sed -n 's/^HOSTS=//p' "$env_file"); SUBNET=$(sed -n 's/^SUBNET=//p' "$env_file")
+    if (( ${#sizes[@]} > HOSTS )); then
+        echo "launcher.sh: ${#sizes[@]} nodes, but cluster $MPIDL_CLUSTER has $HOSTS hosts" >&2
+        return 2
+    fi
+    for i in "${!sizes[@]}"; do hosts+="${hosts:+,}$MPIDL_CLUSTER-node$((i + 1)):${sizes[i]}"; done
+    if [[ "$kind" == mpich ]]; then
+        MPIDL_CMD=("$exe" -n "$ranks" -launcher ssh -launcher-exec "$jobs_dir/cluster_ssh.sh"
+                   -localhost "$MPIDL_CLUSTER-head" -hosts "$hosts"
+                   -genv UCX_TLS "${UCX_TLS:-tcp,self}" -genv UCX_NET_DEVICES "${UCX_NET_DEVICES:-eth0}"
+                   -genv MPIR_CVAR_PROGRESS_TIMEOUT "$MPIDL_FAULT_TIMEOUT" "$@")
+    else
+        local net="10.77.$SUBNET.0/24"
+        MPIDL_CMD=("$exe" -n "$ranks" --host "$hosts" --prtemca plm_ssh_agent "$jobs_dir/cluster_ssh.sh"
+                   --prtemca oob_tcp_if_include "$net" --prtemca oob_tcp_keepalive_time 5
+                   --prtemca oob_tcp_keepalive_intvl 1 --prtemca oob_tcp_keepalive_probes 5
+                   --mca btl_tcp_if_include "$net"
+                   --mca pml ob1 --mca btl tcp,sm,self
+                   --oversubscribe --bind-to none --mca mpi_yield_when_idle 1)
         if (( EUID == 0 )); then MPIDL_CMD+=(--allow-run-as-root); fi
         MPIDL_CMD+=("$@")
     fi

@@ -35,6 +35,7 @@ from mpidl.distributed import DataParallel, NonFiniteGradient
 from mpidl.faults import ENV, InjectedFault, fault_from_environment
 from mpidl.log import MetricsWriter, RankTimingLog
 from mpidl.metrics import classification_report, confusion_matrix
+from mpidl.netstat import WireCounter, per_host
 from mpidl.nn import SoftmaxCrossEntropy
 from mpidl.optim import build_optimizer, make_schedule
 from mpidl.outputs import rescue_model
@@ -285,6 +286,7 @@ class Trainer:
             "costs": [[c.a, c.c] for c in self.dp.costs], "predicted_step_s": self.dp.predicted_step_s,
             "comp_s": timing["comp_s"], "comm_s": timing["comm_s"], "idle_s": timing["idle_s"],
             "comm": self.dp.counters,
+            "wire": per_host(self.dp.all_gather_object(self.wire.since())),
         }
         self.metrics.write(record)
         r = self.rank
@@ -390,6 +392,7 @@ class Trainer:
             perm = epoch_permutation(cfg.seed, epoch, self.train_set.num_samples)
             self.train_set.set_epoch(epoch)  # augmentation draws are a function of (seed, epoch, index)
             dp.reset_counters()  # the metrics report traffic and time per epoch
+            self.wire = WireCounter()  # and the kernel's bytes on the wire (mpidl/netstat.py)
             totals = EpochTotals()
             first = self.start_step_in_epoch if epoch == self.start_epoch else 0
             last_print = time.perf_counter()

@@ -25,6 +25,11 @@ ranks to busy cores), ``--mca mpi_yield_when_idle 1`` (a rank waiting in MPI yie
 instead of spinning; Open MPI does so by itself only when it sees more ranks than cores, not
 when other jobs share them) and, as root, ``--allow-run-as-root``.
 
+With ``MPIDL_CLUSTER=NAME`` (a cluster of ``jobs/cluster.sh`` that is up) the nodes are that
+cluster's hosts ``NAME-node1``, ``NAME-node2``, ... instead, each with its own network stack, so
+``COMM_TYPE_SHARED`` finds them under both MPIs with no override (:func:`cluster_command`;
+docs/cluster.md says what each MPI needs and why).
+
 The flavour comes from ``MPIDL_MPI_FLAVOR`` (``mpich`` / ``openmpi``; tests/run_all.sh sets it
 from ``MPI.Get_library_version()``), else from ``mpiexec --version``.
 """
@@ -40,6 +45,14 @@ from pathlib import Path
 
 MPICH, OPENMPI = "mpich", "openmpi"
 FLAVOR_ENV = "MPIDL_MPI_FLAVOR"
+CLUSTER_ENV = "MPIDL_CLUSTER"
+#: Where jobs/cluster.sh keeps the state of cluster NAME: ``STATE_ROOT / NAME / "cluster.env"``
+#: ($MPIDL_CLUSTER_STATE_ROOT overrides it, for the tests of the command lines).
+CLUSTER_STATE_ROOT = Path("/run/mpidl-cluster")
+JOBS = Path(__file__).resolve().parents[1] / "jobs"
+#: Seconds a rank may wait in one MPI call without progress on a cluster before the job ends
+#: (MPICH's MPIR_CVAR_PROGRESS_TIMEOUT; $MPIDL_FAULT_TIMEOUT overrides; docs/cluster.md).
+FAULT_TIMEOUT_S = 60
 #: Host names of the emulated nodes under MPICH: distinct strings, all this machine.
 HOSTS = ("localhost", "127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5", "127.0.0.6",
          "127.0.0.7")
@@ -110,6 +123,8 @@ def mpiexec(ranks: int, program: list[str], nodes=None, *, exe: str | None = Non
     exe = exe or default_mpiexec()
     kind = kind or flavor(exe)
     sizes = node_sizes(ranks, nodes)
+    if os.environ.get(CLUSTER_ENV):
+        return cluster_command(os.environ[CLUSTER_ENV], kind, exe, ranks, sizes, program)
     if kind == MPICH:
         cmd = [exe, "-n", str(ranks)]
         if len(sizes) > 1:
@@ -133,10 +148,60 @@ def mpiexec(ranks: int, program: list[str], nodes=None, *, exe: str | None = Non
     raise ValueError(f"unknown MPI flavour {kind!r}")
 
 
+def cluster_state(name: str) -> dict[str, str]:
+    """The ``KEY=value`` lines of a cluster's state file (HOSTS, RANKS, SUBNET, ...)."""
+    path = Path(os.environ.get("MPIDL_CLUSTER_STATE_ROOT") or CLUSTER_STATE_ROOT) / name / "cluster.env"
+    if not path.is_file():
+        raise RuntimeError(f"{CLUSTER_ENV}={name}, but that cluster is not up "
+                           f"(bash jobs/cluster.sh --name {name} start)")
+    state = {}
+    for line in path.read_text().splitlines():
+        if "=" in line and not line.startswith("#"):
+            key, value = line.split("=", 1)
+            state[key] = value.strip('"')
+    return state
+
+
+def cluster_command(name: str, kind: str, exe: str, ranks: int, sizes: list[int],
+                    program: list[str]) -> list[str]:
+    """The command line that starts ``program`` on the hosts of cluster ``name``, node ``i`` of
+    ``sizes`` on host ``name-node{i+1}`` (jobs/launcher.sh, mpidl_cluster_cmd, is its twin).
+
+    MPICH: hydra's ssh launcher with ``jobs/cluster_ssh.sh`` as ssh (it runs the proxy inside
+    the host), ``-localhost NAME-head`` (the address the proxies call back), UCX over TCP on
+    ``eth0`` (its default transports reach across network namespaces through shared memory),
+    and ``MPIR_CVAR_PROGRESS_TIMEOUT``. Open MPI: prterun's ``plm_ssh_agent``, its out-of-band
+    and TCP BTL on the cluster's subnet, ``pml ob1`` with the tcp, sm and self BTLs."""
+    state = cluster_state(name)
+    if len(sizes) > int(state["HOSTS"]):
+        raise ValueError(f"{len(sizes)} nodes, but cluster {name} has {state['HOSTS']} hosts")
+    hosts = ",".join(f"{name}-node{i + 1}:{s}" for i, s in enumerate(sizes))
+    agent = str(JOBS / "cluster_ssh.sh")
+    if kind == MPICH:
+        timeout = os.environ.get("MPIDL_FAULT_TIMEOUT", str(FAULT_TIMEOUT_S))
+        return [exe, "-n", str(ranks), "-launcher", "ssh", "-launcher-exec", agent,
+                "-localhost", f"{name}-head", "-hosts", hosts,
+                "-genv", "UCX_TLS", os.environ.get("UCX_TLS") or "tcp,self",
+                "-genv", "UCX_NET_DEVICES", os.environ.get("UCX_NET_DEVICES") or "eth0",
+                "-genv", "MPIR_CVAR_PROGRESS_TIMEOUT", timeout, *program]
+    if kind == OPENMPI:
+        net = f"10.77.{state['SUBNET']}.0/24"
+        cmd = [exe, "-n", str(ranks), "--host", hosts, "--prtemca", "plm_ssh_agent", agent,
+               "--prtemca", "oob_tcp_if_include", net, "--prtemca", "oob_tcp_keepalive_time", "5",
+               "--prtemca", "oob_tcp_keepalive_intvl", "1", "--prtemca", "oob_tcp_keepalive_probes", "5",
+               "--mca", "btl_tcp_if_include", net,
+               "--mca", "pml", "ob1", "--mca", "btl", "tcp,sm,self",
+               "--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1"]
+        if os.geteuid() == 0:
+            cmd.append("--allow-run-as-root")
+        return cmd + list(program)
+    raise ValueError(f"unknown MPI flavour {kind!r}")
+
+
 def fakes_hosts(exe: str | None = None) -> bool:
-    """Whether emulated nodes are real ``MPI_COMM_TYPE_SHARED`` nodes (MPICH) rather than the
-    ``MPIDL_RANKS_PER_NODE`` override (Open MPI)."""
-    return flavor(exe) == MPICH
+    """Whether the nodes are real ``MPI_COMM_TYPE_SHARED`` nodes (MPICH's fake hosts, or the
+    hosts of a cluster under either MPI) rather than the ``MPIDL_RANKS_PER_NODE`` override."""
+    return flavor(exe) == MPICH or bool(os.environ.get(CLUSTER_ENV))
 
 
 def rank_of_environ(environ: dict[bytes, bytes]) -> int | None:

@@ -6,11 +6,14 @@
 #    chosen when numba is first imported);
 # 3. the MPI tests under mpiexec with 1, 2 and 4 ranks, with 2 emulated nodes of 2 ranks,
 #    with unequal nodes (2 + 1 ranks), and with the MPIDL_RANKS_PER_NODE override;
-# 4. the Slurm stage (tests/slurm_stage.sh) when Slurm can run here: a slurmctld answers, or
+# 4. the cluster stage (tests/cluster_stage.sh): a 2-host cluster of network namespaces
+#    (jobs/cluster.sh) where the machine allows it (root, namespaces, tbf; else skipped with
+#    the reason; CLUSTER_STAGE=0 skips it, CLUSTER_STAGE=1 requires it), torn down at its end;
+# 5. the Slurm stage (tests/slurm_stage.sh) when Slurm can run here: a slurmctld answers, or
 #    root with apt-get can install one (SLURM_STAGE=0 skips it, SLURM_STAGE=1 requires it).
 # `mpi` runs only what depends on the MPI: the serial tests that start mpiexec themselves
-# (marker `launcher`, except the slow benchmark runs) and stage 3 (CI runs it again under
-# Open MPI).
+# (marker `launcher`, except the slow benchmark runs), stage 3 and stage 4 (CI runs them
+# again under Open MPI).
 #
 # The MPI is the one mpi4py of $PYTHON loads (MPI.Get_library_version()): MPICH or Open MPI.
 # The launcher is $MPIEXEC, else the mpiexec beside $PYTHON, else the one on PATH; it must be
@@ -78,6 +81,19 @@ if [[ "$library" == mpich ]]; then
     # Under Open MPI the 2 x 2 stage above already is this override.
     stage "MPI tests, 4 ranks with MPIDL_RANKS_PER_NODE=2"
     MPIDL_RANKS_PER_NODE=2 mpi_stage 4 1 "${PYTEST[@]}" --with-mpi tests/mpi
+fi
+
+if [[ "${CLUSTER_STAGE:-auto}" != 0 ]]; then
+    # Under both MPIs (CI's Open MPI pass runs `mpi`): the hosts are real network stacks, which
+    # nothing above has.
+    stage "a real 2-host cluster: equivalence, kernel bytes, two-node Slurm, faults (tests/cluster_stage.sh)"
+    code=0
+    bash tests/cluster_stage.sh || code=$?
+    if (( code == 77 )) && [[ "${CLUSTER_STAGE:-auto}" == auto ]]; then
+        echo "run_all: cluster stage skipped (see the reason above)"
+    elif (( code != 0 )); then
+        exit "$code"
+    fi
 fi
 
 if [[ "$WHAT" == all && "${SLURM_STAGE:-auto}" != 0 ]]; then

@@ -1,0 +1,232 @@
+#!/usr/bin/env bash
+# bash tests/cluster_stage.sh   -- mpidl on a real 2-host cluster (jobs/cluster.sh), under the
+#                                 MPI that mpi4py of $PYTHON loads (MPICH or Open MPI)
+#
+# Brings up cluster `mpidlci` (2 hosts x 2 CPUs, 1 Gbit/s links, a Slurm when it can be run)
+# and removes it at the end, also when a check fails (trap). Then, each launched as the job
+# scripts launch (jobs/launcher.sh with MPIDL_CLUSTER, or sbatch):
+#   1. flat and hierarchical across the 2 hosts equal one process (float64, <= 1e-10:
+#      tests/mpi/test_training_equivalence.py, 1 rank per host);
+#   2. the node strategy (2 hosts x 2 ranks, K'=1): the bytes the kernel saw leave host 1 in
+#      each epoch are within 15 % of mpidl's own inter-node counters (the metrics' `wire` and
+#      `comm` records);
+#   3. Slurm: sbatch --nodes=2 jobs/slurm_cpu_multi_node.sh runs on both hosts; a job stopped
+#      by scancel --signal=TERM checkpoints, a new job resumes from it, and its final model
+#      equals bitwise the one of a job that ran straight through;
+#   4. fault (a): host 2's link cut for good in training: the job ends within
+#      MPIDL_FAULT_TIMEOUT + 30 s (MPIDL_FAULT_TIMEOUT=10 here) with no `end` record, and a
+#      new job resumes from the last checkpoint and completes;
+#   5. fault (d): every rank of host 2 SIGKILLed: the job ends within 10 s.
+# CLUSTER_FAULTS=all adds (b) link cut for 3 s and restored, (c) host 2 frozen for good,
+# (e) host 2's link lowered to 50 Mbit/s in training; each prints its time to end.
+# Exit code 0 when every check passes, 1 when one fails, 77 when no cluster can run here
+# (not root, no namespaces, no tbf: the reason is printed). Slurm's part is skipped, with the
+# reason, where Slurm is neither installed nor installable (no apt-get).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REPO=$(pwd)
+PY=${PYTHON:-python}
+NAME=${CLUSTER_STAGE_NAME:-mpidlci}
+export PYTHON=$PY OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 NUMBA_NUM_THREADS=1
+say() { echo "cluster_stage: $*"; }
+fail() { say "FAILED: $*" >&2; exit 1; }
+
+if (( EUID != 0 )); then say "skipped: needs root (network namespaces, tc, cgroups)"; exit 77; fi
+if ! reason=$(bash jobs/cluster.sh --name "$NAME" check 2>&1); then say "skipped: $reason"; exit 77; fi
+
+# shellcheck source=jobs/launcher.sh
+source jobs/launcher.sh
+kind=$(mpidl_library_flavor "$PY")
+export MPIDL_MPI_FLAVOR=$kind
+if [[ "$kind" == openmpi ]]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
+slurm=(--slurm)
+if ! command -v slurmctld >/dev/null && ! command -v apt-get >/dev/null; then
+    slurm=()
+    say "Slurm part skipped: Slurm is not installed and cannot be (no apt-get)"
+fi
+
+WORK=$(mktemp -d /tmp/mpidl-cluster-stage.XXXXXX)
+cleanup() {
+    local code=$?
+    bash jobs/cluster.sh --name "$NAME" stop || code=1
+    rm -rf "$WORK"
+    exit "$code"
+}
+trap cleanup EXIT
+bash jobs/cluster.sh --name "$NAME" start --hosts 2 --ranks 2 --rate 1gbit "${slurm[@]}"
+eval "$(bash jobs/cluster.sh --name "$NAME" env)"
+export MPIDL_CLUSTER=$NAME
+
+"$PY" - "$WORK/tiny.h5" <<'EOF'
+import sys
+import numpy as np
+from mpidl.layout import write_layout
+rng = np.random.default_rng(0)
+def split(n):
+    y = rng.integers(0, 3, n)
+    return rng.standard_normal((n, 4, 5, 5)).astype(np.float32) + 0.7 * y[:, None, None, None], y
+write_layout(sys.argv[1], {"train": split(480), "test": split(120)}, ["a", "b", "c"], source="cluster_stage")
+EOF
+common=(--data "$WORK/tiny.h5" --batch-size 32 --speeds 1,1 --seed 0)
+
+record() {  # the last record of a metrics file whose "event" is $2, as JSON ({} if none)
+    "$PY" -c 'import json, sys
+recs = [json.loads(l) for l in open(sys.argv[1]) if l.strip()] if __import__("os").path.exists(sys.argv[1]) else []
+ends = [r for r in recs if r.get("event") == sys.argv[2]]
+print(json.dumps(ends[-1]) if ends else "{}")' "$1" "$2"
+}
+now() { date +%s.%N; }
+seconds() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.1f", b - a }'; }
+
+# ---- 1. equivalence across real hosts
+say "1. flat and hierarchical on 2 hosts x 1 rank equal one process (float64, <= 1e-10)"
+mpidl_mpiexec 2 2 "$PY" -m pytest -q -p no:cacheprovider --with-mpi tests/mpi/test_training_equivalence.py -k exact_strategies
+echo "\$ ${MPIDL_CMD[*]}"
+"${MPIDL_CMD[@]}" || fail "the equivalence tests failed on the cluster"
+
+# ---- 2. the kernel's bytes against mpidl's counters
+say "2. node strategy, 2 hosts x 2 ranks, K'=1: bytes on host 1's wire vs mpidl's inter-node counters"
+mpidl_mpiexec 4 2 "$PY" -m mpidl.train "${common[@]}" --speeds 1,1,1,1 --strategy node --sync-every 1 \
+    --epochs 2 --metrics "$WORK/bytes.jsonl"
+"${MPIDL_CMD[@]}" > "$WORK/bytes.out" 2>&1 || { cat "$WORK/bytes.out"; fail "the node-strategy run failed"; }
+grep -q "on 2 node(s)" "$WORK/bytes.out" || { cat "$WORK/bytes.out"; fail "COMM_TYPE_SHARED did not find 2 hosts"; }
+"$PY" - "$WORK/bytes.jsonl" "$NAME-node1" <<'EOF' || fail "kernel bytes and mpidl's counters differ by more than 15 %"
+import json, sys
+ok = True
+for r in (json.loads(l) for l in open(sys.argv[1]) if l.strip()):
+    if r.get("event") != "epoch":
+        continue
+    # Rank 0 (node 1's leader) counts what it hands the inter-node allreduce; between 2
+    # leaders a ring (or recursive doubling) sends each its n bytes once, so host 1's wire
+    # carries that plus headers and the MPI's own messages; world/control traffic also leaves.
+    counted = sum(r["comm"][level]["bytes"] for level in ("inter", "world", "control"))
+    wire = r["wire"][sys.argv[2]]["tx_bytes"]
+    ratio = wire / counted
+    print(f"cluster_stage: epoch {r['epoch']}: host 1 sent {wire} bytes, mpidl counted {counted}: ratio {ratio:.3f}")
+    ok &= 0.85 <= ratio <= 1.15
+sys.exit(0 if ok else 1)
+EOF
+
+# ---- 3. Slurm: two nodes, TERM, resume bitwise
+if (( ${#slurm[@]} )); then
+    say "3. sbatch --nodes=2 jobs/slurm_cpu_multi_node.sh: straight, then TERM + resume, same model bitwise"
+    SCRIPT=$REPO/jobs/slurm_cpu_multi_node.sh
+    submit() { sbatch --parsable --chdir="$WORK" --nodes=2 --ntasks-per-node=1 --cpus-per-task=1 --time=00:10:00 "$@"; }
+    wait_gone() {
+        local i
+        for ((i = 0; i < 300; i++)); do
+            [[ -z "$(squeue -h -j "$1" -o %i 2>/dev/null)" ]] && return 0
+            sleep 1
+        done
+        scancel "$1" || true
+        fail "job $1 still in the queue after 5 minutes"
+    }
+    exit_code() { scontrol show job "$1" | grep -o 'ExitCode=[0-9:]*' | head -n 1 | cut -d= -f2; }
+    slurm_args=("${common[@]}" --sync-every 2 --epochs 6)
+    job=$(submit --job-name=straight "$SCRIPT" "${slurm_args[@]}" --save "$WORK/straight.h5")
+    wait_gone "$job"
+    cat "$WORK/straight-$job.out"
+    [[ $(exit_code "$job") == 0:0 ]] || fail "job $job ended with ExitCode $(exit_code "$job")"
+    grep -q "2 rank(s) on 2 node(s)" "$WORK/straight-$job.out" || fail "job $job did not run on 2 hosts"
+    job=$(submit --job-name=term "$SCRIPT" "${slurm_args[@]}" --checkpoint "$WORK/ck-slurm" --metrics "$WORK/term.jsonl")
+    for ((i = 0; i < 600; i++)); do
+        grep -qs '"event": "epoch"' "$WORK/term.jsonl" && break
+        [[ -n "$(squeue -h -j "$job" -o %i)" ]] || fail "job $job ended before training: $(cat "$WORK"/term-*.out)"
+        sleep 0.2
+    done
+    scancel --signal=TERM "$job"
+    wait_gone "$job"
+    cat "$WORK/term-$job.out"
+    [[ $(exit_code "$job") == 0:0 ]] || fail "job $job ended with ExitCode $(exit_code "$job")"
+    end=$(record "$WORK/term.jsonl" end)
+    [[ "$end" == *'"stopped": "signal"'* ]] || fail "job $job was not stopped by the signal: $end"
+    job=$(submit --job-name=resume "$SCRIPT" "${slurm_args[@]}" --checkpoint "$WORK/ck-slurm" --resume --save "$WORK/resumed.h5")
+    wait_gone "$job"
+    tail -n 4 "$WORK/resume-$job.out"
+    [[ $(exit_code "$job") == 0:0 ]] || fail "job $job ended with ExitCode $(exit_code "$job")"
+    grep -q "resumed from" "$WORK/resume-$job.out" || fail "job $job did not resume"
+    "$PY" - "$WORK/straight.h5" "$WORK/resumed.h5" <<'EOF' || fail "the resumed model differs from the straight one"
+import sys
+import h5py
+import numpy as np
+def arrays(path):
+    out = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda name, obj: out.__setitem__(name, obj[()]) if isinstance(obj, h5py.Dataset) else None)
+    return out
+a, b = arrays(sys.argv[1]), arrays(sys.argv[2])
+assert a.keys() == b.keys() and a, (sorted(a), sorted(b))
+same = all(np.array_equal(a[k], b[k]) for k in a)
+print(f"cluster_stage: {len(a)} arrays of the final model, bitwise equal: {same}")
+sys.exit(0 if same else 1)
+EOF
+fi
+
+# ---- faults
+export MPIDL_FAULT_TIMEOUT=10
+BOUND=$((MPIDL_FAULT_TIMEOUT + 30))
+# fault_run LABEL ACTION...: trains (40 epochs, checkpoint every epoch) on 2 hosts x 1 rank,
+# applies ACTION once the first epoch is recorded, waits for the end; sets ELAPSED, CODE.
+fault_run() {
+    local label=$1 pid t0
+    shift
+    rm -rf "$WORK/ck-$label" "$WORK/$label.jsonl"
+    mpidl_mpiexec 2 2 "$PY" -m mpidl.train "${common[@]}" --epochs 40 --checkpoint "$WORK/ck-$label" \
+        --metrics "$WORK/$label.jsonl"
+    "${MPIDL_CMD[@]}" > "$WORK/$label.out" 2>&1 &
+    pid=$!
+    for ((i = 0; i < 600; i++)); do
+        grep -qs '"event": "epoch"' "$WORK/$label.jsonl" && break
+        kill -0 "$pid" 2>/dev/null || { cat "$WORK/$label.out"; fail "$label: the job ended before training"; }
+        sleep 0.2
+    done
+    t0=$(now)
+    "$@"
+    # A job that does not end is ended after 5 minutes (and the check fails).
+    local waited=0
+    while kill -0 "$pid" 2>/dev/null && (( waited < 3000 )); do sleep 0.1; waited=$((waited + 1)); done
+    if kill -0 "$pid" 2>/dev/null; then kill -KILL "$pid"; fi
+    CODE=0
+    wait "$pid" || CODE=$?
+    ELAPSED=$(seconds "$t0" "$(now)")
+}
+ended_early() {  # the job of $1 has no `end` record: it did not go on as if nothing happened
+    [[ "$(record "$WORK/$1.jsonl" end)" == "{}" ]]
+}
+
+say "4. fault (a): host 2's link cut for good in training"
+fault_run cut bash jobs/cluster.sh --name "$NAME" cut node2
+say "(a) link cut: the job ended after $ELAPSED s, exit code $CODE"
+grep -aE "node2|TIMEOUT|timed out|lost communication" "$WORK/cut.out" | head -n 5 || true
+ended_early cut || fail "(a): the job recorded an end although host 2 was cut off"
+awk -v e="$ELAPSED" -v b="$BOUND" 'BEGIN { exit !(e <= b) }' || fail "(a): ended after $ELAPSED s, bound $BOUND s"
+bash jobs/cluster.sh --name "$NAME" restore node2
+mpidl_mpiexec 2 2 "$PY" -m mpidl.train "${common[@]}" --epochs 3 --checkpoint "$WORK/ck-cut" --resume \
+    --metrics "$WORK/cut-resume.jsonl"
+"${MPIDL_CMD[@]}" > "$WORK/cut-resume.out" 2>&1 || { cat "$WORK/cut-resume.out"; fail "(a): resuming failed"; }
+grep -q "resumed from" "$WORK/cut-resume.out" || fail "(a): the new job did not resume"
+[[ "$(record "$WORK/cut-resume.jsonl" end)" == *'"stopped": "completed"'* ]] || fail "(a): the resumed job did not complete"
+say "(a) the last checkpoint resumed and the job completed"
+
+say "5. fault (d): every rank of host 2 SIGKILLed"
+fault_run kill bash jobs/cluster.sh --name "$NAME" kill node2 KILL
+say "(d) ranks killed: the job ended after $ELAPSED s, exit code $CODE"
+(( CODE != 0 )) || fail "(d): exit code 0 after ranks were killed"
+awk -v e="$ELAPSED" 'BEGIN { exit !(e <= 10) }' || fail "(d): ended after $ELAPSED s, bound 10 s"
+
+if [[ "${CLUSTER_FAULTS:-}" == all ]]; then
+    say "(b) link cut for 3 s, then restored"
+    fault_run blip bash -c "bash jobs/cluster.sh --name $NAME cut node2 && sleep 3 && bash jobs/cluster.sh --name $NAME restore node2"
+    say "(b) the job ended after $ELAPSED s, exit code $CODE, end record: $(record "$WORK/blip.jsonl" end)"
+    say "(c) host 2 frozen for good"
+    fault_run freeze bash jobs/cluster.sh --name "$NAME" freeze node2
+    say "(c) the job ended after $ELAPSED s, exit code $CODE"
+    grep -aE "node2|TIMEOUT|timed out|lost communication" "$WORK/freeze.out" | head -n 5 || true
+    bash jobs/cluster.sh --name "$NAME" thaw node2
+    say "(e) host 2's link lowered to 50 Mbit/s"
+    fault_run slow bash jobs/cluster.sh --name "$NAME" link node2 50mbit
+    say "(e) the job ended after $ELAPSED s, exit code $CODE, end record: $(record "$WORK/slow.jsonl" end)"
+    bash jobs/cluster.sh --name "$NAME" link node2 1gbit
+fi
+
+say "all cluster checks passed ($kind)"
