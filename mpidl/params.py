@@ -40,6 +40,7 @@ from typing import Iterator, Mapping, Protocol, Sequence
 import numpy as np
 
 from mpidl.backend import Backend, get_backend, to_host
+from mpidl.threads import apply as apply_thread_policy
 
 __all__ = [
     "MESSAGE_SLOTS",
@@ -237,6 +238,10 @@ class FlatParameters:
 
     def __init__(self, named_params: Sequence[tuple[str, Parameter]], backend: Backend | None = None, seed: int = 0):
         self.backend = backend if backend is not None else get_backend()
+        # The one place the thread policy is applied (mpidl/threads.py): every training path
+        # builds a parameter buffer before its first kernel, so the API runs as fast as the CLI
+        # with nothing set by hand. Decided once per process; later buffers change nothing.
+        apply_thread_policy()
         named_params = list(named_params)
         names = [name for name, _ in named_params]
         duplicates = sorted({n for n in names if names.count(n) > 1})
