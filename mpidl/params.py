@@ -238,10 +238,6 @@ class FlatParameters:
 
     def __init__(self, named_params: Sequence[tuple[str, Parameter]], backend: Backend | None = None, seed: int = 0):
         self.backend = backend if backend is not None else get_backend()
-        # The one place the thread policy is applied (mpidl/threads.py): every training path
-        # builds a parameter buffer before its first kernel, so the API runs as fast as the CLI
-        # with nothing set by hand. Decided once per process; later buffers change nothing.
-        apply_thread_policy()
         named_params = list(named_params)
         names = [name for name, _ in named_params]
         duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -280,6 +276,10 @@ class FlatParameters:
             stop = start + param.size
             # A slice of a contiguous 1-D array reshaped is a view, never a copy.
             param.bind(name, self.data[start:stop].reshape(param.shape), self.grad[start:stop].reshape(param.shape))
+        # The one place the thread policy is applied (mpidl/threads.py): every training path
+        # builds a parameter buffer before its first kernel, so the API runs as fast as the CLI
+        # with nothing set by hand. Decided once per process; later buffers change nothing.
+        apply_thread_policy()
 
     @property
     def nbytes(self) -> int:
