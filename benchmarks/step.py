@@ -136,11 +136,9 @@ def worker_mpidl(args) -> dict:
     backend = get_backend(args.device, "float32")
     dp = None
     if args.worker == "cli":
-        from mpidl import threads  # noqa: PLC0415
         from mpidl.distributed.launch import machine_rank_and_size  # noqa: PLC0415
 
-        local_rank, ranks_on_machine = machine_rank_and_size()  # as mpidl.train.main does
-        threads.apply(ranks_per_machine=ranks_on_machine)
+        local_rank, _ = machine_rank_and_size()  # as mpidl.train.main does
         backend.select_device(local_rank)
     model = build_model(args.model, twin.input_shape, twin.num_classes, backend=backend, seed=0, **twin.kwargs)
     opt = SGD(model.params, lr=LR, momentum=MOMENTUM)

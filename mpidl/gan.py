@@ -515,9 +515,6 @@ def main(argv=None) -> int:
     with code 2. A metrics write that fails during training (a full disk) is agreed after the
     epoch: every rank stops, rank 0 prints ``error: cannot write PATH: cause``, exit code 1;
     so does a plot that cannot be written at the end (the end record is still written)."""
-    from mpidl import threads  # noqa: PLC0415
-
-    threads.apply()  # the thread policy, before NumPy and Numba start their pools
     from mpidl.distributed import Topology  # noqa: PLC0415
     from mpidl.distributed.launch import (abort_on_uncaught_exception, agree_on_error,  # noqa: PLC0415
                                           allgather, world)

@@ -59,7 +59,6 @@ from mpidl.nn import (
 )
 from mpidl.nn.fused import fuse_batchnorm_relu, fuse_residual_relu
 from mpidl.params import FlatParameters
-from mpidl.threads import apply as _apply_thread_policy
 
 __all__ = ["MODELS", "Model", "build_model", "check_model_args", "default_vit_patch"]
 
@@ -351,7 +350,6 @@ class Model:
         fuse_batchnorm_relu(net)
         fuse_residual_relu(net)
         self.params = FlatParameters(net.named_parameters(), backend, seed)
-        _apply_thread_policy()  # the fast path with nothing set by hand (mpidl/threads.py)
         net.to(backend)
         # Nobody needs dL/dx of the data: the layers up to the first one with parameters
         # (spectral_lstm: CenterPixel, BandGroups, LSTM) are told not to compute it.

@@ -307,9 +307,6 @@ def draw_map(path: str, pred, truth, class_names, title: str) -> None:
 
 
 def main(argv=None) -> int:
-    from mpidl import threads  # noqa: PLC0415
-
-    threads.apply()  # the thread policy, before NumPy and Numba start their pools
     import numpy as np  # noqa: PLC0415
 
     from mpidl.distributed.launch import (abort_on_uncaught_exception, agree_on_error,  # noqa: PLC0415

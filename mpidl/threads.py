@@ -1,9 +1,14 @@
 """The thread policy: how many threads each process of mpidl uses, and how they wait.
 
 mpidl applies it itself, wherever it runs (the CLI, the Python API, the tests, the
-benchmarks): :func:`apply` (called when a model is built, and by ``DataParallel`` with the
-number of ranks on the machine; idempotent) sets the thread counts and the wait policies. A
-user's explicit environment settings always win.
+benchmarks), from one place: building a network's parameter buffer
+(:class:`mpidl.params.FlatParameters`, which every training path builds before its first
+step: a named model, the GAN's two networks, a user's own network) calls :func:`apply`, which
+decides the policy once and sets the thread counts and the wait policies; later calls do
+nothing. Everything else reads what it decided (:func:`gemm_threads`, :func:`threads_per_stack`,
+:func:`one_blas_thread`), and those apply it first when a kernel runs with no network built (a
+kernel on its own, in a test or a benchmark). A user's explicit environment settings always
+win.
 
 Three thread pools share the cores: OpenBLAS's (the GEMMs), OpenMP's (Numba's
 ``parallel=True`` kernels run on Numba's ``omp`` threading layer, i.e. libgomp) and mpidl's own
@@ -16,10 +21,12 @@ idle workers must sleep (measurements: benchmarks/results/thread_policy.md).
 The policy
 ----------
 * ``T`` threads per process: ``OMP_NUM_THREADS`` if set, else the usable cores
-  (``sched_getaffinity``) divided by the processes on this machine: the launcher's count
-  (``MPI_LOCALNRANKS`` of MPICH, ``OMPI_COMM_WORLD_LOCAL_SIZE`` of Open MPI,
-  ``SLURM_NTASKS_PER_NODE``) at first, then the shared-memory communicator's size when
-  ``DataParallel`` or the CLI builds its topology. At least 1.
+  (``sched_getaffinity``) divided by the processes on this machine, as the launcher says
+  (:func:`launcher_local_size`: ``MPI_LOCALNRANKS`` of MPICH's and Intel MPI's ``mpiexec``,
+  ``OMPI_COMM_WORLD_LOCAL_SIZE`` of Open MPI's, the step's tasks on this node of ``srun``);
+  1 when no launcher says (one process). At least 1. The launcher's count, not the
+  shared-memory communicator's size: it is known before MPI starts, without a collective, so
+  the policy is decided once, before the first kernel, whether a ``DataParallel`` is ever built.
 * OpenMP workers wait passively (``OMP_WAIT_POLICY=PASSIVE``, set by :func:`apply` unless
   already set; libgomp reads it when Numba first starts a parallel kernel, which is later).
 * Numba's kernels run on ``T`` threads (``numba.set_num_threads``), unless
@@ -44,7 +51,7 @@ a one-thread OpenBLAS each run slower than one BLAS call on two threads (the mea
 in benchmarks/results/thread_policy.md). Re-reading the environment and restarting the pool go
 through ``ctypes``: OpenBLAS exports both (``openblas_read_env``, ``blas_thread_shutdown_``, the latter what it
 runs itself before a ``fork``) but documents neither, so the result is checked and the
-fallback above taken when it does not hold. Call :func:`apply` when no other thread is inside
+fallback above taken when it does not hold. :func:`apply` must run when no other thread is inside
 a BLAS call (mpidl calls it before the first step).
 * Every loaded OpenBLAS (NumPy's, and SciPy's, which Numba's ``np.dot`` calls) runs one
   multithreaded ``sgemm`` and ``dgemm`` once (:func:`_prime_openblas`), whatever ``T``: a
@@ -65,16 +72,20 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 
 __all__ = ["apply", "describe", "gemm_threads", "one_blas_thread", "threads_per_process", "threads_per_stack",
            "set_wait_policy"]
 
-#: Environment variables naming the processes a launcher put on this machine.
-LAUNCHER_LOCAL_SIZE = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+#: Environment variables naming the processes a launcher put on this machine: MPICH's (and
+#: Intel MPI's) ``mpiexec``, Open MPI's; ``SLURM_NTASKS_PER_NODE`` is Slurm's
+#: ``--ntasks-per-node`` (read after the step's own layout, :func:`slurm_step_local_size`).
+LAUNCHER_LOCAL_SIZE = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")
+SLURM_LOCAL_SIZE = "SLURM_NTASKS_PER_NODE"
 #: A user's BLAS thread count: BLAS keeps it, and mpidl does not split products.
 BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
-_state: dict = {"applied": None, "gemm_threads": 1, "stack_threads": 1, "blas_threads": 1, "ranks": None,
+_state: dict = {"applied": None, "gemm_threads": 1, "stack_threads": 1, "blas_threads": 1,
                "malloc_policy": False, "blas_controller": None, "openblas_sleeps": None,
                "openblas_primed": None}
 
@@ -130,17 +141,40 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def slurm_step_local_size(environ=os.environ) -> int | None:
+    """The tasks ``srun`` started on this node: entry ``SLURM_NODEID`` of
+    ``SLURM_STEP_TASKS_PER_NODE`` (e.g. ``"4(x2),3"`` = 4, 4, 3 for nodes 0, 1, 2); None
+    outside an ``srun`` step or when the two do not fit together."""
+    layout, node = environ.get("SLURM_STEP_TASKS_PER_NODE"), environ.get("SLURM_NODEID", "").strip()
+    if not layout or not node.isdigit():
+        return None
+    node = int(node)
+    counts: list[int] = []
+    for group in layout.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", group.strip())
+        if match is None:
+            return None
+        counts += [int(match[1])] * int(match[2] or 1)
+    return counts[node] if node < len(counts) and counts[node] >= 1 else None
+
+
 def launcher_local_size() -> int:
-    """Processes on this machine as the launcher's environment says (1 when it says nothing)."""
+    """Processes on this machine as the launcher's environment says (1 when it says nothing):
+    ``MPI_LOCALNRANKS``, else ``OMPI_COMM_WORLD_LOCAL_SIZE``, else :func:`slurm_step_local_size`,
+    else ``SLURM_NTASKS_PER_NODE``."""
     for name in LAUNCHER_LOCAL_SIZE:
         size = _positive_int(os.environ.get(name))
         if size is not None:
             return size
-    return 1
+    size = slurm_step_local_size()
+    if size is None:  # "8(x4)": 8 on each of 4 nodes
+        size = _positive_int(os.environ.get(SLURM_LOCAL_SIZE, "").partition("(")[0])
+    return size if size is not None else 1
 
 
 def threads_per_process(ranks_per_machine: int | None = None) -> int:
-    """``T``: ``OMP_NUM_THREADS`` if set, else ``max(1, cores // ranks_per_machine)``."""
+    """``T``: ``OMP_NUM_THREADS`` if set, else ``max(1, cores // ranks_per_machine)``
+    (default: :func:`launcher_local_size`)."""
     explicit = _positive_int(os.environ.get("OMP_NUM_THREADS"))
     if explicit is not None:
         return explicit
@@ -148,18 +182,17 @@ def threads_per_process(ranks_per_machine: int | None = None) -> int:
     return max(1, usable_cores() // max(1, int(ranks)))
 
 
-def apply(ranks_per_machine: int | None = None) -> dict:
-    """Apply the policy for ``ranks_per_machine`` processes on this machine (default: the
-    count of the last call that gave one, else the launcher's); a second call with the same
-    outcome does nothing. Returns :func:`describe`."""
-    if ranks_per_machine:
-        _state["ranks"] = int(ranks_per_machine)
-    threads = threads_per_process(_state["ranks"])
-    if _state["applied"] == threads:
+def apply() -> dict:
+    """Decide and apply the policy, once per process; a later call does nothing. Returns
+    :func:`describe`.
+
+    Called when a network's parameter buffer is built (:class:`mpidl.params.FlatParameters`),
+    and by the readers below when a kernel runs before any network exists."""
+    if _state["applied"] is not None:
         return describe()
+    threads = threads_per_process()
     set_wait_policy()
-    if _state["applied"] is None:
-        set_malloc_policy()
+    set_malloc_policy()
     import numba  # noqa: PLC0415 - imports NumPy; kept out of ``import mpidl``
     from threadpoolctl import threadpool_limits  # noqa: PLC0415
 
@@ -264,20 +297,22 @@ def _openblas_workers_sleep() -> bool:
     return sleeps
 
 
-def gemm_threads() -> int:
-    """How many Python threads :mod:`mpidl.blas` splits a product between (applies the policy
-    first if nobody did)."""
+def _decided() -> dict:
+    """The policy's state, applied first if no network was built yet (a kernel on its own)."""
     if _state["applied"] is None:
         apply()
-    return _state["gemm_threads"]
+    return _state
+
+
+def gemm_threads() -> int:
+    """How many Python threads :mod:`mpidl.blas` splits a product between."""
+    return _decided()["gemm_threads"]
 
 
 def threads_per_stack() -> int:
     """How many Python threads :func:`mpidl.blas.batched_matmul` gives a stack of small
     products (``T``; each product runs one BLAS thread)."""
-    if _state["applied"] is None:
-        apply()
-    return _state["stack_threads"]
+    return _decided()["stack_threads"]
 
 
 def _user_sets_blas_threads() -> bool:
@@ -292,9 +327,7 @@ def one_blas_thread():
     thread this does nothing; else every BLAS library's count is set to 1 for the context and
     restored after (through ``threadpoolctl``'s controllers of the loaded libraries, kept from
     the first call)."""
-    if _state["applied"] is None:
-        apply()
-    if _state["blas_threads"] == 1:
+    if _decided()["blas_threads"] == 1:
         return contextlib.nullcontext()
     if _state["blas_controller"] is None:
         import scipy.linalg.cython_blas  # noqa: PLC0415,F401 - loads the BLAS Numba's np.dot calls

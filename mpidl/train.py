@@ -44,7 +44,7 @@ def main(argv=None) -> int:
 
     rank, size = world()
     # The rank among the ranks on this machine picks the GPU. (The thread policy is applied
-    # when the model is built, and again by DataParallel for the ranks on this machine.)
+    # when the model's parameter buffer is built, for the ranks the launcher put here.)
     local_rank, _ = machine_rank_and_size()
     # An unexpected exception anywhere (a bug, not a bad input) must not leave ranks hanging.
     sys.excepthook = abort_on_uncaught_exception

@@ -31,7 +31,7 @@ print(json.dumps(info))
 def _policy(setup: str = "", **env) -> dict:
     clean = {k: v for k, v in os.environ.items()
              if not k.startswith(("OMP_", "OPENBLAS_", "MKL_", "NUMBA_NUM_THREADS", "MPI_LOCALNRANKS",
-                                  "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"))}
+                                  "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_"))}
     clean.update(env)
     clean["PYTHONPATH"] = str(ROOT)
     out = subprocess.run([sys.executable, "-c", _PROBE.format(setup=setup)], env=clean, capture_output=True, text=True,
@@ -127,6 +127,89 @@ def test_blas_called_from_parallel_kernels_runs_one_thread_even_when_the_user_se
 def test_launcher_count_divides_the_cores():
     info = _policy(MPI_LOCALNRANKS=str(_cores()))
     assert info["threads"] == 1 and info["numba"] == 1 and info["gemm_threads"] == 1
+
+
+@pytest.mark.slow
+def test_srun_step_layout_divides_the_cores():
+    """Under ``srun`` (no ``mpiexec`` variable), this node's entry of the step's layout."""
+    info = _policy(SLURM_STEP_TASKS_PER_NODE=f"1,{_cores()}", SLURM_NODEID="1")
+    assert info["threads"] == 1 and info["numba"] == 1
+
+
+_CUSTOM_NETWORK_PROBE = """
+import json
+from mpidl import threads
+from mpidl.nn import Linear, ReLU, Sequential
+from mpidl.params import FlatParameters
+first = threads.describe()["threads"]
+net = Sequential(Linear(8, 16), ReLU(), Linear(16, 3))
+FlatParameters(net.named_parameters())
+applied = threads.describe()
+import os
+os.environ["OMP_NUM_THREADS"] = "1"  # read once: a later network or call changes nothing
+net2 = Sequential(Linear(4, 2))
+FlatParameters(net2.named_parameters())
+threads.apply()
+print(json.dumps({"first": first, "applied": applied, "again": threads.describe()}))
+"""
+
+
+@pytest.mark.slow
+def test_a_network_of_ones_own_gets_the_policy_once():
+    """Not only named models: any parameter buffer applies the policy, before the first kernel;
+    it is decided once per process."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "OPENBLAS_", "MKL_", "NUMBA_NUM_THREADS"))}
+    clean["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run([sys.executable, "-c", _CUSTOM_NETWORK_PROBE], env=clean, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["first"] is None, result  # importing mpidl applies nothing
+    assert result["applied"]["threads"] == threads_expected() and result["applied"]["omp_wait_policy"] == "PASSIVE"
+    assert result["again"]["threads"] == result["applied"]["threads"], result
+    assert result["again"]["numba"] == result["applied"]["numba"], result
+
+
+def threads_expected() -> int:
+    from mpidl import threads
+    return max(1, _cores() // threads.launcher_local_size())
+
+
+def test_the_policy_is_applied_from_one_place():
+    """The parameter buffer applies it; nothing else in the package, the kernels, the data tools
+    or the benchmarks calls :func:`mpidl.threads.apply`."""
+    import re
+
+    call = re.compile(r"threads\.apply\(|from mpidl\.threads import [^\n]*\bapply\b|_apply_thread_policy|apply_thread_policy\(")
+    callers = sorted(str(path.relative_to(ROOT)) for folder in ("mpidl", "kernels", "data_tools", "benchmarks")
+                     for path in (ROOT / folder).rglob("*.py") if call.search(path.read_text()))
+    assert callers == ["mpidl/params.py"], callers
+
+
+def test_slurm_step_layout():
+    from mpidl.threads import slurm_step_local_size
+
+    layout = {"SLURM_STEP_TASKS_PER_NODE": "4(x2),3"}
+    assert [slurm_step_local_size({**layout, "SLURM_NODEID": str(node)}) for node in range(3)] == [4, 4, 3]
+    assert slurm_step_local_size({**layout, "SLURM_NODEID": "3"}) is None  # not in the layout
+    assert slurm_step_local_size(layout) is None  # no node id
+    assert slurm_step_local_size({"SLURM_STEP_TASKS_PER_NODE": "4(x", "SLURM_NODEID": "0"}) is None
+    assert slurm_step_local_size({}) is None
+
+
+def test_launcher_count_order(monkeypatch):
+    from mpidl import threads
+
+    for name in (*threads.LAUNCHER_LOCAL_SIZE, threads.SLURM_LOCAL_SIZE, "SLURM_STEP_TASKS_PER_NODE", "SLURM_NODEID"):
+        monkeypatch.delenv(name, raising=False)
+    assert threads.launcher_local_size() == 1
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "8(x2)")  # --ntasks-per-node, as Slurm writes it
+    assert threads.launcher_local_size() == 8
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "6,2")
+    monkeypatch.setenv("SLURM_NODEID", "1")
+    assert threads.launcher_local_size() == 2  # the step's own layout first
+    monkeypatch.setenv("MPI_LOCALNRANKS", "3")
+    assert threads.launcher_local_size() == 3  # mpiexec's count first
 
 
 def test_threads_per_process_arithmetic(monkeypatch):

@@ -56,7 +56,6 @@ from mpidl.distributed.hdp import HeterogeneousSplit, check_split_fits, check_sp
 from mpidl.distributed.launch import first_error
 from mpidl.distributed.message import SLOTS
 from mpidl.distributed.topology import Topology
-from mpidl.threads import apply as apply_thread_policy
 
 ON_NAN = ("stop", "skip")
 #: default minimum predicted gain (a fraction of the step) for an uneven split or a re-split
@@ -177,8 +176,6 @@ class DataParallel(HeterogeneousSplit, CheckpointState):
         self.check_replicas = bool(check_replicas)
         self.topology = topology if topology is not None else Topology.from_comm()
         topo = self.topology
-        # The cores of a machine are shared by the ranks on it (mpidl/threads.py).
-        apply_thread_policy(ranks_per_machine=topo.machine_size)
         check_split_fits(self.batch_size, self.min_local_batch, topo.size)
         factors = [emulate_slowdown] * topo.size if isinstance(emulate_slowdown, Real) else list(emulate_slowdown)
         if len(factors) != topo.size:

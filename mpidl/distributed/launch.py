@@ -37,8 +37,7 @@ def allgather(value, comm=None) -> list:
 
 def machine_rank_and_size(comm=None) -> tuple[int, int]:
     """``(rank, size)`` of this process among the ranks of ``comm`` on its machine
-    (``Split_type(COMM_TYPE_SHARED)``; collective): the rank picks the GPU, the size divides
-    the cores (:mod:`mpidl.threads`)."""
+    (``Split_type(COMM_TYPE_SHARED)``; collective): the rank picks the GPU."""
     comm = MPI.COMM_WORLD if comm is None else comm
     machine = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     try:

@@ -76,7 +76,7 @@ class Topology:
         ``K`` when nodes were emulated by grouping consecutive ranks, else None.
     machine_size : int
         Ranks that share this rank's machine (``Split_type(COMM_TYPE_SHARED)``), emulated nodes
-        or not: the thread policy divides the cores by it (:mod:`mpidl.threads`).
+        or not.
     """
 
     world: MPI.Comm
