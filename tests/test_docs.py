@@ -14,9 +14,6 @@ README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 PAGES = [README, *DOCS, ROOT / "benchmarks" / "results" / "notebook.md"]
 
-#: Pages written on another branch at the same time as these docs: a link to one of them is
-#: accepted while the file is absent (and checked like any other once it exists).
-PENDING = {ROOT / "docs" / "cluster.md"}
 
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)|<img [^>]*src=\"([^\"]+)\"")
 
@@ -64,7 +61,7 @@ def test_every_relative_link_resolves(page):
             continue  # http(s), mailto: not checked offline
         file_part, _, anchor = target.partition("#")
         dest = (page.parent / file_part).resolve() if file_part else page
-        if not dest.exists() and dest not in PENDING:
+        if not dest.exists():
             broken.append(f"{target}: no such file")
         elif anchor and dest.exists() and dest.suffix == ".md" and anchor not in anchors(dest):
             broken.append(f"{target}: no heading #{anchor} in {dest.relative_to(ROOT)}")
