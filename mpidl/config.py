@@ -130,7 +130,7 @@ class Config:
             check_options(strategy=self.strategy, weighting=self.weighting, sync_every=self.sync_every,
                           intra=self.intra, overlap=self.overlap, bucket_mb=self.bucket_mb,
                           compress=self.compress, sync_overlap=self.sync_overlap,
-                          host_memory=self.device == "cpu")
+                          host_memory=self.device == "cpu", optimizer=OPTIMIZERS.get(self.optimizer))
         except OptionError as exc:
             raise ConfigError(f"--{exc.option.replace('_', '-')}: {exc}") from None
         _choice("--balance", self.balance, BALANCES)

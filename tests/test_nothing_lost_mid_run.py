@@ -1,0 +1,77 @@
+"""Issue 31's mid-run promises of the trainer: a set-up error for an exchange that cannot
+work, a failing rank's message that always arrives, a full disk that keeps the model, a skip
+on another node that is reported, Ctrl-C as a stop request, resume across strategies, and
+one rule for the smallest local batch.
+
+Subprocesses (``python -m mpidl.train``, most under ``mpiexec -launcher fork``) on a tiny
+layout file; "before training" is the absence of any epoch line, never a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mpidl.faults import ENV as FAULT_ENV
+
+ROOT = Path(__file__).resolve().parents[1]
+MPIEXEC = os.environ.get("MPIEXEC") or str(Path(sys.executable).parent / "mpiexec")
+ENV = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
+ENV.pop(FAULT_ENV, None)
+
+
+def tiny(path, n_train=64, n_test=16):
+    import numpy as np
+
+    from mpidl.layout import write_layout
+
+    rng = np.random.default_rng(0)
+
+    def split(n):
+        y = rng.integers(0, 3, n)
+        return rng.standard_normal((n, 2, 5, 5)).astype(np.float32) + y[:, None, None, None], y
+
+    write_layout(path, {"train": split(n_train), "test": split(n_test)}, ["a", "b", "c"], source="tiny")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return tiny(tmp_path_factory.mktemp("data") / "tiny.h5")
+
+
+def train(args, np_=None, data=None, fault=None, timeout=240, cwd=ROOT, launcher=("-launcher", "fork")):
+    cmd = [sys.executable, "-m", "mpidl.train", *([] if data is None else ["--data", data]), *args]
+    if np_ is not None:
+        if not Path(MPIEXEC).exists():
+            pytest.skip(f"no mpiexec at {MPIEXEC}")
+        cmd = [MPIEXEC, "-n", str(np_), *launcher, *cmd]
+    env = dict(ENV, **({FAULT_ENV: fault} if fault else {}))
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def assert_setup_error(proc, message):
+    """One ``error:`` line with ``message``, exit 2, no traceback, no training."""
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
+    assert "epoch" not in proc.stdout and "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------- row 8
+@pytest.mark.parametrize("optimizer, name", [("rmsprop", "RMSprop"), ("lamb", "LAMB")])
+def test_shm_with_a_non_elementwise_optimizer_is_a_setup_error(data, optimizer, name):
+    """Before: a ValueError traceback on each rank and MPI_Abort once the window was built."""
+    proc = train(["--intra", "shm", "--optimizer", optimizer, "--epochs", "1"], np_=2, data=data)
+    assert_setup_error(proc, f"--intra: intra='shm' needs an elementwise optimizer (sgd, adam, adamw): "
+                             f"each rank updates its slice of the shared parameters alone; {name} is not "
+                             "elementwise, use intra='mpi'")
