@@ -42,6 +42,9 @@ from mpidl.outputs import rescue_model
 EVAL_BATCH = 512
 #: samples the speed probe cycles through (at most the training set)
 PROBE_SAMPLES = 64
+#: the loop's ``min_local_batch``: :meth:`Trainer.compute` handles an empty local batch (a
+#: zero gradient), so the split may be the cost model's min-max optimum and ``B < P`` fits
+MIN_LOCAL_BATCH = 0
 
 
 class OutputWriteError(RuntimeError):
@@ -141,7 +144,7 @@ class Trainer:
             model, self.optimizer, batch_size=cfg.batch_size, topology=topology,
             strategy=cfg.strategy, sync_every=cfg.sync_every, weighting=cfg.weighting,
             speeds=speeds, probe=self._probe, balance_threshold=cfg.balance_threshold,
-            min_local_batch=0,  # compute() handles an empty share: the split is the min-max optimum
+            min_local_batch=MIN_LOCAL_BATCH,
             rebalance_every=cfg.rebalance_every if cfg.rebalance else None,
             sync_optimizer_state=cfg.sync_optimizer_state,
             on_nan=cfg.on_nan, check_replicas=cfg.check_replicas,

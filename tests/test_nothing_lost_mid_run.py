@@ -75,3 +75,23 @@ def test_shm_with_a_non_elementwise_optimizer_is_a_setup_error(data, optimizer, 
     assert_setup_error(proc, f"--intra: intra='shm' needs an elementwise optimizer (sgd, adam, adamw): "
                              f"each rank updates its slice of the shared parameters alone; {name} is not "
                              "elementwise, use intra='mpi'")
+
+
+# ---------------------------------------------------------------- row 19
+def test_one_rule_for_the_smallest_local_batch():
+    """Before: --batch-size 3 on 4 ranks was refused "every rank needs at least one sample",
+    while --speeds 1e-300,1,1,1 ran with [0,22,21,21]: the split's rule is min_local_batch."""
+    from mpidl.config import ConfigError, parse_config
+    from mpidl.distributed import balance
+    from mpidl.distributed.hdp import check_split_fits
+    from mpidl.trainer import MIN_LOCAL_BATCH
+
+    assert MIN_LOCAL_BATCH == 0
+    parse_config(["--batch-size", "3"], world_size=4)  # the trainer: an empty share fits
+    assert balance.solve_split(balance.costs_from_speeds([1e-300, 1, 1, 1]), 64, MIN_LOCAL_BATCH)[0] == 0
+    assert balance.equal_split(3, 4) == [1, 1, 1, 0]
+    with pytest.raises(ValueError, match=r"^batch_size 3 is smaller than 1 x 4 ranks: every rank needs "
+                                         r"at least 1 sample of each global batch \(min_local_batch\)$"):
+        check_split_fits(3, 1, 4)
+    with pytest.raises(ConfigError, match="--batch-size must be a positive integer"):
+        parse_config(["--batch-size", "0"], world_size=4)
