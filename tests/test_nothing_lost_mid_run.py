@@ -95,3 +95,56 @@ def test_one_rule_for_the_smallest_local_batch():
         check_split_fits(3, 1, 4)
     with pytest.raises(ConfigError, match="--batch-size must be a positive integer"):
         parse_config(["--batch-size", "0"], world_size=4)
+
+
+# ---------------------------------------------------------------- row 1
+REPORTING_RANK = """
+import os, sys
+from mpidl.distributed.launch import report
+control = int(sys.argv[1])
+os.write(control, b"ready\\n")
+report("mpidl: rank 1 failed: RuntimeError: boom (host h, pid 1)\\n")
+os.write(control, b"abort\\n")  # what MPI_Abort does: the launcher kills every process now
+"""
+
+
+def test_a_failure_report_is_read_by_the_launcher_before_the_abort():
+    """A launcher that is slow to read the ranks' output (a loaded machine) and kills its
+    readers at the abort, as hydra does: the report has been read when report() returns.
+    Before: report() returned once the bytes were in the pipe, the abort came first, and the
+    message was lost (tests/test_faults_hiding.py's [shm-raise] saw empty stdout and stderr)."""
+    import select
+
+    control_r, control_w = os.pipe()
+    rank = subprocess.Popen([sys.executable, "-c", REPORTING_RANK, str(control_w)], cwd=ROOT, env=ENV,
+                            stderr=subprocess.PIPE, pass_fds=(control_w,))
+    os.close(control_w)
+    try:
+        control = os.fdopen(control_r, "rb")
+        assert control.readline() == b"ready\n"
+        received = b""
+        # the slow reader: the control pipe (the abort) first, the output one second later
+        aborted = bool(select.select([control], [], [], 1.0)[0]) and control.readline() == b"abort\n"
+        if not aborted:
+            received = os.read(rank.stderr.fileno(), 65536)
+            aborted = control.readline() == b"abort\n"
+        assert aborted
+        assert received == b"mpidl: rank 1 failed: RuntimeError: boom (host h, pid 1)\n"
+    finally:
+        rank.kill()
+        rank.wait()
+        rank.stderr.close()
+
+
+def test_a_failing_rank_names_itself_on_the_terminal_and_beside_the_metrics(data, tmp_path):
+    import socket
+
+    metrics = tmp_path / "m.jsonl"
+    proc = train(["--epochs", "3", "--batch-size", "8", "--speeds", "1,1", "--metrics", str(metrics)],
+                 np_=2, data=data, fault="1:5")
+    assert proc.returncode != 0
+    line = f"mpidl: rank 1 failed: InjectedFault: injected fault on rank 1 at step 5 ({FAULT_ENV}) " \
+           f"(host {socket.gethostname()}, pid "
+    assert proc.stderr.count(line) == 1, proc.stderr
+    kept = (tmp_path / "m.failure.txt").read_text()
+    assert kept.startswith(line) and "Traceback" in kept
