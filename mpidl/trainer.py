@@ -178,9 +178,15 @@ class Trainer:
         receives to every rank; Slurm signals every task of the step itself. Open MPI's
         ``mpiexec`` (prterun) treats SIGTERM as "abort the job" (it kills the ranks about a
         second later and exits 1), but forwards SIGUSR1, which both launchers and ``srun`` pass on:
-        that is the signal to send to a launcher (``#SBATCH --signal=B:USR1@120``)."""
+        that is the signal to send to a launcher (``#SBATCH --signal=B:USR1@120``).
+
+        SIGINT (Ctrl-C) is the same stop request the first time; the handler then gives
+        SIGINT back its default action, so that a second one ends this rank at once (the
+        kernel's, even inside an MPI call) and the launcher ends the others."""
 
         def on_term(signum, frame):
+            if signum == signal.SIGINT:
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
             if getattr(self, "dp", None) is None:
                 self._signalled = True  # still building: passed on once the dp exists
             else:
@@ -188,6 +194,7 @@ class Trainer:
 
         signal.signal(signal.SIGTERM, on_term)
         signal.signal(signal.SIGUSR1, on_term)
+        signal.signal(signal.SIGINT, on_term)
 
     # ------------------------------------------------------------------ one step
     def compute(self, indices: np.ndarray) -> float:

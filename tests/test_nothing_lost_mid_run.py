@@ -148,3 +148,52 @@ def test_a_failing_rank_names_itself_on_the_terminal_and_beside_the_metrics(data
     assert proc.stderr.count(line) == 1, proc.stderr
     kept = (tmp_path / "m.failure.txt").read_text()
     assert kept.startswith(line) and "Traceback" in kept
+
+
+# ---------------------------------------------------------------- row 13
+def start_until_first_epoch(args, data):
+    """``mpiexec -n 2 python -m mpidl.train ...`` as a user runs it (hydra's own launcher);
+    returns the process once rank 0 printed its first epoch line, and the lines so far."""
+    import signal  # noqa: F401  (the callers send it)
+
+    if not Path(MPIEXEC).exists():
+        pytest.skip(f"no mpiexec at {MPIEXEC}")
+    proc = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "-m", "mpidl.train", "--data", data, *args],
+                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("epoch "):
+            return proc, lines
+    proc.wait()
+    pytest.fail("no epoch line: " + "".join(lines) + proc.stderr.read())
+
+
+def test_ctrl_c_to_mpiexec_stops_with_a_checkpoint(data, tmp_path):
+    """Before: a KeyboardInterrupt traceback on every rank, MPI_Abort, no checkpoint at the stop."""
+    import signal
+
+    from mpidl.checkpoint import CHECKPOINT_NAME
+
+    checkpoint = tmp_path / "ck"
+    proc, lines = start_until_first_epoch(["--epochs", "100000", "--checkpoint", str(checkpoint),
+                                           "--checkpoint-every", "100000"], data)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "done: signal after" in out and "KeyboardInterrupt" not in err and "Traceback" not in err, err
+    assert (checkpoint / CHECKPOINT_NAME).exists()
+    assert "checkpoint: " in out
+
+
+def test_a_second_ctrl_c_aborts_at_once(data, tmp_path):
+    import signal
+    import time
+
+    proc, _ = start_until_first_epoch(["--epochs", "100000"], data)
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGINT)
+    start = time.monotonic()
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 30
