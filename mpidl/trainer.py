@@ -230,8 +230,7 @@ class Trainer:
             self.dp.step(len(local))
         except NonFiniteGradient as exc:
             raise self._explain_nonfinite(exc, local) from None
-        if self.dp.last_step_skipped:
-            self.printer.warning(f"non-finite gradient at step {step}: step skipped (--on-nan skip)")
+        self.report_skips(step)
         if self.dp.last_rebalance is not None:
             change = self.dp.last_rebalance
             self.metrics.write({"event": "rebalance", **change})
@@ -241,6 +240,18 @@ class Trainer:
         totals.loss_sum += loss * len(local)
         totals.samples += len(local)
         totals.steps += 1
+
+    def report_skips(self, step: int | None = None) -> None:
+        """Rank 0 warns and records (a metrics ``skip`` event) a step skipped on its node,
+        at that ``step``, and one skipped on another node once the ranks agree on it at a
+        parameter sync (node strategy; ``step`` None: after :meth:`DataParallel.sync`)."""
+        if step is not None and self.dp.last_step_skipped:
+            self.printer.warning(f"non-finite gradient at step {step}: step skipped (--on-nan skip)")
+            self.metrics.write({"event": "skip", "step": step})
+        if self.dp.skip_agreed:
+            self.printer.warning(f"non-finite gradient on a node since the previous parameter sync (agreed at "
+                                 f"the sync after {self.dp.steps} steps): that node skipped its step (--on-nan skip)")
+            self.metrics.write({"event": "skip", "agreed_at_step": self.dp.steps})
 
     def _explain_nonfinite(self, exc: NonFiniteGradient, local: np.ndarray) -> NonFiniteGradient:
         """Collective (every rank raises at the same step): when the step's samples hold
@@ -425,6 +436,7 @@ class Trainer:
             if saved:
                 self.save_checkpoint(epochs_done, step_in_epoch)
             dp.sync()  # replicas identical for evaluation; pending stops and NaNs agreed
+            self.report_skips()
             if stopped == "completed" and dp.should_stop:
                 stopped = "signal"
             if totals.steps:  # the same on every rank: they step together

@@ -197,3 +197,22 @@ def test_a_second_ctrl_c_aborts_at_once(data, tmp_path):
     proc.communicate(timeout=120)
     assert proc.returncode != 0
     assert time.monotonic() - start < 30
+
+
+# ---------------------------------------------------------------- row 12
+TWO_NODES = ("-launcher", "fork", "-hosts", "localhost:2,127.0.0.1:2")
+
+
+def test_a_skip_on_another_node_is_reported_at_the_sync(data, tmp_path):
+    """Node strategy on 2 x 2, rank 2 (node 1) gets a NaN gradient at step 5 with --on-nan
+    skip. Before: rank 0 (node 0) said nothing and the metrics held nothing."""
+    metrics = tmp_path / "m.jsonl"
+    proc = train(["--strategy", "node", "--sync-every", "4", "--on-nan", "skip", "--epochs", "1",
+                  "--batch-size", "8", "--speeds", "1,1,1,1", "--metrics", str(metrics)],
+                 np_=4, data=data, fault="2:5:nan", launcher=TWO_NODES)
+    assert proc.returncode == 0, proc.stderr
+    assert "2 node(s)" in proc.stdout, proc.stdout
+    warning = ("warning: non-finite gradient on a node since the previous parameter sync (agreed at the "
+               "sync after 8 steps): that node skipped its step (--on-nan skip)")
+    assert proc.stdout.count(warning) == 1, proc.stdout
+    assert [r for r in read_jsonl(metrics) if r["event"] == "skip"] == [{"event": "skip", "agreed_at_step": 8}]
