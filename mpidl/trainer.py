@@ -37,7 +37,7 @@ from mpidl.log import MetricsWriter, RankTimingLog
 from mpidl.metrics import classification_report, confusion_matrix
 from mpidl.nn import SoftmaxCrossEntropy
 from mpidl.optim import build_optimizer, make_schedule
-from mpidl.outputs import rescue_model
+from mpidl.outputs import cause, rescue_model
 
 EVAL_BATCH = 512
 #: samples the speed probe cycles through (at most the training set)
@@ -160,6 +160,8 @@ class Trainer:
         self.fault = fault_from_environment(self.dp.size)
         self.start_epoch = 0
         self.start_step_in_epoch = 0
+        #: (path, message) of the first failed metrics or timing write on this rank
+        self._log_failure = None
         self.metrics = MetricsWriter(cfg.metrics, self.rank, append=cfg.resume)
         self.timing = RankTimingLog(cfg.timing_dir, self.rank, append=cfg.resume)
 
@@ -233,7 +235,7 @@ class Trainer:
         self.report_skips(step)
         if self.dp.last_rebalance is not None:
             change = self.dp.last_rebalance
-            self.metrics.write({"event": "rebalance", **change})
+            self.log(self.metrics, {"event": "rebalance", **change})
             self.printer.info(f"  rebalance after step {change['step']}: batch sizes {change['old']} -> "
                               f"{change['new']} (predicted step {1e3 * change['predicted_old_s']:.3g} -> "
                               f"{1e3 * change['predicted_new_s']:.3g} ms)")
@@ -247,11 +249,11 @@ class Trainer:
         parameter sync (node strategy; ``step`` None: after :meth:`DataParallel.sync`)."""
         if step is not None and self.dp.last_step_skipped:
             self.printer.warning(f"non-finite gradient at step {step}: step skipped (--on-nan skip)")
-            self.metrics.write({"event": "skip", "step": step})
+            self.log(self.metrics, {"event": "skip", "step": step})
         if self.dp.skip_agreed:
             self.printer.warning(f"non-finite gradient on a node since the previous parameter sync (agreed at "
                                  f"the sync after {self.dp.steps} steps): that node skipped its step (--on-nan skip)")
-            self.metrics.write({"event": "skip", "agreed_at_step": self.dp.steps})
+            self.log(self.metrics, {"event": "skip", "agreed_at_step": self.dp.steps})
 
     def _explain_nonfinite(self, exc: NonFiniteGradient, local: np.ndarray) -> NonFiniteGradient:
         """Collective (every rank raises at the same step): when the step's samples hold
@@ -307,13 +309,48 @@ class Trainer:
             "comp_s": timing["comp_s"], "comm_s": timing["comm_s"], "idle_s": timing["idle_s"],
             "comm": self.dp.counters,
         }
-        self.metrics.write(record)
+        self.log(self.metrics, record)
         r = self.rank
-        self.timing.write({"event": "epoch", "epoch": epoch + 1, "rank": r, "comp_s": timing["comp_s"][r],
+        self.log(self.timing, {"event": "epoch", "epoch": epoch + 1, "rank": r, "comp_s": timing["comp_s"][r],
                            "comm_s": timing["comm_s"][r], "idle_s": timing["idle_s"][r],
                            "samples": totals.samples, "step_comp_s": timing["step_comp_s"]})
         self.print_epoch(record)
+        self.stop_on_log_failure()
         return record
+
+    def log(self, writer, record: dict) -> None:
+        """``writer.write(record)`` (the metrics or the timing log); a failed write (a full
+        disk) is kept for :meth:`stop_on_log_failure`, and that writer writes nothing more."""
+        try:
+            writer.write(record)
+        except OSError as exc:
+            if self._log_failure is None:
+                self._log_failure = (writer.path, str(exc))
+
+    def stop_on_log_failure(self) -> None:
+        """Collective: when a metrics or timing write failed on any rank, every rank stops
+        with the same :class:`OutputWriteError`, which names the file, the cause and where
+        the trained model is now: ``--save`` (rank 0 writes it now), else a rescue place
+        (:func:`mpidl.outputs.rescue_model`, as for a failed final write)."""
+        failures = [f for f in self.dp.all_gather_object(self._log_failure) if f is not None]
+        if not failures:
+            return
+        path, text = failures[0]
+        what = "the metrics" if path == self.cfg.metrics else "the timing log"
+        message = None
+        if self.rank == 0:
+            stopped = f"training stopped after step {self.dp.steps}"
+            if self.cfg.save:
+                try:
+                    save_model(self.cfg.save, self.model)
+                    message = (f"cannot write {what} to {path}: {cause(OSError(text))}; {stopped}, the trained "
+                               f"model was saved to {self.cfg.save}")
+                except OSError as exc:
+                    message = (f"cannot write {what} to {path}: {cause(OSError(text))}; {stopped}; "
+                               + rescue_model(save_model, self.model, self.cfg.save, exc, "the final model"))
+            else:
+                message = f"{rescue_model(save_model, self.model, path, OSError(text), what)}; {stopped}"
+        raise OutputWriteError(self.dp.all_gather_object(message)[0])
 
     def print_epoch(self, r: dict) -> None:
         total = max(r["time_s"], 1e-12)
@@ -456,7 +493,8 @@ class Trainer:
             "oa": last["oa"], "aa": last["aa"], "kappa": last["kappa"],
             "time_s": time.perf_counter() - t_start, "stopped": stopped,
         }
-        self.metrics.write(end)
+        self.log(self.metrics, end)
+        self.stop_on_log_failure()
         self.metrics.close()
         self.timing.close()
         dp.close()  # frees the node-shared window (intra='shm'); the model stays usable

@@ -216,3 +216,37 @@ def test_a_skip_on_another_node_is_reported_at_the_sync(data, tmp_path):
                "sync after 8 steps): that node skipped its step (--on-nan skip)")
     assert proc.stdout.count(warning) == 1, proc.stdout
     assert [r for r in read_jsonl(metrics) if r["event"] == "skip"] == [{"event": "skip", "agreed_at_step": 8}]
+
+
+# ---------------------------------------------------------------- row 2
+@pytest.mark.parametrize("output", ["metrics", "timing"])
+@pytest.mark.parametrize("save", [True, False])
+def test_a_full_disk_under_the_logs_stops_every_rank_and_keeps_the_model(data, tmp_path, output, save):
+    """An 8 KiB tmpfs fills up under --metrics (rank 0 writes) or --timing-dir (every rank)
+    during an 8-epoch run. Before: MPI_Abort with [Errno 28], no save, no rescue."""
+    from tmpfs import small_disk
+
+    from mpidl.checkpoint import load_model
+
+    with small_disk(tmp_path / "disk", size="8k") as disk:
+        logs = (["--metrics", str(disk / "m.jsonl")] if output == "metrics"
+                else ["--timing-dir", str(disk / "timing")])
+        model = tmp_path / "model.h5"
+        proc = train(["--epochs", "40", "--batch-size", "16", "--speeds", "1,1", *logs,
+                      *(["--save", str(model)] if save else [])], np_=2, data=data, cwd=tmp_path)
+        assert proc.returncode == 1, (proc.stdout, proc.stderr)
+        assert "Traceback" not in proc.stderr and "Abort" not in proc.stderr, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1, proc.stderr
+        failed = disk / "m.jsonl" if output == "metrics" else disk / "timing"
+        what = "the metrics" if output == "metrics" else "the timing log"
+        assert lines[0].startswith(f"error: cannot write {what} to {failed}"), lines[0]
+        assert "No space left on device" in lines[0] and "training stopped after step " in lines[0]
+        if save:
+            assert lines[0].endswith(f", the trained model was saved to {model}")
+        else:
+            rescued = list(tmp_path.glob("mpidl-rescued-model.*.h5"))
+            assert len(rescued) == 1 and f"the trained model was saved to {rescued[0]} instead" in lines[0]
+            model = rescued[0]
+        assert load_model(str(model)) is not None
+        assert "epoch  40/40" not in proc.stdout
