@@ -285,3 +285,27 @@ def test_open_mpi_shm_run_prints_no_osc_ucx_error(data):
                               capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
         assert proc.returncode == 0, proc.stderr
         assert "OSC UCX" not in proc.stderr and "Error" not in proc.stderr, proc.stderr
+
+
+# ---------------------------------------------------------------- row 9
+def test_a_node_checkpoint_at_an_epoch_end_resumes_flat_on_4(data, tmp_path):
+    """Before: rc 2 "Resume with the same strategy and number of nodes"."""
+    common = ["--batch-size", "8", "--speeds", "1,1,1,1", "--checkpoint", str(tmp_path / "ck")]
+    first = train(["--strategy", "node", "--sync-every", "3", "--epochs", "1", *common], np_=4, data=data,
+                  launcher=TWO_NODES)
+    assert first.returncode == 0 and "2 node(s)" in first.stdout, first.stderr
+    moved = train(["--epochs", "2", "--resume", *common], np_=4, data=data)
+    assert moved.returncode == 0, moved.stderr
+    assert "resumed from" in moved.stdout and "epoch   2/2" in moved.stdout
+
+
+def test_a_node_checkpoint_between_syncs_says_why_it_cannot_move(data, tmp_path):
+    common = ["--batch-size", "8", "--speeds", "1,1,1,1", "--checkpoint", str(tmp_path / "ck")]
+    first = train(["--strategy", "node", "--sync-every", "4", "--epochs", "1", "--max-steps", "6", *common],
+                  np_=4, data=data, launcher=TWO_NODES)
+    assert first.returncode == 0, first.stderr
+    moved = train(["--epochs", "1", "--resume", *common], np_=4, data=data)
+    assert_setup_error(moved, "was written 2 step(s) after the last parameter sync of its 2 nodes (strategy node), "
+                              "while their parameters differed, so it continues only with strategy node on 2 node(s) "
+                              "(this run: strategy flat on 1); resume it so until an epoch's end (the checkpoint "
+                              "there follows a parameter sync), then change the strategy or node count")
