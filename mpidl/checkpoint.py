@@ -134,10 +134,14 @@ def read_checkpoint_meta(folder: str) -> dict:
         return _meta(f, path)
 
 
-def read_checkpoint(folder: str, *, node_id: int, rank: int, world_size: int) -> tuple[dict, dict]:
+def read_checkpoint(folder: str, *, node_id: int, rank: int, world_size: int,
+                    num_nodes: int | None = None, strategy: str = "node") -> tuple[dict, dict]:
     """``(state, meta)``: the parts of ``folder/checkpoint.h5`` that rank ``rank`` of node
     ``node_id`` needs, as :meth:`DataParallel.load_state_dict` takes them (the other nodes'
-    and ranks' entries are left empty), and the file's attributes."""
+    and ranks' entries are left empty), and the file's attributes. A run on another
+    ``strategy`` or number of nodes (``num_nodes``, None: the same) gets every node's
+    optimizer state (their average is its own) and, per node, whether its parameters
+    differed (``"params": True``), not the arrays."""
     path = os.path.join(folder, CHECKPOINT_NAME)
     try:
         with _open_checkpoint(path) as f:
@@ -147,12 +151,14 @@ def read_checkpoint(folder: str, *, node_id: int, rank: int, world_size: int) ->
             nodes = None
             if node_samples is not None:
                 nodes = [{} for _ in node_samples]
-                if node_id < len(nodes):
-                    group = f[f"nodes/{node_id}"]
-                    nodes[node_id] = {
-                        "params": group["params"][()] if "params" in group else None,
+                moved = strategy != "node" or (num_nodes is not None and num_nodes != len(nodes))
+                for k in range(len(nodes)) if moved else [node_id] if node_id < len(nodes) else []:
+                    group = f[f"nodes/{k}"]
+                    nodes[k] = {
+                        "params": (("params" in group) or None) if moved
+                        else group["params"][()] if "params" in group else None,
                         "state": _read_state(group["optimizer"]) if "optimizer" in group else None,
-                        "samples": node_samples[node_id],
+                        "samples": node_samples[k],
                     }
             rank_buffers = None
             if "rank_buffers" in f and dist["world_size"] == world_size and str(rank) in f["rank_buffers"]:
@@ -188,7 +194,8 @@ def load_checkpoint(folder: str, dp, check) -> dict:
     problem, state, meta = None, None, None
     topo = dp.topology
     try:
-        state, meta = read_checkpoint(folder, node_id=topo.node_id, rank=topo.rank, world_size=topo.size)
+        state, meta = read_checkpoint(folder, node_id=topo.node_id, rank=topo.rank, world_size=topo.size,
+                                      num_nodes=topo.num_nodes, strategy="flat" if dp.exact else dp.strategy)
         check(meta, path)
     except (CheckpointError, OSError) as exc:
         problem = str(exc) if isinstance(exc, CheckpointError) else f"--resume: {exc}"

@@ -19,10 +19,12 @@ from mpidl.distributed import ON_NAN
 from mpidl.distributed.balance import parse_speeds
 from mpidl.distributed.compress import COMPRESSIONS
 from mpidl.distributed.exchange import BUCKET_MB, OptionError, check_options
+from mpidl.distributed.hdp import check_split_fits
 from mpidl.distributed.emulation import EMULATION_CLOCKS, parse_link, parse_slowdowns
 from mpidl.log import LEVELS
 from mpidl.models import MODELS
 from mpidl.optim import OPTIMIZERS, SCHEDULES
+from mpidl.trainer import MIN_LOCAL_BATCH
 
 # The allowed names are read, when a configuration is validated, from the registries of the
 # modules that own them (models.MODELS, optim.OPTIMIZERS, ...), so a new model, optimizer or
@@ -130,7 +132,7 @@ class Config:
             check_options(strategy=self.strategy, weighting=self.weighting, sync_every=self.sync_every,
                           intra=self.intra, overlap=self.overlap, bucket_mb=self.bucket_mb,
                           compress=self.compress, sync_overlap=self.sync_overlap,
-                          host_memory=self.device == "cpu")
+                          host_memory=self.device == "cpu", optimizer=OPTIMIZERS.get(self.optimizer))
         except OptionError as exc:
             raise ConfigError(f"--{exc.option.replace('_', '-')}: {exc}") from None
         _choice("--balance", self.balance, BALANCES)
@@ -169,11 +171,10 @@ class Config:
             raise ConfigError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         if not self.progress_every_s > 0:
             raise ConfigError(f"--progress-every must be > 0 seconds, got {self.progress_every_s}")
-        if self.batch_size < world_size:
-            raise ConfigError(
-                f"--batch-size {self.batch_size} is smaller than the number of ranks {world_size}: "
-                "every rank needs at least one sample of each global batch"
-            )
+        try:  # the split's one rule (mpidl/distributed/hdp.py) with the trainer's minimum
+            check_split_fits(self.batch_size, MIN_LOCAL_BATCH, world_size)
+        except ValueError as exc:
+            raise ConfigError(f"--batch-size: {exc}") from None
         # The list options are parsed by the distributed package's own parsers (one parser
         # per option in the code base); their errors are re-labelled with the option name.
         if self.speeds != "auto":

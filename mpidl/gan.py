@@ -102,7 +102,9 @@ class GanConfig:
     def validate(self, world_size: int = 1) -> "GanConfig":
         """Check every value (no MPI call); raise :class:`GanConfigError` with a one-line message."""
         from mpidl.distributed import STRATEGIES  # noqa: PLC0415
+        from mpidl.distributed.data_parallel import MIN_LOCAL_BATCH  # noqa: PLC0415
         from mpidl.distributed.emulation import parse_link  # noqa: PLC0415
+        from mpidl.distributed.hdp import check_split_fits  # noqa: PLC0415
         from mpidl.optim import OPTIMIZERS  # noqa: PLC0415
 
         for name, allowed in (("--optimizer", OPTIMIZERS), ("--strategy", STRATEGIES),
@@ -120,9 +122,10 @@ class GanConfig:
             raise GanConfigError(f"--lr must be a positive number, got {self.lr}")
         if not 0 <= self.beta1 < 1:
             raise GanConfigError(f"--beta1 must be in [0, 1), got {self.beta1}")
-        if self.batch_size < world_size:
-            raise GanConfigError(f"--batch-size {self.batch_size} is smaller than the number of ranks "
-                                 f"{world_size}: every rank needs at least one sample of each global batch")
+        try:  # the split's one rule (mpidl/distributed/hdp.py); the GAN's loop needs a sample per rank
+            check_split_fits(self.batch_size, MIN_LOCAL_BATCH, world_size)
+        except ValueError as exc:
+            raise GanConfigError(f"--batch-size: {exc}") from None
         if self.emulate_link is not None:
             try:
                 parse_link(self.emulate_link)

@@ -39,7 +39,8 @@ def main(argv=None) -> int:
     from mpidl.config import ConfigError, parse_config
     from mpidl.distributed import NonFiniteGradient, Topology
     from mpidl.distributed.launch import (abort_on_uncaught_exception, agree_on_error, allgather,
-                                          machine_rank_and_size, world)
+                                          failure_file_for, machine_rank_and_size, report_failures_to,
+                                          world)
     from mpidl.log import Printer
 
     rank, size = world()
@@ -75,6 +76,8 @@ def main(argv=None) -> int:
     backend, model, train_set, test_set, data_desc = setup
     topo = Topology.from_comm(ranks_per_node=cfg.ranks_per_node)
     printer = Printer(rank, cfg.log_level, cfg.quiet)
+    if cfg.metrics:  # a failing rank's report is kept beside the metrics too
+        report_failures_to(failure_file_for(cfg.metrics))
     if removed:
         printer.info(f"removed {len(removed)} temporary file(s) left by an interrupted write: "
                      f"{', '.join(removed)}")

@@ -38,11 +38,14 @@ from mpidl.metrics import classification_report, confusion_matrix
 from mpidl.netstat import WireCounter, per_host
 from mpidl.nn import SoftmaxCrossEntropy
 from mpidl.optim import build_optimizer, make_schedule
-from mpidl.outputs import rescue_model
+from mpidl.outputs import cause, rescue_model
 
 EVAL_BATCH = 512
 #: samples the speed probe cycles through (at most the training set)
 PROBE_SAMPLES = 64
+#: the loop's ``min_local_batch``: :meth:`Trainer.compute` handles an empty local batch (a
+#: zero gradient), so the split may be the cost model's min-max optimum and ``B < P`` fits
+MIN_LOCAL_BATCH = 0
 
 
 class OutputWriteError(RuntimeError):
@@ -142,7 +145,7 @@ class Trainer:
             model, self.optimizer, batch_size=cfg.batch_size, topology=topology,
             strategy=cfg.strategy, sync_every=cfg.sync_every, weighting=cfg.weighting,
             speeds=speeds, probe=self._probe, balance_threshold=cfg.balance_threshold,
-            min_local_batch=0,  # compute() handles an empty share: the split is the min-max optimum
+            min_local_batch=MIN_LOCAL_BATCH,
             rebalance_every=cfg.rebalance_every if cfg.rebalance else None,
             sync_optimizer_state=cfg.sync_optimizer_state,
             on_nan=cfg.on_nan, check_replicas=cfg.check_replicas,
@@ -158,6 +161,8 @@ class Trainer:
         self.fault = fault_from_environment(self.dp.size)
         self.start_epoch = 0
         self.start_step_in_epoch = 0
+        #: (path, message) of the first failed metrics or timing write on this rank
+        self._log_failure = None
         self.metrics = MetricsWriter(cfg.metrics, self.rank, append=cfg.resume)
         self.timing = RankTimingLog(cfg.timing_dir, self.rank, append=cfg.resume)
 
@@ -176,9 +181,15 @@ class Trainer:
         receives to every rank; Slurm signals every task of the step itself. Open MPI's
         ``mpiexec`` (prterun) treats SIGTERM as "abort the job" (it kills the ranks about a
         second later and exits 1), but forwards SIGUSR1, which both launchers and ``srun`` pass on:
-        that is the signal to send to a launcher (``#SBATCH --signal=B:USR1@120``)."""
+        that is the signal to send to a launcher (``#SBATCH --signal=B:USR1@120``).
+
+        SIGINT (Ctrl-C) is the same stop request the first time; the handler then gives
+        SIGINT back its default action, so that a second one ends this rank at once (the
+        kernel's, even inside an MPI call) and the launcher ends the others."""
 
         def on_term(signum, frame):
+            if signum == signal.SIGINT:
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
             if getattr(self, "dp", None) is None:
                 self._signalled = True  # still building: passed on once the dp exists
             else:
@@ -186,6 +197,7 @@ class Trainer:
 
         signal.signal(signal.SIGTERM, on_term)
         signal.signal(signal.SIGUSR1, on_term)
+        signal.signal(signal.SIGINT, on_term)
 
     # ------------------------------------------------------------------ one step
     def compute(self, indices: np.ndarray) -> float:
@@ -221,17 +233,28 @@ class Trainer:
             self.dp.step(len(local))
         except NonFiniteGradient as exc:
             raise self._explain_nonfinite(exc, local) from None
-        if self.dp.last_step_skipped:
-            self.printer.warning(f"non-finite gradient at step {step}: step skipped (--on-nan skip)")
+        self.report_skips(step)
         if self.dp.last_rebalance is not None:
             change = self.dp.last_rebalance
-            self.metrics.write({"event": "rebalance", **change})
+            self.log(self.metrics, {"event": "rebalance", **change})
             self.printer.info(f"  rebalance after step {change['step']}: batch sizes {change['old']} -> "
                               f"{change['new']} (predicted step {1e3 * change['predicted_old_s']:.3g} -> "
                               f"{1e3 * change['predicted_new_s']:.3g} ms)")
         totals.loss_sum += loss * len(local)
         totals.samples += len(local)
         totals.steps += 1
+
+    def report_skips(self, step: int | None = None) -> None:
+        """Rank 0 warns and records (a metrics ``skip`` event) a step skipped on its node,
+        at that ``step``, and one skipped on another node once the ranks agree on it at a
+        parameter sync (node strategy; ``step`` None: after :meth:`DataParallel.sync`)."""
+        if step is not None and self.dp.last_step_skipped:
+            self.printer.warning(f"non-finite gradient at step {step}: step skipped (--on-nan skip)")
+            self.log(self.metrics, {"event": "skip", "step": step})
+        if self.dp.skip_agreed:
+            self.printer.warning(f"non-finite gradient on a node since the previous parameter sync (agreed at "
+                                 f"the sync after {self.dp.steps} steps): that node skipped its step (--on-nan skip)")
+            self.log(self.metrics, {"event": "skip", "agreed_at_step": self.dp.steps})
 
     def _explain_nonfinite(self, exc: NonFiniteGradient, local: np.ndarray) -> NonFiniteGradient:
         """Collective (every rank raises at the same step): when the step's samples hold
@@ -288,13 +311,48 @@ class Trainer:
             "comm": self.dp.counters,
             "wire": per_host(self.dp.all_gather_object(self.wire.since())),
         }
-        self.metrics.write(record)
+        self.log(self.metrics, record)
         r = self.rank
-        self.timing.write({"event": "epoch", "epoch": epoch + 1, "rank": r, "comp_s": timing["comp_s"][r],
+        self.log(self.timing, {"event": "epoch", "epoch": epoch + 1, "rank": r, "comp_s": timing["comp_s"][r],
                            "comm_s": timing["comm_s"][r], "idle_s": timing["idle_s"][r],
                            "samples": totals.samples, "step_comp_s": timing["step_comp_s"]})
         self.print_epoch(record)
+        self.stop_on_log_failure()
         return record
+
+    def log(self, writer, record: dict) -> None:
+        """``writer.write(record)`` (the metrics or the timing log); a failed write (a full
+        disk) is kept for :meth:`stop_on_log_failure`, and that writer writes nothing more."""
+        try:
+            writer.write(record)
+        except OSError as exc:
+            if self._log_failure is None:
+                self._log_failure = (writer.path, str(exc))
+
+    def stop_on_log_failure(self) -> None:
+        """Collective: when a metrics or timing write failed on any rank, every rank stops
+        with the same :class:`OutputWriteError`, which names the file, the cause and where
+        the trained model is now: ``--save`` (rank 0 writes it now), else a rescue place
+        (:func:`mpidl.outputs.rescue_model`, as for a failed final write)."""
+        failures = [f for f in self.dp.all_gather_object(self._log_failure) if f is not None]
+        if not failures:
+            return
+        path, text = failures[0]
+        what = "the metrics" if path == self.cfg.metrics else "the timing log"
+        message = None
+        if self.rank == 0:
+            stopped = f"training stopped after step {self.dp.steps}"
+            if self.cfg.save:
+                try:
+                    save_model(self.cfg.save, self.model)
+                    message = (f"cannot write {what} to {path}: {cause(OSError(text))}; {stopped}, the trained "
+                               f"model was saved to {self.cfg.save}")
+                except OSError as exc:
+                    message = (f"cannot write {what} to {path}: {cause(OSError(text))}; {stopped}; "
+                               + rescue_model(save_model, self.model, self.cfg.save, exc, "the final model"))
+            else:
+                message = f"{rescue_model(save_model, self.model, path, OSError(text), what)}; {stopped}"
+        raise OutputWriteError(self.dp.all_gather_object(message)[0])
 
     def print_epoch(self, r: dict) -> None:
         total = max(r["time_s"], 1e-12)
@@ -418,6 +476,7 @@ class Trainer:
             if saved:
                 self.save_checkpoint(epochs_done, step_in_epoch)
             dp.sync()  # replicas identical for evaluation; pending stops and NaNs agreed
+            self.report_skips()
             if stopped == "completed" and dp.should_stop:
                 stopped = "signal"
             if totals.steps:  # the same on every rank: they step together
@@ -437,7 +496,8 @@ class Trainer:
             "oa": last["oa"], "aa": last["aa"], "kappa": last["kappa"],
             "time_s": time.perf_counter() - t_start, "stopped": stopped,
         }
-        self.metrics.write(end)
+        self.log(self.metrics, end)
+        self.stop_on_log_failure()
         self.metrics.close()
         self.timing.close()
         dp.close()  # frees the node-shared window (intra='shm'); the model stays usable

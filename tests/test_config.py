@@ -41,7 +41,6 @@ def test_fault_injection_is_read_from_the_environment_not_the_command_line(monke
         (["--batch-size", "0"], 1, "--batch-size must be a positive integer"),
         (["--batch-size", "-3"], 1, "--batch-size must be a positive integer"),
         (["--epochs", "0"], 1, "--epochs must be a positive integer"),
-        (["--batch-size", "3"], 4, "smaller than the number of ranks 4"),
         (["--speeds", "1,2,3"], 4, "--speeds: 3 entries in '1,2,3' but there are 4 ranks"),
         (["--speeds", "1,0,1,1"], 4, "--speeds: entry 1 ('0') must be a finite number > 0"),
         (["--speeds", "1,x,1,1"], 4, "--speeds: entry 1 ('x') is not a number"),

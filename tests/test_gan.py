@@ -36,7 +36,7 @@ def test_bad_options_are_refused_with_one_line(argv, match):
 
 
 def test_batch_smaller_than_the_world_is_refused():
-    with pytest.raises(GanConfigError, match="--batch-size 2 is smaller than the number of ranks 4"):
+    with pytest.raises(GanConfigError, match=r"--batch-size: batch_size 2 is smaller than 1 x 4 ranks: every rank needs at least 1 sample of each global batch \(min_local_batch\)"):
         parse_config(["--batch-size", "2"], world_size=4)
 
 

@@ -134,10 +134,15 @@ def test_data_file_without_layout_is_refused(tmp_path):
 
 
 @pytest.mark.launcher
-def test_batch_smaller_than_world_is_refused_on_every_rank():
-    proc = train(["--batch-size", "3"], np_=4)
-    assert proc.returncode == 2
-    assert "smaller than the number of ranks 4" in proc.stderr and proc.stderr.count("error") == 1
+def test_batch_smaller_than_world_runs_with_an_empty_share(tmp_path):
+    """The trainer's min_local_batch is 0 (an empty share is a zero gradient): B < P runs,
+    as an uneven split that leaves a rank out does (issue 31 row 19)."""
+    metrics = tmp_path / "m.jsonl"
+    proc = train(["--batch-size", "3", "--speeds", "1,1,1,1", "--epochs", "1", "--max-steps", "2",
+                  "--metrics", str(metrics)], np_=4, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "batch sizes [1, 1, 1, 0]" in proc.stdout
+    assert [r["batch_sizes"] for r in read_jsonl(metrics) if r["event"] == "epoch"] == [[1, 1, 1, 0]]
 
 
 @pytest.mark.launcher

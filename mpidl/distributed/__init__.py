@@ -14,7 +14,19 @@
 * :mod:`~mpidl.distributed.balance`   rank speeds -> local batch sizes and data shares
 * :mod:`~mpidl.distributed.emulation` EMULATED slow ranks and slow inter-node links
 * :mod:`~mpidl.distributed.launch`    the job: rank, agreed errors, ending every rank on a failure
+
+Open MPI: the only one-sided window here is the node-shared one (``intra='shm'``), which is
+osc/sm's. Where UCX has no transport for RMA (a container or a cluster on TCP only), Open MPI
+5.0's osc/ucx still answers the query of every new window with "Error: OSC UCX component
+priority set inside component query failed" on each rank, and then is not used. So, before
+MPI starts (mpi4py initialises it at import, and every use of MPI here imports this package
+first), osc/ucx is left out of the selection unless the user chose the osc components
+(``OMPI_MCA_osc`` set): ``OMPI_MCA_osc=^ucx``. MPICH ignores the variable.
 """
+
+import os
+
+os.environ.setdefault("OMPI_MCA_osc", "^ucx")
 
 from mpidl.distributed.balance import (RankCost, choose_split, fit_cost, parse_speeds, solve_split,
                                        split_counts)

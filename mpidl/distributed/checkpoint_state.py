@@ -101,6 +101,26 @@ class CheckpointState:
             self.exchange.counters["control"]["calls"] += 1
         return gathered if self.rank == 0 else None
 
+    def _moved_optimizer_state(self, state: dict, nodes: list):
+        """The optimizer state for a run on another strategy or number of nodes than the
+        ``node`` checkpoint's. Movable only when it was written right after a parameter sync
+        (an epoch's end): the parameters are then the consensus, and the optimizer state is
+        the nodes' average (what ``sync_optimizer_state`` keeps at every sync). Otherwise a
+        ValueError says why and what would work."""
+        topo = self.topology
+        if state.get("steps_since_sync", 0) or any(n.get("params") is not None for n in nodes):
+            raise ValueError(
+                f"it was written {state.get('steps_since_sync')} step(s) after the last parameter sync of "
+                f"its {state['num_nodes']} nodes (strategy {state['strategy']}), while their parameters "
+                f"differed, so it continues only with strategy node on {state['num_nodes']} node(s) (this "
+                f"run: strategy {self.strategy} on {topo.num_nodes}); resume it so until an epoch's end "
+                "(the checkpoint there follows a parameter sync), then change the strategy or node count")
+        per_node = [n.get("state") for n in nodes]
+        if any(s is None for s in per_node):
+            return state["optimizer"]["state"]
+        return [(sum(np.asarray(s[i], dtype=np.float64) for s in per_node) / len(per_node))
+                .astype(np.asarray(per_node[0][i]).dtype) for i in range(len(per_node[0]))]
+
     def _state_for_this_rank(self, state: dict):
         """(params, optimizer state, node samples, buffers) of this rank from a state dict;
         raises ValueError naming the mismatch."""
@@ -109,17 +129,15 @@ class CheckpointState:
             if key not in state:
                 raise KeyError(f"state dict lacks {key!r}")
         nodes = state.get("nodes")
+        common_state = state["optimizer"]["state"]
         if nodes is not None and (self.strategy != "node" or self.exact or state["num_nodes"] != topo.num_nodes):
-            raise ValueError(
-                f"the state holds per-node state of {state['num_nodes']} nodes (strategy "
-                f"{state['strategy']}); this run has strategy {self.strategy} on "
-                f"{topo.num_nodes} node(s). Resume with the same strategy and number of nodes.")
+            nodes, common_state = None, self._moved_optimizer_state(state, nodes)
         mine = nodes[topo.node_id] if nodes is not None else {}
         params = mine.get("params") if mine.get("params") is not None else state["params"]
         params = np.asarray(params)
         if params.shape != (self.params.size,):
             raise ValueError(f"the state has {params.size} parameters, the model {self.params.size}")
-        opt_state = mine.get("state") if mine.get("state") is not None else state["optimizer"]["state"]
+        opt_state = mine.get("state") if mine.get("state") is not None else common_state
         if opt_state is None:
             raise ValueError("the state holds no optimizer state for this node")
         expected = [tuple(b.shape) for b in self.optimizer.state_buffers()]

@@ -202,6 +202,10 @@ class DataParallel(HeterogeneousSplit, CheckpointState):
         self.steps = 0
         self.should_stop = False
         self.last_step_skipped = False
+        #: the last step() or sync() agreed that some node skipped a step with a non-finite
+        #: gradient since the previous sync (node strategy, on_nan='skip': the flags travel
+        #: with the syncs, so a rank hears of another node's skip there)
+        self.skip_agreed = False
         self._pending_stop = False
         self._pending_nonfinite = False
         self._local_count: int | None = None
@@ -280,14 +284,15 @@ class DataParallel(HeterogeneousSplit, CheckpointState):
             else:
                 self._pending_stop = True  # the node agrees now; the world at the next sync
         self.last_step_skipped = not finite
+        self.skip_agreed = False
         self.exchange.update(self.optimizer, finite)
-        if not finite and self.on_nan == "stop":
-            if self.exchange.step_is_global:
-                self._wait_seconds += time.perf_counter() - t0
-                raise NonFiniteGradient(
-                    f"non-finite (NaN/Inf) reduced gradient at step {self.steps}; stopping "
-                    "(on_nan='stop'; 'skip' skips such steps instead)")
-            self._pending_nonfinite = True
+        if not finite and self.on_nan == "stop" and self.exchange.step_is_global:
+            self._wait_seconds += time.perf_counter() - t0
+            raise NonFiniteGradient(
+                f"non-finite (NaN/Inf) reduced gradient at step {self.steps}; stopping "
+                "(on_nan='stop'; 'skip' skips such steps instead)")
+        if not finite and not self.exchange.step_is_global:
+            self._pending_nonfinite = True  # the other nodes hear of it at the next sync
         self.steps += 1
         result = self.exchange.after_step(self.params.data, self._synced_state(), self._flags(), self.steps)
         if result is not None:
@@ -325,6 +330,7 @@ class DataParallel(HeterogeneousSplit, CheckpointState):
         since the last one, and the batch-norm buffers averaged over the world. Also a
         control point: pending stop requests and non-finite gradients are agreed here."""
         t0 = time.perf_counter()
+        self.skip_agreed = False
         self._agree(self.exchange.synchronize(self.params.data, self._synced_state(), self._flags()))
         self._average_buffers()
         if self.check_replicas:
@@ -413,6 +419,8 @@ class DataParallel(HeterogeneousSplit, CheckpointState):
         self._pending_nonfinite = False
         if stop > 0:
             self.should_stop = True
+        if nonfinite > 0 and self.on_nan == "skip":
+            self.skip_agreed = True
         if nonfinite > 0 and self.on_nan == "stop":
             raise NonFiniteGradient(
                 f"non-finite (NaN/Inf) gradient on some node before step {self.steps}; stopping "

@@ -33,7 +33,7 @@ import numpy as np
 from mpidl.distributed.overlap import OVERLAP_STRATEGIES, Overlapped
 from mpidl.distributed.reducer_base import OptionError, Reducer
 from mpidl.distributed.reducers import check_strategy, make_reducer
-from mpidl.distributed.shm import SharedExchange
+from mpidl.distributed.shm import SharedExchange, check_elementwise
 
 #: how the ranks of one node combine: MPI messages on private replicas, or the shared window
 INTRA = ("mpi", "shm")
@@ -45,9 +45,11 @@ __all__ = ["OptionError", "check_options", "build_exchange", "INTRA", "BUCKET_MB
 
 def check_options(*, strategy: str = "flat", weighting: str = "balanced", sync_every: int = 50,
                   intra: str = "mpi", overlap: bool = False, bucket_mb: float = BUCKET_MB,
-                  compress: str = "none", sync_overlap: int = 0, host_memory: bool = True) -> None:
+                  compress: str = "none", sync_overlap: int = 0, host_memory: bool = True,
+                  optimizer=None) -> None:
     """Raise :class:`OptionError` when the options do not fit together (see the module table);
-    ``host_memory``: the parameters are NumPy arrays (the CPU backend)."""
+    ``host_memory``: the parameters are NumPy arrays (the CPU backend); ``optimizer``: the
+    optimizer or its class (None: not checked here)."""
     def rule(option, ok, message):
         if not ok:
             raise OptionError(option, message)
@@ -65,6 +67,11 @@ def check_options(*, strategy: str = "flat", weighting: str = "balanced", sync_e
         rule("overlap", intra == "mpi", "overlap works with intra='mpi' (the shared window is reduced in place)")
         rule("overlap", host_memory, "overlap needs the CPU backend (host buffers for non-blocking MPI)")
     rule("intra", intra != "shm" or host_memory, "intra='shm' shares host memory: it needs the CPU backend")
+    if intra == "shm" and optimizer is not None:
+        try:
+            check_elementwise(optimizer)
+        except ValueError as exc:
+            raise OptionError("intra", str(exc)) from None
 
 
 def build_exchange(model, params, optimizer, topology, *, strategy: str = "flat",
@@ -75,7 +82,7 @@ def build_exchange(model, params, optimizer, topology, *, strategy: str = "flat"
     what building would: every rule before any MPI call)."""
     check_options(strategy=strategy, weighting=weighting, sync_every=sync_every, intra=intra,
                   overlap=overlap, bucket_mb=bucket_mb, compress=compress, sync_overlap=sync_overlap,
-                  host_memory=isinstance(params.data, np.ndarray))
+                  host_memory=isinstance(params.data, np.ndarray), optimizer=optimizer)
     if overlap:
         Overlapped.check_model(model)
     if intra == "shm":

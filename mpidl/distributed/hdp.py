@@ -41,13 +41,15 @@ def check_split_options(batch_size, speeds, probe, balance_threshold, min_local_
 
 
 def check_split_fits(batch_size: int, min_local_batch: int, world_size: int) -> None:
-    """Every rank must get at least one sample (and ``min_local_batch``) of a full batch."""
-    if batch_size < world_size:
-        raise ValueError(f"batch_size {batch_size} is smaller than the number of ranks "
-                         f"{world_size}: every rank needs at least one sample of each global batch")
+    """The one rule on the global batch: a full batch gives every rank at least
+    ``min_local_batch`` samples, ``min_local_batch * P <= B``. With ``min_local_batch = 0``
+    (a loop that handles an empty local batch) any ``B >= 1`` fits: a rank may then compute
+    nothing in a step (the equal split of ``B < P``, or a rank the balance leaves out) and
+    still join every exchange with weight 0."""
     if min_local_batch * world_size > batch_size:
-        raise ValueError(f"min_local_batch {min_local_batch} x {world_size} ranks is more than "
-                         f"batch_size {batch_size}")
+        raise ValueError(f"batch_size {batch_size} is smaller than {min_local_batch} x {world_size} ranks: "
+                         f"every rank needs at least {min_local_batch} sample{'s' if min_local_batch > 1 else ''} "
+                         "of each global batch (min_local_batch)")
 
 
 class ComputeClock:

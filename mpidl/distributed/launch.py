@@ -16,8 +16,14 @@ whole job when one rank fails.
 
 from __future__ import annotations
 
+import fcntl
 import os
+import socket
+import stat
+import struct
 import sys
+import termios
+import time
 import traceback
 
 from mpi4py import MPI
@@ -68,26 +74,61 @@ def agree_on_error(error: str | None, comm=None) -> str | None:
 def abort_on_uncaught_exception(exc_type, exc, tb) -> None:
     """``sys.excepthook`` for an MPI job: report this rank's failure, then end every rank.
 
-    The report is written once, by this (the failing) rank, and has left the process
-    (:func:`report`) before ``MPI_Abort`` is called, which may kill this process at once."""
+    The report -- one line ``mpidl: rank R failed: Type: message (host H, pid P)``, then the
+    traceback -- is written once, by this (the failing) rank: to stderr, where it has been
+    read by the launcher before ``MPI_Abort`` is called (:func:`report`: the abort makes the
+    launcher kill every process, its own readers of the ranks' output included, so bytes
+    still in the pipe would be lost), and to the failure file (:func:`report_failures_to`)."""
     global _reported
     rank, size = world()
     if not _reported:
         _reported = True
-        text = "".join(traceback.format_exception(exc_type, exc, tb))
-        report(f"mpidl: rank {rank} failed: {exc_type.__name__}: {exc}\n{text}")
+        message = str(exc).strip().splitlines()
+        line = (f"mpidl: rank {rank} failed: {exc_type.__name__}: {message[0] if message else ''} "
+                f"(host {socket.gethostname()}, pid {os.getpid()})")
+        text = line + "\n" + "".join(traceback.format_exception(exc_type, exc, tb))
+        if _failure_file is not None:
+            try:
+                with open(_failure_file, "a", encoding="utf-8") as f:
+                    f.write(text)
+            except OSError:
+                pass  # the terminal still gets the report
+        report(text)
     if size > 1:
         MPI.COMM_WORLD.Abort(1)
     sys.exit(1)
 
 
 _reported = False
+_failure_file = None
+
+
+def report_failures_to(path: str | None) -> None:
+    """Also append a failing rank's report (:func:`abort_on_uncaught_exception`) to ``path``
+    (the trainer: beside the metrics), so that it is kept whatever the terminal keeps."""
+    global _failure_file
+    _failure_file = path
+
+
+def failure_file_for(metrics: str) -> str:
+    """Where a run with ``--metrics METRICS`` keeps its failure reports: ``m.jsonl`` ->
+    ``m.failure.txt`` in the same folder."""
+    root, ext = os.path.splitext(metrics)
+    return (root if ext else metrics) + ".failure.txt"
+
+
+#: the longest :func:`report` waits for the launcher to read what it wrote (a launcher that
+#: never reads must not keep a failing job alive)
+READ_WAIT_S = 5.0
 
 
 def report(message: str) -> None:
-    """Write ``message`` to stderr so that it is out of this process when this returns:
-    pending stdout and stderr output is flushed first, then the bytes go straight to the
-    file descriptor (no Python buffer left to lose when the process is killed)."""
+    """Write ``message`` to stderr so that the launcher has read it when this returns:
+    pending stdout and stderr output is flushed first, the bytes go straight to the file
+    descriptor (no Python buffer left to lose when the process is killed), then, where
+    stdout or stderr is a pipe (the launcher's), wait until the reader has taken every byte
+    out of it (at most :data:`READ_WAIT_S`): what an abort kills with the reader is then
+    only what this process never wrote."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -100,6 +141,26 @@ def report(message: str) -> None:
         sys.stderr.flush()
         return
     _write_all(fd, message.encode("utf-8", errors="replace"))
+    wait_until_read((1, fd), READ_WAIT_S)
+
+
+def unread_bytes(fd: int) -> int:
+    """Bytes written to the pipe ``fd`` that its reader has not read yet (``FIONREAD``, which
+    Linux answers for either end of a pipe); 0 for anything that is not a pipe (a terminal
+    or a file keeps what was written)."""
+    try:
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return 0
+        return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+    except OSError:
+        return 0
+
+
+def wait_until_read(fds, limit_s: float) -> None:
+    """Return once every pipe of ``fds`` is empty, or after ``limit_s`` seconds."""
+    deadline = time.monotonic() + limit_s
+    while any(unread_bytes(fd) for fd in fds) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _write_all(fd: int, data: bytes) -> None:

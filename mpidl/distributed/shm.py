@@ -89,10 +89,13 @@ __all__ = ["SharedNode", "SharedExchange", "check_shared_supported"]
 
 
 def check_elementwise(optimizer) -> None:
+    """ValueError unless ``optimizer`` (an optimizer or its class) is elementwise: the one
+    rule, checked before any MPI work by :func:`mpidl.distributed.exchange.check_options`."""
     if not getattr(optimizer, "elementwise", False):
+        name = optimizer.__name__ if isinstance(optimizer, type) else type(optimizer).__name__
         raise ValueError(f"intra='shm' needs an elementwise optimizer (sgd, adam, adamw): each rank "
                          f"updates its slice of the shared parameters alone; "
-                         f"{type(optimizer).__name__} is not elementwise, use intra='mpi'")
+                         f"{name} is not elementwise, use intra='mpi'")
 
 
 def check_shared_supported(params, optimizer) -> None:

@@ -147,7 +147,7 @@ def test_min_local_batch_0_leaves_out_a_rank_too_slow_to_help():
     (-1, "min_local_batch must be an integer >= 0"),
     (1.5, "min_local_batch must be an integer >= 0"),
     (True, "min_local_batch must be an integer >= 0"),
-    (B + 1, f"min_local_batch {B + 1} x {P} ranks is more than batch_size {B}"),
+    (B + 1, f"batch_size {B} is smaller than {B + 1} x {P} ranks: every rank needs at least {B + 1} samples"),
 ])
 def test_min_local_batch_is_checked(bad, message):
     with pytest.raises(ValueError, match=re.escape(message)):

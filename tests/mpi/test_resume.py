@@ -193,8 +193,12 @@ def test_missing_node_state_on_one_node(mpi_tmp_path):
     argv = BASE + ["--strategy", "node", "--sync-every", "4", "--checkpoint", folder]
     trainer, _ = train(argv + ["--epochs", "1"], ranks_per_node=TWO_NODES)
     topo = trainer.dp.topology
-    # a per-node checkpoint cannot be resumed with another strategy
-    expect_checkpoint_error(BASE + ["--checkpoint", folder, "--resume"], "per-node state of 2 nodes")
+    # an epoch's end follows a parameter sync: the checkpoint resumes on another strategy
+    # (the nodes' optimizer states averaged); the node checkpoint is checked below
+    moved = make_trainer(WORLD, BASE + ["--checkpoint", folder, "--resume"])
+    moved.resume()
+    assert moved.dp.steps == STEPS_PER_EPOCH and moved.start_epoch == 1
+    moved.dp.close()
     WORLD.Barrier()
     if RANK == 0:  # the last node's part of the file is lost
         with h5py.File(os.path.join(folder, CHECKPOINT_NAME), "r+") as f:
@@ -204,3 +208,17 @@ def test_missing_node_state_on_one_node(mpi_tmp_path):
     failing = [r for r, n in enumerate(topo.node_of_rank) if n == topo.num_nodes - 1]
     expect_checkpoint_error(argv + ["--resume"], f"(on rank{'s' if len(failing) > 1 else ''} {failing})",
                             ranks_per_node=TWO_NODES)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_node_checkpoint_between_syncs_says_what_would_resume_it(mpi_tmp_path):
+    """Written 2 steps after a parameter sync (``--max-steps 6``, ``K' = 4``): the nodes'
+    parameters differ, so it resumes only on the same strategy and nodes, and says so."""
+    folder = str(mpi_tmp_path / "ck")
+    argv = BASE + ["--strategy", "node", "--sync-every", "4", "--checkpoint", folder]
+    train(argv + ["--max-steps", "6"], ranks_per_node=TWO_NODES)
+    expect_checkpoint_error(BASE + ["--checkpoint", folder, "--resume"],
+                            "written 2 step(s) after the last parameter sync of its 2 nodes (strategy node), "
+                            "while their parameters differed, so it continues only with strategy node on 2 "
+                            "node(s) (this run: strategy flat on 1); resume it so until an epoch's end (the "
+                            "checkpoint there follows a parameter sync), then change the strategy or node count")
