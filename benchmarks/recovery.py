@@ -34,7 +34,7 @@ def main(argv=None) -> int:
 
     from mpi4py import MPI
 
-    from mpidl.distributed.recovery import (Members, agreed_step, is_process_failure, leave,
+    from mpidl.distributed.recovery import (Members, RecoveryError, agreed_step, is_process_failure, leave,
                                             rebuild_topology, shrink, ulfm_available)
     from mpidl.distributed.topology import Topology
 
@@ -69,6 +69,8 @@ def main(argv=None) -> int:
                 raise
             detected = time.time()
             shrunk = shrink(comm, members, also_revoke=[topo.node, topo.leaders])
+            if not shrunk.quorum:
+                raise RecoveryError(shrunk.describe()) from exc
             step = agreed_step(shrunk.comm, step)
             topo = rebuild_topology(shrunk.comm, topo)
             comm, members = shrunk.comm, shrunk.members

@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     from mpi4py import MPI
 
     from mpidl.distributed.balance import equal_split, split_counts
-    from mpidl.distributed.recovery import (Members, StepSnapshots, agreed_step, is_process_failure, leave,
+    from mpidl.distributed.recovery import (Members, RecoveryError, StepSnapshots, agreed_step, is_process_failure, leave,
                                             rebuild_topology, resplit, shrink, ulfm_available)
     from mpidl.distributed.topology import Topology
 
@@ -131,6 +131,8 @@ def main(argv=None) -> int:
             failed_at = time.time()
             error = exc.Get_error_string()
             shrunk = shrink(comm, members, also_revoke=[topo.node, topo.leaders])
+            if not shrunk.quorum:
+                raise RecoveryError(shrunk.describe()) from exc
             completed = step
             step = agreed_step(shrunk.comm, step)
             snapshots.restore(step, {"w": w, "v": v})

@@ -24,7 +24,7 @@ from mpi4py import MPI
 import recovery_worker as worker
 from launcher import OPENMPI, available, flavor, mpiexec
 from mpidl.distributed.balance import RankCost
-from mpidl.distributed.recovery import (Members, RecoveryError, StepSnapshots, agreed_step,
+from mpidl.distributed.recovery import (Members, RecoveryError, StepSnapshots, agreed_step, has_quorum,
                                         is_process_failure, resplit, ulfm_available)
 
 WORKER = str(Path(__file__).with_name("recovery_worker.py"))
@@ -69,6 +69,15 @@ def test_a_lost_rank_is_a_rank_of_speed_zero():
     assert resplit(5, [0, 0, 5], survivors=[0, 1]) == [3, 2]
     with pytest.raises(ValueError, match="not distinct ranks"):
         resplit(12, [6, 6], survivors=[0, 2])
+
+
+def test_only_a_majority_goes_on_and_a_tie_goes_to_the_lowest_rank():
+    assert has_quorum(range(4), [0, 1, 2])
+    assert not has_quorum(range(4), [3])
+    assert has_quorum(range(4), [0, 1]) and not has_quorum(range(4), [2, 3])  # the two sides of a cut
+    assert has_quorum([1, 2], [1]) and not has_quorum([1, 2], [2])  # after an earlier shrink
+    with pytest.raises(ValueError, match="not a part of"):
+        has_quorum([0, 1], [5])
 
 
 def test_the_agreed_step_is_the_smallest_and_refuses_a_gap():

@@ -12,6 +12,10 @@ or ending the job. The survivors then::
                                                  survivor gets the same members in the same order
     3. name the lost ranks and hosts             group translation against the members gathered
                                                  at start-up (:class:`Members`)
+       and check the quorum                      a cut link looks like a dead host from BOTH
+                                                 sides: each shrinks to its own half and would
+                                                 train on alone (seen here); only the side with
+                                                 a majority goes on (:func:`has_quorum`)
     4. agree on the step to go on from           the smallest step count any survivor completed
                                                  (:func:`agreed_step`); every survivor restores
                                                  its copy of the state before that step
@@ -51,7 +55,8 @@ from mpidl.distributed.balance import RankCost, equal_split, solve_split, split_
 from mpidl.distributed.topology import Topology
 
 __all__ = ["ULFM_ENV", "ulfm_available", "is_process_failure", "Members", "Shrunk", "shrink",
-           "agreed_step", "StepSnapshots", "resplit", "rebuild_topology", "leave", "RecoveryError"]
+           "agreed_step", "StepSnapshots", "resplit", "rebuild_topology", "leave", "has_quorum",
+           "RecoveryError"]
 
 #: ``MPIDL_ULFM=1`` / ``0`` overrides the detection of :func:`ulfm_available` (an MPI this
 #: module does not know, or a test of the fallback)
@@ -157,6 +162,8 @@ class Shrunk:
         Start-up ranks of the ranks lost, ascending.
     lost_hosts : tuple[str, ...]
         Hosts that lost at least one rank; ``emptied_hosts`` those that lost all of them.
+    quorum : bool
+        Whether the survivors may go on (:func:`has_quorum`); the same on every survivor.
     seconds : float
         Wall time of revoke + shrink + naming on this rank.
     """
@@ -167,12 +174,14 @@ class Shrunk:
     lost_ids: tuple[int, ...]
     lost_hosts: tuple[str, ...]
     emptied_hosts: tuple[str, ...]
+    quorum: bool
     seconds: float
 
     def describe(self) -> str:
         """One line for the log: who was lost, where, and what is left."""
         hosts = ", ".join(f"{h} (all its ranks)" if h in self.emptied_hosts else h for h in self.lost_hosts)
-        return (f"lost rank(s) {list(self.lost_ids)} on {hosts}; {self.comm.Get_size()} rank(s) go on "
+        what = "go on" if self.quorum else "are a minority and stop"
+        return (f"lost rank(s) {list(self.lost_ids)} on {hosts}; {self.comm.Get_size()} rank(s) {what} "
                 f"on {len(set(self.members.hosts))} host(s); shrink took {self.seconds:.3f} s")
 
 
@@ -221,7 +230,23 @@ def shrink(comm: MPI.Intracomm, members: Members, also_revoke: Sequence[MPI.Comm
     return Shrunk(comm=new, members=survivors, old_ranks=old_ranks,
                   lost_ids=tuple(sorted(members.ids[r] for r in lost_old)),
                   lost_hosts=lost_hosts, emptied_hosts=emptied,
+                  quorum=has_quorum(members.ids, survivors.ids),
                   seconds=time.perf_counter() - start)
+
+
+def has_quorum(before: Sequence[int], after: Sequence[int]) -> bool:
+    """Whether the ranks ``after`` (start-up ids) may go on without the rest of ``before``.
+
+    MPI cannot tell a dead host from one behind a cut link: the two sides of a cut each see
+    the other fail and each shrink to themselves. So the survivors go on only with a strict
+    majority of ``before``, or with exactly half when they hold its lowest start-up rank (a
+    tie is broken the same way on both sides). The price: losing a half that holds that rank
+    ends the job even when the half was really dead.
+    """
+    before, after = set(before), set(after)
+    if not after <= before or not before:
+        raise ValueError(f"survivors {sorted(after)} are not a part of {sorted(before)}")
+    return 2 * len(after) > len(before) or (2 * len(after) == len(before) and min(before) in after)
 
 
 # --------------------------------------------------------------------------- the step to go on from
