@@ -34,8 +34,8 @@ def main(argv=None) -> int:
 
     from mpi4py import MPI
 
-    from mpidl.distributed.recovery import (Members, RecoveryError, agreed_step, is_process_failure, leave,
-                                            rebuild_topology, shrink, ulfm_available)
+    from mpidl.distributed.recovery import (Members, RecoveryError, agreed_step, is_process_failure,
+                                            leave, rebuild_topology, shrink, ulfm_available)
     from mpidl.distributed.topology import Topology
 
     comm = MPI.COMM_WORLD

@@ -81,8 +81,9 @@ def main(argv=None) -> int:
     from mpi4py import MPI
 
     from mpidl.distributed.balance import equal_split, split_counts
-    from mpidl.distributed.recovery import (Members, RecoveryError, StepSnapshots, agreed_step, is_process_failure, leave,
-                                            rebuild_topology, resplit, shrink, ulfm_available)
+    from mpidl.distributed.recovery import (Members, RecoveryError, StepSnapshots, agreed_step,
+                                            is_process_failure, leave, rebuild_topology, resplit,
+                                            shrink, ulfm_available)
     from mpidl.distributed.topology import Topology
 
     comm = MPI.COMM_WORLD

@@ -349,7 +349,7 @@ def rebuild_topology(comm: MPI.Intracomm, old: Topology | None = None) -> Topolo
     shift every later rank into another node; that needs the start-up node of every rank and
     is refused here with a clear error (alike on every rank). ``old`` (the topology before the
     failure) is only read, to tell which case applies; its communicators are the caller's to
-    free or drop.
+    free (``old.free()`` on revoked communicators returns at once under Open MPI's ULFM).
     """
     if old is not None and old.emulated_ranks_per_node is not None:
         raise RecoveryError("cannot rebuild EMULATED nodes (MPIDL_RANKS_PER_NODE) after a lost rank: "
