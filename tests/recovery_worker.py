@@ -11,7 +11,9 @@ rebuilt topology is exercised too.
 
 A victim (``--victims ID:STEP,...``, ``ID`` its start-up rank) writes the time to
 ``OUT/killed_ID.txt`` and SIGKILLs itself after computing its part of step ``STEP``, just
-before the exchange. The survivors detect it in that exchange, shrink, restore the state
+before the exchange (with ``--die-after-leaders``, a node leader dies after the leaders'
+allreduce instead: the other nodes complete the step and fail in the next one, its own node
+fails in this one, so the survivors' step counts differ by one). The survivors detect it in that exchange, shrink, restore the state
 before the agreed step, rebuild the topology, re-split the global batch over themselves and
 go on to ``--steps``. Every survivor writes ``OUT/w_ID.npy`` (the final parameters) and
 ``OUT/rank_ID.json`` (its recoveries, with times). Where the MPI cannot recover, rank 0 writes
@@ -69,6 +71,32 @@ def reference(steps: int, batch: int) -> np.ndarray:
     return w
 
 
+class NodesByStartupRank:
+    """Emulated nodes of ``k`` consecutive START-UP ranks (``node = id // k``), so that a rank
+    keeps its node after a shrink; the attributes the loop uses, as on a Topology.
+
+    (:func:`~mpidl.distributed.recovery.rebuild_topology` refuses emulated nodes: Topology
+    groups by the current rank. This stands in for it on one machine, where Open MPI has no
+    other way to make nodes.)
+    """
+
+    def __init__(self, comm, ids, k: int):
+        from mpi4py import MPI
+
+        self.rank = comm.Get_rank()
+        node_of = [i // k for i in comm.allgather(ids[self.rank])]
+        self.node = comm.Split(color=node_of[self.rank], key=self.rank)
+        self.is_leader = self.node.Get_rank() == 0
+        self.leaders = comm.Split(color=0 if self.is_leader else MPI.UNDEFINED, key=self.rank)
+        self.node_sizes = [node_of.count(n) for n in sorted(set(node_of))]
+
+
+def die(stamp: Path) -> None:
+    """Write the time to ``stamp``, then SIGKILL this process."""
+    stamp.write_text(repr(time.time()))
+    os.kill(os.getpid(), 9)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
@@ -76,6 +104,11 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=12)
     parser.add_argument("--victims", default="", help="ID:STEP,... (start-up rank, step it dies in)")
     parser.add_argument("--speeds", default="", help="relative speeds, one per rank (default equal)")
+    parser.add_argument("--emulate-nodes", type=int, default=0,
+                        help="K: nodes of K consecutive start-up ranks instead of the shared-memory split")
+    parser.add_argument("--die-after-leaders", action="store_true",
+                        help="a victim that leads its node dies after the leaders' allreduce, before "
+                             "its node's broadcast: the other nodes complete the step, its node does not")
     args = parser.parse_args(argv)
 
     from mpi4py import MPI
@@ -99,7 +132,8 @@ def main(argv=None) -> int:
         victims[int(who)] = int(step)
     members = Members.gather(comm)
     me = comm.Get_rank()
-    topo = Topology.from_comm(comm)
+    topo = (NodesByStartupRank(comm, members.ids, args.emulate_nodes) if args.emulate_nodes
+            else Topology.from_comm(comm))
     size = comm.Get_size()
     split = (split_counts(args.batch, [float(s) for s in args.speeds.split(",")]) if args.speeds
              else equal_split(args.batch, size))
@@ -114,12 +148,14 @@ def main(argv=None) -> int:
             lo = sum(split[:topo.rank])
             mine = global_batch(step, args.batch)[lo:lo + split[topo.rank]]
             g = partial_gradient(x, y, w, mine, args.batch)
-            if victims.get(me) == step:
-                (args.out / f"killed_{me}.txt").write_text(repr(time.time()))
-                os.kill(os.getpid(), 9)
+            dies = victims.get(me) == step
+            if dies and not args.die_after_leaders:
+                die(args.out / f"killed_{me}.txt")
             topo.node.Allreduce(MPI.IN_PLACE, g, op=MPI.SUM)
             if topo.is_leader:
                 topo.leaders.Allreduce(MPI.IN_PLACE, g, op=MPI.SUM)
+            if dies:
+                die(args.out / f"killed_{me}.txt")
             topo.node.Bcast(g, root=0)
             update(w, v, g)
             step += 1
@@ -137,7 +173,8 @@ def main(argv=None) -> int:
             completed = step
             step = agreed_step(shrunk.comm, step)
             snapshots.restore(step, {"w": w, "v": v})
-            topo = rebuild_topology(shrunk.comm, topo)
+            topo = (NodesByStartupRank(shrunk.comm, shrunk.members.ids, args.emulate_nodes)
+                    if args.emulate_nodes else rebuild_topology(shrunk.comm, topo))
             split = resplit(args.batch, split, shrunk.old_ranks)
             comm, members = shrunk.comm, shrunk.members
             recoveries.append({

@@ -204,3 +204,23 @@ def test_a_second_failure_after_a_recovery(tmp_path):
         assert first["lost_ids"] == [3] and first["members"] == [0, 1, 2] and first["resumed_from_step"] == 3
         assert second["lost_ids"] == [1] and second["members"] == [0, 2] and second["resumed_from_step"] == 7
         assert record["size"] == 2 and sum(record["split"]) == batch
+
+
+@pytest.mark.launcher
+def test_survivors_one_step_apart_go_back_to_the_same_step(tmp_path):
+    """Nodes {0,1} and {2,3} (by start-up rank); rank 2, leader of the second node, dies after
+    the leaders' allreduce of step 4 and before its node's broadcast: ranks 0 and 1 complete
+    step 4 and fail in step 5 (rank 1 only through the revoked node communicator), rank 3
+    fails in step 4. All three must go back to the state before step 4."""
+    steps, batch = 12, 12
+    records = _launch(4, tmp_path, "--steps", str(steps), "--batch", str(batch), "--victims", "2:4",
+                      "--die-after-leaders", "--emulate-nodes", "2", "--speeds", "1,2,3,4")
+    assert sorted(records) == [0, 1, 3]
+    assert {i: r["recoveries"][0]["completed_before"] for i, r in records.items()} == {0: 5, 1: 5, 3: 4}
+    expected = worker.reference(steps, batch)
+    for record in records.values():
+        (recovery,) = record["recoveries"]
+        assert recovery["resumed_from_step"] == 4 and recovery["lost_ids"] == [2]
+        assert recovery["nodes"] == [2, 1]
+        assert recovery["split"] == [2, 3, 7]  # 12 samples at the survivors' speeds 1 : 2 : 4
+        np.testing.assert_allclose(record["w"], expected, rtol=0, atol=1e-10)
