@@ -14,8 +14,8 @@ or ending the job. The survivors then::
                                                  at start-up (:class:`Members`)
        and check the quorum                      a cut link looks like a dead host from BOTH
                                                  sides: each shrinks to its own half and would
-                                                 train on alone (seen here); only the side with
-                                                 a majority goes on (:func:`has_quorum`)
+                                                 train on alone (docs/failures.md); only the side
+                                                 with a majority goes on (:func:`has_quorum`)
     4. agree on the step to go on from           the smallest step count any survivor completed
                                                  (:func:`agreed_step`); every survivor restores
                                                  its copy of the state before that step
@@ -34,6 +34,8 @@ before its current step and before the previous one, and all restore the state b
 smallest count. This holds for strategies that exchange across the whole world every step
 (``flat``, ``hierarchical``); under ``node`` the nodes step on their own between their syncs,
 and a lost host is noticed at the next sync, where the survivors' sync simply leaves it out.
+The buffers of a collective that failed are undefined (an in-place allreduce may have
+half-summed them), so a step is always redone from the snapshot, never from them.
 
 Which MPI can do this (measured, docs/failures.md): Open MPI 5 started with
 ``mpiexec --with-ft ulfm``. Not the MPICH 5.0.2 wheel: with ``MPIR_CVAR_ENABLE_FT=1``
