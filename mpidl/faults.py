@@ -2,8 +2,10 @@
 
 ``MPIDL_INJECT_FAULT=RANK:STEP[:KIND]`` in the environment of ``python -m mpidl.train`` makes
 rank ``RANK``, at global step ``STEP``, raise :class:`InjectedFault` (``raise``, the default),
-put NaN into its local gradient (``nan``: the collective non-finite decision), or send itself
-SIGTERM (``term``: the real signal handler at a known step). The tests use it to check that a
+put NaN into its local gradient (``nan``: the collective non-finite decision), send itself
+SIGTERM (``term``: the real signal handler at a known step), or SIGKILL (``kill``: a lost
+rank, for ``--on-failure shrink``).
+``RANK`` is the rank at start-up (a survivor of a shrink keeps it). The tests use it to check that a
 failure on one rank ends, or stops, every rank alike.
 """
 
@@ -13,7 +15,7 @@ import os
 from dataclasses import dataclass
 
 ENV = "MPIDL_INJECT_FAULT"
-KINDS = ("raise", "nan", "term")
+KINDS = ("raise", "nan", "term", "kill")
 
 __all__ = ["ENV", "KINDS", "Fault", "InjectedFault", "parse_fault", "fault_from_environment"]
 

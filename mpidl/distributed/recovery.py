@@ -58,7 +58,11 @@ from mpidl.distributed.topology import Topology
 
 __all__ = ["ULFM_ENV", "ulfm_available", "is_process_failure", "Members", "Shrunk", "shrink",
            "agreed_step", "StepSnapshots", "resplit", "rebuild_topology", "leave", "has_quorum",
-           "RecoveryError"]
+           "RecoveryError", "RanksLost", "ON_FAILURE", "check_on_failure"]
+
+#: what a DataParallel does when a rank is lost: end the job (resume from the checkpoint), or
+#: shrink to the survivors and go on
+ON_FAILURE = ("restart", "shrink")
 
 #: ``MPIDL_ULFM=1`` / ``0`` overrides the detection of :func:`ulfm_available` (an MPI this
 #: module does not know, or a test of the fallback)
@@ -71,6 +75,46 @@ _FALSE = ("0", "false", "no", "off", "disabled")
 
 class RecoveryError(RuntimeError):
     """The survivors cannot go on (raised alike on every survivor)."""
+
+
+class RanksLost(RuntimeError):
+    """Ranks were lost and the survivors went on without them (``on_failure='shrink'``).
+
+    Raised alike on every survivor by the :class:`~mpidl.distributed.DataParallel` call that
+    saw the failure, once the state is back to the one before :attr:`step` (the global step
+    count every survivor agreed on) and the batch is re-split. The loop then runs the global
+    batch of step :attr:`step` again (``divmod(dp.steps, steps_per_epoch)``): its new local
+    slice covers the lost ranks' samples. :attr:`event` is the record for the metrics.
+    """
+
+    def __init__(self, event: dict, message: str):
+        super().__init__(message)
+        self.event = event
+        self.step = int(event["step"])
+
+
+def check_on_failure(on_failure: str, *, intra: str = "mpi", overlap: bool = False,
+                     compress: str = "none", sync_overlap: int = 0, emulated_nodes: bool = False) -> None:
+    """ValueError when ``on_failure`` is unknown, or ``'shrink'`` with an option it cannot
+    rebuild after a loss (no MPI)."""
+    if on_failure not in ON_FAILURE:
+        raise ValueError(f"on_failure must be one of {', '.join(ON_FAILURE)}, got {on_failure!r}")
+    if on_failure != "shrink":
+        return
+    why = None
+    if intra == "shm":
+        why = "intra='shm' (the node-shared window cannot be rebuilt without the lost ranks)"
+    elif overlap:
+        why = "overlap (its buckets fail inside backward, outside the step that could restore them)"
+    elif compress != "none":
+        why = "compress (the error-feedback residuals are not part of the step snapshot)"
+    elif sync_overlap:
+        why = "sync_overlap (a sync in flight spans steps that cannot be redone alike)"
+    elif emulated_nodes:
+        why = ("emulated nodes (MPIDL_RANKS_PER_NODE / ranks_per_node group by rank, which a shrink "
+               "changes); use real hosts")
+    if why is not None:
+        raise ValueError(f"on_failure='shrink' does not work with {why}")
 
 
 # --------------------------------------------------------------------------- support
