@@ -157,12 +157,13 @@ class ShrinkOnFailure:
         if self._unreported is not None:
             event, failed_at = self._unreported
             event["recovery_s"] = time.perf_counter() - failed_at
+            event["next_step_at_unix"] = time.time()
             self._unreported = None
 
     def _recover(self, exc: MPI.Exception, where: str) -> None:
         """Shrink, restore, rebuild, re-split; raises RanksLost (or RecoveryError) on every
         survivor alike. See the module docstring."""
-        failed_at = time.perf_counter()
+        failed_at, seen_unix = time.perf_counter(), time.time()
         old_topology, old_exchange = self.topology, self.exchange
         global_steps = old_exchange.step_is_global
         shrunk = shrink(old_topology.world, self._members, also_revoke=old_exchange.communicators())
@@ -233,7 +234,8 @@ class ShrinkOnFailure:
                  "hosts_left": len(set(shrunk.members.hosts)), "node_sizes": list(self.topology.node_sizes),
                  "batch_sizes": list(self.batch_sizes), "synced_again": bool(redo),
                  "error": exc.Get_error_string(), "shrink_s": shrunk.seconds,
-                 "recovered_s": time.perf_counter() - failed_at, "recovery_s": None}
+                 "recovered_s": time.perf_counter() - failed_at, "recovery_s": None,
+                 "seen_at_unix": seen_unix, "next_step_at_unix": None}
         self.failures.append(event)
         self._unreported = (event, failed_at)
         self.clock.start()
