@@ -88,6 +88,46 @@ def _params(folder: Path) -> tuple[np.ndarray, int]:
         return np.asarray(f["params"]), json.loads(f.attrs["distributed"])["steps"]
 
 
+def test_shrink_is_refused_with_what_it_cannot_rebuild(monkeypatch):
+    from mpidl.backend import get_backend
+    from mpidl.config import ConfigError, parse_config
+    from mpidl.distributed import DataParallel
+    from mpidl.distributed.recovery import check_on_failure
+    from mpidl.optim import SGD
+    from mpidl.params import FlatParameters, Parameter, zeros
+
+    check_on_failure("restart", intra="shm", overlap=True)  # restart takes anything
+    for option, message in ((dict(intra="shm"), "intra='shm'"), (dict(overlap=True), "overlap"),
+                            (dict(compress="bf16"), "compress"), (dict(sync_overlap=1), "sync_overlap"),
+                            (dict(emulated_nodes=True), "emulated nodes")):
+        with pytest.raises(ValueError, match=f"on_failure='shrink' does not work with {message}"):
+            check_on_failure("shrink", **option)
+    with pytest.raises(ValueError, match="on_failure must be one of restart, shrink"):
+        check_on_failure("retry")
+    with pytest.raises(ConfigError, match="--on-failure: shrink does not work with --intra shm"):
+        parse_config(["--on-failure", "shrink", "--intra", "shm"])
+    monkeypatch.setenv("MPIDL_RANKS_PER_NODE", "2")
+    with pytest.raises(ConfigError, match="emulated nodes"):
+        parse_config(["--on-failure", "shrink"])
+    monkeypatch.delenv("MPIDL_RANKS_PER_NODE")
+    params = FlatParameters([("w", Parameter((3,), zeros()))], get_backend("cpu", "float64"))
+    with pytest.raises(ValueError, match="intra='shm'"):  # before any collective
+        DataParallel(params, SGD(params, lr=0.1), batch_size=4, intra="shm", on_failure="shrink")
+
+
+def test_without_ulfm_a_dataparallel_says_why_and_restarts(monkeypatch):
+    from mpidl.backend import get_backend
+    from mpidl.distributed import DataParallel
+    from mpidl.optim import SGD
+    from mpidl.params import FlatParameters, Parameter, zeros
+
+    monkeypatch.setenv("MPIDL_ULFM", "0")
+    params = FlatParameters([("w", Parameter((3,), zeros()))], get_backend("cpu", "float64"))
+    dp = DataParallel(params, SGD(params, lr=0.1), batch_size=4, on_failure="shrink")
+    assert dp.on_failure == "restart" and "turned off by MPIDL_ULFM=0" in dp.failure_note
+    assert not dp.shrunk
+
+
 @pytest.mark.launcher
 @pytest.mark.parametrize("strategy, victim", [("flat", 0), ("hierarchical", 2)])
 def test_a_killed_rank_ends_as_the_survivors_resumed_from_its_step(tmp_path, strategy, victim):
