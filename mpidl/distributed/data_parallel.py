@@ -49,7 +49,8 @@ import numpy as np
 from mpidl.backend import to_host
 from mpidl.distributed import balance
 from mpidl.distributed import probe as speed_probe
-from mpidl.distributed.elastic import IN_STEP, IN_SYNC, OUTSIDE, REDO_AFTER_STEP, REDO_SYNCHRONIZE, ShrinkOnFailure
+from mpidl.distributed.elastic import (IN_STEP, IN_SYNC, OUTSIDE, REDO_AFTER_STEP, REDO_SYNCHRONIZE,
+                                      ShrinkOnFailure)
 from mpidl.distributed.emulation import LinkModel, compute_clock
 from mpidl.distributed.exchange import BUCKET_MB, INTRA, build_exchange
 from mpidl.distributed.checkpoint_state import CheckpointState

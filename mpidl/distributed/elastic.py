@@ -34,14 +34,15 @@ steps, or syncs), only with ``on_failure='shrink'``.
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
 from mpi4py import MPI
 
 from mpidl.distributed.recovery import (Members, RanksLost, RecoveryError, StepSnapshots,
-                                        check_on_failure, is_process_failure, rebuild_topology,
-                                        resplit, shrink, ulfm_available)
+                                        check_on_failure, is_process_failure, leave,
+                                        rebuild_topology, resplit, shrink, ulfm_available)
 
 #: where a failure was seen: in the step's exchange, in a parameter sync, or elsewhere
 #: (decisions, metrics, evaluation: the state is whole there)
@@ -88,10 +89,9 @@ class ShrinkOnFailure:
 
     @staticmethod
     def _check_on_failure(on_failure, topology, exchange_options) -> None:
+        """ValueError (no MPI) when ``on_failure`` does not fit the exchange or the topology."""
         emulated = topology is not None and topology.emulated_ranks_per_node is not None
         if topology is None:
-            import os  # noqa: PLC0415
-
             emulated = bool(os.environ.get("MPIDL_RANKS_PER_NODE", "").strip())
         check_on_failure(on_failure, intra=exchange_options["intra"], overlap=exchange_options["overlap"],
                          compress=exchange_options["compress"],
@@ -107,8 +107,6 @@ class ShrinkOnFailure:
         """End this process after a shrink (:func:`~mpidl.distributed.recovery.leave`): a
         barrier of the survivors, then exit without ``MPI_Finalize``, which may wait for the
         dead. Close files first."""
-        from mpidl.distributed.recovery import leave  # noqa: PLC0415
-
         leave(self.topology.world, code)
 
     # ------------------------------------------------------------------ the kept state
