@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from mpidl.backend import DEVICES, DTYPES
 from mpidl.distributed import ON_NAN
+from mpidl.distributed.recovery import ON_FAILURE, check_on_failure
 from mpidl.distributed.balance import parse_speeds
 from mpidl.distributed.compress import COMPRESSIONS
 from mpidl.distributed.exchange import BUCKET_MB, OptionError, check_options
@@ -75,6 +76,7 @@ class Config:
     balance_threshold: float = 0.05
     ranks_per_node: int | None = None
     check_replicas: bool = False
+    on_failure: str = "restart"
     # communication
     intra: str = "mpi"
     overlap: bool = False
@@ -135,6 +137,14 @@ class Config:
                           host_memory=self.device == "cpu", optimizer=OPTIMIZERS.get(self.optimizer))
         except OptionError as exc:
             raise ConfigError(f"--{exc.option.replace('_', '-')}: {exc}") from None
+        emulated = self.ranks_per_node is not None or bool(os.environ.get("MPIDL_RANKS_PER_NODE", "").strip())
+        _choice("--on-failure", self.on_failure, ON_FAILURE)
+        try:
+            check_on_failure(self.on_failure, intra=self.intra, overlap=self.overlap, compress=self.compress,
+                             sync_overlap=self.sync_overlap, emulated_nodes=emulated)
+        except ValueError as exc:
+            raise ConfigError(f"--on-failure: {exc}".replace("on_failure='shrink'", "shrink")
+                              .replace("intra='shm'", "--intra shm")) from None
         _choice("--balance", self.balance, BALANCES)
         if self.rebalance and self.balance == "none":
             raise ConfigError("--balance none keeps the equal split, and --rebalance would re-split it "
@@ -315,6 +325,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="group consecutive ranks into emulated nodes of K ranks (default: the real "
                         "nodes, or env MPIDL_RANKS_PER_NODE)")
     g.add_argument("--check-replicas", action="store_true", help="debug: compare parameter checksums after each global sync")
+    g.add_argument("--on-failure", default=d.on_failure,
+                   help="a lost rank or host: restart (the job ends; resume from --checkpoint) or "
+                        "shrink (the survivors drop it, re-split the batch and go on; needs Open MPI "
+                        "under mpiexec --with-ft ulfm, else falls back to restart; docs/failures.md)")
 
     g = p.add_argument_group("balance (how the global batch is split over the ranks)")
     g.add_argument("--balance", default=d.balance,

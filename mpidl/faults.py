@@ -2,8 +2,11 @@
 
 ``MPIDL_INJECT_FAULT=RANK:STEP[:KIND]`` in the environment of ``python -m mpidl.train`` makes
 rank ``RANK``, at global step ``STEP``, raise :class:`InjectedFault` (``raise``, the default),
-put NaN into its local gradient (``nan``: the collective non-finite decision), or send itself
-SIGTERM (``term``: the real signal handler at a known step). The tests use it to check that a
+put NaN into its local gradient (``nan``: the collective non-finite decision), send itself
+SIGTERM (``term``: the real signal handler at a known step), or SIGKILL (``kill``: a lost
+rank, for ``--on-failure shrink``).
+Several, comma-separated (``4:9:kill,5:9:kill``: a host of two ranks lost at once).
+``RANK`` is the rank at start-up (a survivor of a shrink keeps it). The tests use it to check that a
 failure on one rank ends, or stops, every rank alike.
 """
 
@@ -13,7 +16,7 @@ import os
 from dataclasses import dataclass
 
 ENV = "MPIDL_INJECT_FAULT"
-KINDS = ("raise", "nan", "term")
+KINDS = ("raise", "nan", "term", "kill")
 
 __all__ = ["ENV", "KINDS", "Fault", "InjectedFault", "parse_fault", "fault_from_environment"]
 
@@ -47,7 +50,20 @@ def parse_fault(text: str, world_size: int) -> Fault:
     return fault
 
 
-def fault_from_environment(world_size: int) -> Fault | None:
-    """The fault :data:`ENV` asks for, or None when it is unset or empty."""
+@dataclass(frozen=True)
+class Faults:
+    """Several faults (at most one per rank and step)."""
+
+    faults: tuple[Fault, ...]
+
+    def at(self, rank: int, step: int) -> str | None:
+        return next((f.kind for f in self.faults if f.at(rank, step)), None)
+
+
+def fault_from_environment(world_size: int) -> Fault | Faults | None:
+    """The fault(s) :data:`ENV` asks for, or None when it is unset or empty."""
     text = os.environ.get(ENV, "").strip()
-    return parse_fault(text, world_size) if text else None
+    if not text:
+        return None
+    faults = [parse_fault(part.strip(), world_size) for part in text.split(",")]
+    return faults[0] if len(faults) == 1 else Faults(tuple(faults))

@@ -118,6 +118,8 @@ def main(argv=None) -> int:
         f"done: {end['stopped']} after {end['step']} steps in {end['time_s']:.1f} s; "
         f"test OA {100 * end['oa']:.2f}%  AA {100 * end['aa']:.2f}%  kappa {end['kappa']:.4f}"
     )
+    if trainer.dp.shrunk:
+        trainer.dp.leave(0)  # MPI_Finalize may wait for the lost ranks (docs/failures.md)
     return 0
 
 
@@ -188,6 +190,8 @@ def _print_header(printer, cfg, model, train_set, desc, trainer) -> None:
                  f"optimizer {cfg.optimizer} lr {cfg.lr} ({cfg.schedule}); global batch {cfg.batch_size}, "
                  f"{trainer.steps_per_epoch} steps/epoch")
     printer.info(dp.describe_split())
+    if dp.failure_note:
+        (printer.info if dp.on_failure == "shrink" else printer.warning)(dp.failure_note)
     if cfg.slowdown_list:
         printer.info(f"EMULATION: compute slowdown per rank {cfg.slowdown_list} "
                      f"(multiplying each compute's {cfg.emulate_clock} time)")

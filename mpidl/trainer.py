@@ -18,6 +18,14 @@ At an epoch's end ``dp.sync()`` makes the replicas identical (and agrees on pend
 requests and non-finite gradients), then the test split is evaluated in shards and the epoch
 is recorded. Stops are collective by construction: ``dp.should_stop`` turns True on every
 rank after the same step.
+
+Lost ranks (``--on-failure shrink``): a :class:`~mpidl.distributed.RanksLost` from any call of
+``self.dp`` means the survivors are back at the state before global step ``dp.steps`` with the
+batch re-split over them; the loop goes on at that step's place in the epoch
+(``dp.steps - `` the epoch's first step), so the global batch is run again and the lost
+ranks' samples are computed by the survivors: none skipped, none counted twice. The learning
+rate follows ``dp.steps``; the epoch-end sync, evaluation and checkpoint run (again) on the
+survivors.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mpidl.checkpoint import CHECKPOINT_NAME, CheckpointError, load_checkpoint, save_checkpoint, save_model
-from mpidl.distributed import DataParallel, NonFiniteGradient
+from mpidl.distributed import DataParallel, NonFiniteGradient, RanksLost
 from mpidl.faults import ENV, InjectedFault, fault_from_environment
 from mpidl.log import MetricsWriter, RankTimingLog
 from mpidl.metrics import classification_report, confusion_matrix
@@ -95,6 +103,14 @@ class EpochTotals:
     samples: int = 0
     steps: int = 0
     start: float = field(default_factory=time.perf_counter)
+    #: the last step's (loss sum, samples), taken back when a lost rank makes it run again
+    last: tuple = (0.0, 0)
+
+    def take_back_last(self) -> None:
+        self.loss_sum -= self.last[0]
+        self.samples -= self.last[1]
+        self.steps -= 1
+        self.last = (0.0, 0)
 
 
 def epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
@@ -152,11 +168,13 @@ class Trainer:
             emulate_slowdown=cfg.slowdown_list or 1.0, emulate_clock=cfg.emulate_clock,
             emulate_link=cfg.emulate_link,
             intra=cfg.intra, overlap=cfg.overlap, bucket_mb=cfg.bucket_mb,
-            compress=cfg.compress, sync_overlap=cfg.sync_overlap,
+            compress=cfg.compress, sync_overlap=cfg.sync_overlap, on_failure=cfg.on_failure,
         )
         if self._signalled:
             self.dp.request_stop()
         self.rank = self.dp.rank
+        #: this rank's rank at start-up (``self.rank`` changes when ranks are lost)
+        self.startup_rank = self.dp.rank
         #: the tests' injected fault (mpidl/faults.py), or None
         self.fault = fault_from_environment(self.dp.size)
         self.start_epoch = 0
@@ -220,7 +238,9 @@ class Trainer:
     def train_step(self, local: np.ndarray, totals: EpochTotals) -> None:
         """One global step on this rank (every rank calls it for every step)."""
         step = self.dp.steps
-        fault = self.fault.at(self.rank, step) if self.fault is not None else None
+        fault = self.fault.at(self.startup_rank, step) if self.fault is not None else None
+        if fault == "kill":  # a lost rank, at a known step (--on-failure shrink)
+            os.kill(os.getpid(), signal.SIGKILL)
         if fault == "raise":
             raise InjectedFault(f"injected fault on rank {self.rank} at step {step} ({ENV})")
         if fault == "term":
@@ -243,6 +263,9 @@ class Trainer:
         totals.loss_sum += loss * len(local)
         totals.samples += len(local)
         totals.steps += 1
+        totals.last = (loss * len(local), len(local))
+        if self._failure_record is not None and self._failure_record["recovery_s"] is not None:
+            self._write_failure()
 
     def report_skips(self, step: int | None = None) -> None:
         """Rank 0 warns and records (a metrics ``skip`` event) a step skipped on its node,
@@ -273,6 +296,29 @@ class Trainer:
             f"{len(found)} sample(s) of this step's batch hold NaN or Inf values, the first is "
             f"sample {found[0]} of {name} (fix or convert the data again; python -m "
             "mpidl.data_tools info FILE finds them all)")
+
+    # ------------------------------------------------------------------ lost ranks
+    _failure_record = None
+
+    def ranks_lost(self, lost: RanksLost) -> None:
+        """After a shrink (``--on-failure shrink``): the survivors' rank 0 takes over the log
+        and the metrics, says what happened; the record goes to the metrics once the next
+        step is done (with ``recovery_s``, failure to that step)."""
+        if self._failure_record is not None:
+            self._write_failure()
+        self.rank = self.dp.rank
+        self.printer.rank = self.dp.rank
+        if self.rank == 0 and self.metrics.file is None and self.cfg.metrics:
+            self.metrics = MetricsWriter(self.cfg.metrics, 0, append=True)
+        self.printer.warning(f"{lost}")
+        self._failure_record = lost.event
+
+    def _write_failure(self) -> None:
+        record, self._failure_record = self._failure_record, None
+        self.log(self.metrics, record)
+        if record["recovery_s"] is not None:
+            self.printer.info(f"  recovered: step {record['step'] + 1} done {record['recovery_s']:.3f} s "
+                              f"after the failure was seen (shrink {record['shrink_s']:.3f} s)")
 
     # ------------------------------------------------------------------ epochs
     def evaluate(self) -> dict:
@@ -454,36 +500,48 @@ class Trainer:
             totals = EpochTotals()
             first = self.start_step_in_epoch if epoch == self.start_epoch else 0
             last_print = time.perf_counter()
-            step_in_epoch = first
-            for step_in_epoch in range(first, self.steps_per_epoch):
-                if dp.steps >= self.total_steps:
-                    stopped = "max_steps"
+            epoch_first_step = dp.steps - first  # the global step of this epoch's first batch
+            totals_first = first
+            while True:  # once, or again from dp.steps after ranks were lost (--on-failure shrink)
+                try:
+                    step_in_epoch = first
+                    for step_in_epoch in range(first, self.steps_per_epoch):
+                        if dp.steps >= self.total_steps:
+                            stopped = "max_steps"
+                            break
+                        batch = perm[step_in_epoch * cfg.batch_size:(step_in_epoch + 1) * cfg.batch_size]
+                        self.train_step(dp.local_indices(batch), totals)
+                        if dp.should_stop:
+                            stopped = "signal"
+                            step_in_epoch += 1
+                            break
+                        if time.perf_counter() - last_print > cfg.progress_every_s:
+                            last_print = time.perf_counter()
+                            self.printer.info(f"  epoch {epoch + 1} step {step_in_epoch + 1}/{self.steps_per_epoch}")
+                    else:
+                        step_in_epoch = self.steps_per_epoch
+                    finished_epoch = step_in_epoch >= self.steps_per_epoch
+                    epochs_done = epoch + 1 if finished_epoch else epoch
+                    saved = bool(cfg.checkpoint) and stopped != "completed" and not finished_epoch
+                    if saved:
+                        self.save_checkpoint(epochs_done, step_in_epoch)
+                    dp.sync()  # replicas identical for evaluation; pending stops and NaNs agreed
+                    self.report_skips()
+                    if stopped == "completed" and dp.should_stop:
+                        stopped = "signal"
+                    if totals.steps:  # the same on every rank: they step together
+                        last = self.end_epoch(epoch, totals)
+                    if cfg.checkpoint and not saved and (
+                            stopped != "completed" or epochs_done % cfg.checkpoint_every == 0 or epochs_done == cfg.epochs):
+                        self.save_checkpoint(epochs_done, 0)
                     break
-                batch = perm[step_in_epoch * cfg.batch_size:(step_in_epoch + 1) * cfg.batch_size]
-                self.train_step(dp.local_indices(batch), totals)
-                if dp.should_stop:
-                    stopped = "signal"
-                    step_in_epoch += 1
-                    break
-                if time.perf_counter() - last_print > cfg.progress_every_s:
-                    last_print = time.perf_counter()
-                    self.printer.info(f"  epoch {epoch + 1} step {step_in_epoch + 1}/{self.steps_per_epoch}")
-            else:
-                step_in_epoch = self.steps_per_epoch
-            finished_epoch = step_in_epoch >= self.steps_per_epoch
-            epochs_done = epoch + 1 if finished_epoch else epoch
-            saved = bool(cfg.checkpoint) and stopped != "completed" and not finished_epoch
-            if saved:
-                self.save_checkpoint(epochs_done, step_in_epoch)
-            dp.sync()  # replicas identical for evaluation; pending stops and NaNs agreed
-            self.report_skips()
-            if stopped == "completed" and dp.should_stop:
-                stopped = "signal"
-            if totals.steps:  # the same on every rank: they step together
-                last = self.end_epoch(epoch, totals)
-            if cfg.checkpoint and not saved and (
-                    stopped != "completed" or epochs_done % cfg.checkpoint_every == 0 or epochs_done == cfg.epochs):
-                self.save_checkpoint(epochs_done, 0)
+                except RanksLost as lost:
+                    if lost.step < epoch_first_step:
+                        raise
+                    self.ranks_lost(lost)
+                    if totals.steps > dp.steps - epoch_first_step - totals_first:
+                        totals.take_back_last()
+                    first = dp.steps - epoch_first_step
             if stopped != "completed":
                 break
         if last is None:
@@ -496,6 +554,9 @@ class Trainer:
             "oa": last["oa"], "aa": last["aa"], "kappa": last["kappa"],
             "time_s": time.perf_counter() - t_start, "stopped": stopped,
         }
+        if self._failure_record is not None:
+            self._write_failure()
+        end["failures"] = len(dp.failures)
         self.log(self.metrics, end)
         self.stop_on_log_failure()
         self.metrics.close()

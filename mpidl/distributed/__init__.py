@@ -14,6 +14,8 @@
 * :mod:`~mpidl.distributed.balance`   rank speeds -> local batch sizes and data shares
 * :mod:`~mpidl.distributed.emulation` EMULATED slow ranks and slow inter-node links
 * :mod:`~mpidl.distributed.launch`    the job: rank, agreed errors, ending every rank on a failure
+* :mod:`~mpidl.distributed.recovery`  surviving a lost rank with ULFM (revoke, shrink, agree), and
+  :mod:`~mpidl.distributed.elastic` DataParallel's ``on_failure='shrink'`` on top of it
 
 Open MPI: the only one-sided window here is the node-shared one (``intra='shm'``), which is
 osc/sm's. Where UCX has no transport for RMA (a container or a cluster on TCP only), Open MPI
@@ -31,13 +33,14 @@ os.environ.setdefault("OMPI_MCA_osc", "^ucx")
 from mpidl.distributed.balance import (RankCost, choose_split, fit_cost, parse_speeds, solve_split,
                                        split_counts)
 from mpidl.distributed.data_parallel import ON_NAN, DataParallel, NonFiniteGradient
+from mpidl.distributed.recovery import ON_FAILURE, RanksLost, RecoveryError
 from mpidl.distributed.emulation import LinkModel, Slowdown, parse_link, parse_slowdowns
 from mpidl.distributed.reducers import (LEVELS, STRATEGIES, WEIGHTINGS, FlatReducer,
                                         HierarchicalReducer, NodeReducer, Reducer, make_reducer)
 from mpidl.distributed.topology import Topology
 
 __all__ = [
-    "DataParallel", "NonFiniteGradient", "ON_NAN", "Topology", "make_reducer", "Reducer",
+    "DataParallel", "NonFiniteGradient", "ON_NAN", "ON_FAILURE", "RanksLost", "RecoveryError", "Topology", "make_reducer", "Reducer",
     "FlatReducer", "HierarchicalReducer", "NodeReducer", "STRATEGIES", "WEIGHTINGS", "LEVELS",
     "RankCost", "fit_cost", "solve_split", "choose_split", "split_counts", "parse_speeds",
     "Slowdown", "LinkModel",

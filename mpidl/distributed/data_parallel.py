@@ -49,12 +49,15 @@ import numpy as np
 from mpidl.backend import to_host
 from mpidl.distributed import balance
 from mpidl.distributed import probe as speed_probe
+from mpidl.distributed.elastic import (IN_STEP, IN_SYNC, OUTSIDE, REDO_AFTER_STEP, REDO_SYNCHRONIZE,
+                                      ShrinkOnFailure)
 from mpidl.distributed.emulation import LinkModel, compute_clock
 from mpidl.distributed.exchange import BUCKET_MB, INTRA, build_exchange
 from mpidl.distributed.checkpoint_state import CheckpointState
 from mpidl.distributed.hdp import HeterogeneousSplit, check_split_fits, check_split_options
 from mpidl.distributed.launch import first_error
 from mpidl.distributed.message import SLOTS
+from mpidl.distributed.recovery import ON_FAILURE, RanksLost, RecoveryError
 from mpidl.distributed.topology import Topology
 
 ON_NAN = ("stop", "skip")
@@ -64,7 +67,7 @@ BALANCE_THRESHOLD = 0.05
 #: a loop written for DataParallel never sees an empty local batch of a full global batch
 MIN_LOCAL_BATCH = 1
 
-__all__ = ["DataParallel", "NonFiniteGradient", "ON_NAN", "INTRA"]
+__all__ = ["DataParallel", "NonFiniteGradient", "ON_NAN", "INTRA", "ON_FAILURE", "RanksLost", "RecoveryError"]
 
 
 class NonFiniteGradient(RuntimeError):
@@ -72,7 +75,7 @@ class NonFiniteGradient(RuntimeError):
     every rank at the same step."""
 
 
-class DataParallel(HeterogeneousSplit, CheckpointState):
+class DataParallel(HeterogeneousSplit, CheckpointState, ShrinkOnFailure):
     """Data-parallel training of one model over the ranks of a topology.
 
     Parameters
@@ -124,6 +127,17 @@ class DataParallel(HeterogeneousSplit, CheckpointState):
         (``node`` on several nodes: at the next sync), or skip that update.
     check_replicas : bool
         Debug: compare a checksum of every replica's parameters whenever they must agree.
+    on_failure : 'restart' | 'shrink'
+        A lost rank (process killed, host gone): end the job (``restart`` from the
+        checkpoint), or let the survivors shrink the world, go back to the state before the
+        step every survivor agrees on, re-split ``B`` over themselves and raise
+        :class:`~mpidl.distributed.recovery.RanksLost` (:mod:`~mpidl.distributed.elastic`;
+        the loop then runs the global batch of step ``dp.steps`` again). ``shrink`` needs an
+        MPI with ULFM (Open MPI 5 under ``mpiexec --with-ft ulfm``); without one it falls back
+        to ``restart`` and :attr:`failure_note` says why. It keeps two copies of the
+        parameters and optimizer state, and refuses ``intra='shm'``, ``overlap``,
+        ``compress``, ``sync_overlap`` and emulated nodes. After a shrink, end the process
+        with :meth:`leave`.
     emulate_slowdown, emulate_clock, emulate_link
         EMULATION (:mod:`~mpidl.distributed.emulation`): this rank's compute lasts
         ``emulate_slowdown`` times longer (one factor, or one per rank) on the 'wall' or 'cpu'
@@ -145,7 +159,7 @@ class DataParallel(HeterogeneousSplit, CheckpointState):
                  emulate_clock: str = "wall",
                  emulate_link: LinkModel | str | None = None, intra: str = "mpi",
                  overlap: bool = False, bucket_mb: float = BUCKET_MB, compress: str = "none",
-                 sync_overlap: int = 0):
+                 sync_overlap: int = 0, on_failure: str = "restart"):
         params = getattr(model, "params", model)
         message = getattr(params, "message", None)
         if message is None or getattr(params, "data", None) is None:
@@ -164,6 +178,8 @@ class DataParallel(HeterogeneousSplit, CheckpointState):
                                 emulate_link=emulate_link, intra=intra, overlap=overlap,
                                 bucket_mb=bucket_mb, compress=compress, sync_overlap=sync_overlap)
         build_exchange(model, params, optimizer, None, check_only=True, **exchange_options)
+        self._check_on_failure(on_failure, topology, exchange_options)
+        self._exchange_options = exchange_options
         self.model = model if params is not model else None
         self.params = params
         self.optimizer = optimizer
@@ -190,7 +206,7 @@ class DataParallel(HeterogeneousSplit, CheckpointState):
         # ---- collective set-up
         self._broadcast_initial_state()
         #: what every step calls: the strategy and its variants (mpidl.distributed.exchange)
-        self.exchange = build_exchange(model, params, optimizer, topo, **exchange_options)
+        self.exchange = self._build_exchange(topo)
         self.exchange.set_reference(params.data, self._synced_state())
         if probe is not None:
             speed_probe.warm_up(self, probe)
@@ -210,8 +226,14 @@ class DataParallel(HeterogeneousSplit, CheckpointState):
         self._pending_nonfinite = False
         self._local_count: int | None = None
         self._closed = False
+        self._start_on_failure(on_failure)
         self.reset_counters()
         self.clock.start()
+
+    def _build_exchange(self, topology: Topology):
+        """The exchange of this object's options over ``topology`` (collective)."""
+        return build_exchange(self.model if self.model is not None else self.params, self.params,
+                              self.optimizer, topology, **self._exchange_options)
 
     # ------------------------------------------------------------------ who is where
     @property
@@ -277,7 +299,9 @@ class DataParallel(HeterogeneousSplit, CheckpointState):
         self._recent.append((int(count), seconds))
 
         t0 = time.perf_counter()
-        finite, stop = self.exchange.reduce(self.params.message, count, self._pending_stop)
+        self._keep_step_state()
+        finite, stop = self._guarded(IN_STEP, lambda: self.exchange.reduce(self.params.message, count,
+                                                                            self._pending_stop))
         if stop > 0:
             if self.exchange.step_is_global:
                 self.should_stop = True
@@ -294,7 +318,11 @@ class DataParallel(HeterogeneousSplit, CheckpointState):
         if not finite and not self.exchange.step_is_global:
             self._pending_nonfinite = True  # the other nodes hear of it at the next sync
         self.steps += 1
-        result = self.exchange.after_step(self.params.data, self._synced_state(), self._flags(), self.steps)
+        due = self.exchange.sync_due(self.steps)
+        if due:
+            self._keep_sync_state(REDO_AFTER_STEP)
+        result = self._guarded(IN_SYNC if due else OUTSIDE, lambda: self.exchange.after_step(
+            self.params.data, self._synced_state(), self._flags(), self.steps))
         if result is not None:
             self._agree(result)
         if self.check_replicas and (self.exact or result is not None):
@@ -303,6 +331,7 @@ class DataParallel(HeterogeneousSplit, CheckpointState):
         if self.rebalance_every is not None and self.steps % self.rebalance_every == 0:
             self.rebalance()
         self._wait_seconds += time.perf_counter() - t0
+        self._step_completed()
         self.clock.start()
         return result is not None
 
@@ -331,7 +360,10 @@ class DataParallel(HeterogeneousSplit, CheckpointState):
         control point: pending stop requests and non-finite gradients are agreed here."""
         t0 = time.perf_counter()
         self.skip_agreed = False
-        self._agree(self.exchange.synchronize(self.params.data, self._synced_state(), self._flags()))
+        if self.exchange.steps_since_sync > 0:
+            self._keep_sync_state(REDO_SYNCHRONIZE)
+        self._agree(self._guarded(IN_SYNC, lambda: self.exchange.synchronize(
+            self.params.data, self._synced_state(), self._flags())))
         self._average_buffers()
         if self.check_replicas:
             self._compare_replicas()
@@ -342,7 +374,8 @@ class DataParallel(HeterogeneousSplit, CheckpointState):
         """A host copy of the parameters every replica agrees on (collective): the replicas'
         own for exact strategies; the node-weighted average for ``node`` between syncs. The
         replicas are left as they are."""
-        return np.array(to_host(self.exchange.consensus(self.params.data)), copy=True)
+        return np.array(to_host(self._guarded(OUTSIDE, lambda: self.exchange.consensus(self.params.data))),
+                        copy=True)
 
     # ------------------------------------------------------------------ decisions, small collectives
     def any(self, flag: bool) -> bool:
@@ -357,7 +390,7 @@ class DataParallel(HeterogeneousSplit, CheckpointState):
     def sum(self, array: np.ndarray) -> np.ndarray:
         """World SUM of a host array, in place on every rank (e.g. confusion matrices)."""
         array = np.ascontiguousarray(array)
-        self.exchange.allreduce("control", self.topology.world, array)
+        self._guarded(OUTSIDE, lambda: self.exchange.allreduce("control", self.topology.world, array))
         return array
 
     def agree_on_error(self, error: str | None) -> str | None:
@@ -368,7 +401,7 @@ class DataParallel(HeterogeneousSplit, CheckpointState):
     def all_gather_object(self, value) -> list:
         """Every rank's ``value`` (any picklable object), in rank order, on every rank."""
         self.exchange.counters["control"]["calls"] += 1
-        return self.topology.world.allgather(value)
+        return self._guarded(OUTSIDE, lambda: self.topology.world.allgather(value))
 
     # ------------------------------------------------------------------ counters and timers
     def reset_counters(self) -> None:
@@ -428,7 +461,7 @@ class DataParallel(HeterogeneousSplit, CheckpointState):
 
     def _decide(self, flag: bool, op: str) -> bool:
         buf = np.array([float(bool(flag)), float(self._pending_stop), float(self._pending_nonfinite)])
-        self.exchange.allreduce("control", self.topology.world, buf)
+        self._guarded(OUTSIDE, lambda: self.exchange.allreduce("control", self.topology.world, buf))
         self._agree((buf[1], buf[2]))
         return bool(buf[0] > 0) if op == "any" else bool(buf[0] == self.size)
 
@@ -458,7 +491,7 @@ class DataParallel(HeterogeneousSplit, CheckpointState):
             return
         names = sorted(buffers)
         flat = np.concatenate([np.asarray(buffers[n], np.float64).ravel() for n in names])
-        self.exchange.allreduce("world", self.topology.world, flat)
+        self._guarded(OUTSIDE, lambda: self.exchange.allreduce("world", self.topology.world, flat))
         flat /= self.size
         averaged, offset = {}, 0
         for n in names:

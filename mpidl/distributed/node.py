@@ -201,6 +201,12 @@ class NodeReducer(Reducer):
             self._async_comm.Free()
             self._async_comm = MPI.COMM_NULL
 
+    def communicators(self) -> list:
+        return super().communicators() + [self._async_comm]
+
+    def sync_due(self, steps_done: int) -> bool:
+        return self.topology.num_nodes > 1 and steps_done % self.sync_every == 0
+
     def finish_pending(self, params_data, state_buffers) -> tuple | None:
         """Apply an overlapped sync in flight now (collective); its flag sums, or None."""
         if self._async is None:

@@ -258,6 +258,10 @@ class OverlappedExchange:
                 self.reducer.emulated_seconds += slept
                 return
 
+    def communicators(self) -> list:
+        """The communicators it duplicated (to revoke after a lost rank)."""
+        return list(self._comms)
+
     def close(self) -> None:
         for comm in self._comms:
             if comm != MPI.COMM_NULL:
@@ -296,6 +300,9 @@ class Overlapped(Variant):
 
     def describe(self) -> str:
         return self.reducer.describe() + f"; overlap in {len(self.buckets)} buckets"
+
+    def communicators(self) -> list:
+        return self.reducer.communicators() + self.engine.communicators()
 
     def begin(self, count, stop_requested) -> None:
         self._step = (count, stop_requested)

@@ -310,6 +310,17 @@ class Reducer:
     def close(self) -> None:
         """Free what the reducer holds beyond its counters (duplicated communicators)."""
 
+    def communicators(self) -> list:
+        """Every communicator this exchange may be blocked in (the topology's node and
+        leaders, and any it duplicated), so that a survivor of a lost rank can revoke them all
+        (:func:`~mpidl.distributed.recovery.shrink`); ``MPI.COMM_NULL`` entries are allowed."""
+        return [self.topology.node, self.topology.leaders]
+
+    def sync_due(self, steps_done: int) -> bool:
+        """Whether :meth:`after_step` with ``steps_done`` synchronises the replicas across nodes
+        (the node strategy every ``K'`` steps); never for the exact strategies."""
+        return False
+
     # -- helpers for the strategies --------------------------------------------------------
     def weight(self, count) -> int:
         """``c_i``: the samples of this rank (balanced) or 1 (uniform)."""
@@ -468,3 +479,9 @@ class Variant:
 
     def close(self) -> None:
         self.reducer.close()
+
+    def communicators(self) -> list:
+        return self.reducer.communicators()
+
+    def sync_due(self, steps_done: int) -> bool:
+        return self.reducer.sync_due(steps_done)
