@@ -1,0 +1,585 @@
+# python benchmarks/cluster_claims.py TABLE [--models hsicnn] [--rates 100mbit,1gbit] [--rounds 3] [--epochs 5]
+#                                          [--name claims] [--quick] [--keep-cluster]
+#   TABLE: node (1: node-based communication), peers (2: mpidl vs PyTorch DDP / post-local SGD),
+#          overlap (3: --overlap vs blocking), hdp (4: real CPU shares), plan (5: the cost model
+#          against table 1's measured epochs), or rows (any rows given by --row LABEL=ARGV)
+"""The papers' claims measured on a real cluster of namespace hosts (``jobs/cluster.sh``).
+
+Every run is a fresh ``mpiexec`` across 2 hosts of this machine, each a network namespace with
+its own ``eth0`` (shaped by ``tc tbf`` to the table's rate), its own host name and its own
+core (cpuset), its CPU share set by a cgroup; 1 rank per host unless a row says ``2x2``. The
+inter-host traffic is TCP (``UCX_TLS=tcp,self``) through the shaped link; the bytes are the
+kernel's counters of each host's ``eth0`` around the run (``/sys/class/net/eth0/statistics``),
+beside mpidl's own per-level counters from its metrics file. Rows alternate within each round
+(round 1: A B C..., round 2: A B C..., ...), every figure is the median over the rounds with
+``[min-max]``; the load average before each run is kept in the JSON.
+
+Nothing in these tables is emulated: no ``--emulate-link``, no ``--emulate-slowdown``, no fake
+hosts, no ``MPIDL_RANKS_PER_NODE``. The machine's 2 cores are shared with other work, so the
+timings carry its noise; the load averages say how much.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from cluster_run import Cluster, ClusterError, run_measured  # noqa: E402
+
+THREADS_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1",
+               "MKL_NUM_THREADS": "1"}
+#: per-model recipe of tables 1-3 (the CLI's defaults but for the lr of resnet8 / vit)
+MODEL_ARGV = {"hsicnn": [], "resnet8": [], "vit": []}
+TABLES = ("node", "peers", "overlap", "hdp", "plan", "rows")
+
+
+@dataclass
+class Row:
+    """One configuration: ``kind`` mpidl (``python -m mpidl.train ARGV``) or a torch peer
+    (``benchmarks/cluster_peer_torch.py ARGV``); ``sizes`` ranks per host."""
+
+    label: str
+    argv: list
+    kind: str = "mpidl"
+    sizes: list = field(default_factory=lambda: [1, 1])
+    group: str = ""
+
+
+# --------------------------------------------------------------------------------------------
+# running one row
+# --------------------------------------------------------------------------------------------
+
+
+def read_epochs(path: Path) -> tuple[list[dict], dict | None]:
+    """The epoch records and the start record of a metrics file (mpidl's or the peer's)."""
+    epochs, start = [], None
+    if not path.is_file():
+        return epochs, start
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("event") == "epoch":
+            epochs.append(rec)
+        elif rec.get("event") == "start":
+            start = rec
+    return epochs, start
+
+
+def command(cluster: Cluster, row: Row, metrics: Path, extra: list | None = None) -> list:
+    if row.kind == "mpidl":
+        program = [common.PYTHON, "-m", "mpidl.train", *row.argv, "--quiet", "--metrics", str(metrics)]
+    else:
+        port = random.randint(20000, 40000)
+        program = [common.PYTHON, str(common.BENCH_DIR / "cluster_peer_torch.py"), *row.argv,
+                   "--master", f"{cluster.address(1)}:{port}", "--node-sizes", ",".join(map(str, row.sizes)),
+                   "--metrics", str(metrics)]
+    return cluster.mpiexec(row.sizes, program + list(extra or []), THREADS_ENV)
+
+
+def run_row(cluster: Cluster, row: Row, work: Path, tag: str, timeout: float, during=None) -> dict:
+    """One fresh job of ``row``: its metrics, the kernel's bytes, the command."""
+    metrics = work / f"{tag}.jsonl"
+    metrics.unlink(missing_ok=True)
+    cmd = command(cluster, row, metrics)
+    if during is None:
+        rec = run_measured(cluster, cmd, work / f"{tag}.log", timeout)
+    else:
+        rec = during(cmd, metrics, work / f"{tag}.log")
+    epochs, start = read_epochs(metrics)
+    rec.update({"label": row.label, "kind": row.kind, "sizes": row.sizes, "epochs": epochs,
+                "model_bytes": (start or {}).get("num_params", 0) * 4,
+                "command": common.shown(cmd).replace(str(work) + "/", "")})
+    if rec["code"] != 0 or not epochs:
+        print(f"  {row.label}: exit {rec['code']}, see {work / (tag + '.log')}\n{common.tail(work / (tag + '.log'), 8)}",
+              flush=True)
+    return rec
+
+
+def run_rounds(cluster: Cluster, rows: list[Row], rounds: int, work: Path, tag: str, timeout: float,
+               only: list | None = None) -> list[dict]:
+    """``rounds`` alternating rounds of ``rows`` (A B C, A B C, ...): every run's record;
+    ``only``: the labels to run (all when empty)."""
+    rows = [r for r in rows if not only or r.label in only]
+    out = []
+    for r in range(rounds):
+        for i, row in enumerate(rows):
+            rec = run_row(cluster, row, work, f"{tag}_r{r}_{i}", timeout)
+            rec["round"] = r
+            out.append(rec)
+            ep = rec["epochs"]
+            print(f"  [{rec['time']}] {tag} round {r + 1} {row.label}: "
+                  f"{'epoch ' + format(epoch_s(rec), '.2f') + ' s' if ep else 'FAILED'}, "
+                  f"OA {100 * ep[-1]['oa']:.2f}%" if ep else "", f"host1 tx {rec['kernel'][0]['tx'] / 1e6:.2f} MB, "
+                  f"load {rec['load']}", flush=True)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# per-run quantities
+# --------------------------------------------------------------------------------------------
+
+
+def epoch_s(rec: dict) -> float:
+    """Median training time of the run's epochs, the first (speed probe, caches) left out."""
+    eps = rec["epochs"][1:] if len(rec["epochs"]) > 1 else rec["epochs"]
+    return statistics.median(e["time_s"] for e in eps) if eps else math.nan
+
+
+def counted_bytes(rec: dict) -> float:
+    """mpidl's own inter-host bytes over the run (rank 0's counters): the ``inter`` level, or
+    the ``world`` level when every host holds one rank (flat's world collectives are then all
+    inter-host); NaN for a peer."""
+    if rec["kind"] != "mpidl" or not rec["epochs"]:
+        return math.nan
+    total = 0
+    for e in rec["epochs"]:
+        comm = e.get("comm", {})
+        total += comm.get("inter", {}).get("bytes", 0)
+        if all(s == 1 for s in rec["sizes"]):
+            total += comm.get("world", {}).get("bytes", 0)
+    return float(total)
+
+
+def counted_calls(rec: dict) -> float:
+    if rec["kind"] != "mpidl" or not rec["epochs"]:
+        return math.nan
+    total = 0
+    for e in rec["epochs"]:
+        comm = e.get("comm", {})
+        total += comm.get("inter", {}).get("calls", 0)
+        if all(s == 1 for s in rec["sizes"]):
+            total += comm.get("world", {}).get("calls", 0)
+    return float(total)
+
+
+def kernel_tx(rec: dict, host: int = 0) -> float:
+    return float(rec["kernel"][host]["tx"])
+
+
+def time_to(rec: dict, target: float) -> float:
+    """Training seconds (sum of epoch times) until the test OA first reaches ``target``; NaN
+    when it never does."""
+    t = 0.0
+    for e in rec["epochs"]:
+        t += e["time_s"]
+        if e["oa"] >= target - 1e-12:
+            return t
+    return math.nan
+
+
+def final_oa(rec: dict) -> float:
+    return rec["epochs"][-1]["oa"] if rec["epochs"] else math.nan
+
+
+def ms(values, scale=1.0, digits=2):
+    return common.med_spread(values, scale, digits)
+
+
+def ratio_str(a, b, digits=2):
+    return f"{a / b:.{digits}f}" if b and math.isfinite(a) and math.isfinite(b) else "n/a"
+
+
+# --------------------------------------------------------------------------------------------
+# table 1: node-based communication
+# --------------------------------------------------------------------------------------------
+
+
+def node_rows(model: str, epochs: int, per_epoch: int, quick: bool, extra: list) -> list[Row]:
+    base = ["--model", model, "--epochs", str(epochs), "--balance", "none", *MODEL_ARGV.get(model, []), *extra]
+    if quick:
+        return [Row("flat", base + ["--strategy", "flat"]),
+                Row("node K'=10", base + ["--strategy", "node", "--sync-every", "10"])]
+    return [
+        Row("flat", base + ["--strategy", "flat"]),
+        Row("node K'=10", base + ["--strategy", "node", "--sync-every", "10"]),
+        Row("node K'=50", base + ["--strategy", "node", "--sync-every", "50"]),
+        Row(f"node K'=epoch ({per_epoch})", base + ["--strategy", "node", "--sync-every", str(per_epoch)]),
+        Row("flat 2x2", base + ["--strategy", "flat"], sizes=[2, 2]),
+        Row("hierarchical 2x2", base + ["--strategy", "hierarchical"], sizes=[2, 2]),
+    ]
+
+
+def fixed_traffic(cluster: Cluster, model: str, work: Path, tag: str, extra: list, timeout: float) -> dict:
+    """The bytes a run puts on host 1's link besides its strategy's exchanges: a flat run of
+    ONE step (start-up, the launcher's control traffic, the speed agreement, one evaluation)
+    minus that step's counted bytes."""
+    row = Row("fixed", ["--model", model, "--balance", "none", *MODEL_ARGV.get(model, []), *extra,
+                        "--epochs", "1", "--max-steps", "1"])
+    rec = run_row(cluster, row, work, tag, timeout)
+    fixed = kernel_tx(rec) - counted_bytes(rec) if rec["epochs"] else math.nan
+    return {"fixed_tx": fixed, "record": rec}
+
+
+def summarize_node(runs: list[dict], fixed: float, steps: int) -> tuple[list, dict]:
+    labels = list(dict.fromkeys(r["label"] for r in runs))
+    by = {lab: [r for r in runs if r["label"] == lab and r["epochs"]] for lab in labels}
+    flat = by.get("flat", [])
+    flat_oa = common.median([final_oa(r) for r in flat]) if flat else math.nan
+    target = flat_oa - 0.005
+    flat_bytes = common.median([kernel_tx(r) / len(r["epochs"]) for r in flat]) if flat else math.nan
+    flat_tta = common.median([time_to(r, target) for r in flat]) if flat else math.nan
+    rows, summary = [], {"flat_final_oa": flat_oa, "target_oa": target, "fixed_tx": fixed}
+    for lab in labels:
+        rs = by[lab]
+        if not rs:
+            rows.append([lab] + ["failed"] * 10)
+            continue
+        n_ep = len(rs[0]["epochs"])
+        k_ep = [kernel_tx(r) / n_ep for r in rs]
+        c_ep = [counted_bytes(r) / n_ep for r in rs]
+        calls = [counted_calls(r) / n_ep for r in rs]
+        k_vs_c = [kernel_tx(r) / counted_bytes(r) if counted_bytes(r) else math.nan for r in rs]
+        k_vs_pred = [kernel_tx(r) / (counted_bytes(r) + fixed) if math.isfinite(fixed) else math.nan for r in rs]
+        tta = [time_to(r, target) for r in rs]
+        reached = sum(math.isfinite(t) for t in tta)
+        summary[lab] = {"kernel_tx_per_epoch": common.median(k_ep), "counted_per_epoch": common.median(c_ep),
+                        "epoch_s": common.median([epoch_s(r) for r in rs]),
+                        "final_oa": common.median([final_oa(r) for r in rs]),
+                        "tta_s": common.median(tta), "reached": reached, "runs": len(rs)}
+        rows.append([lab, "x".join(map(str, rs[0]["sizes"])),
+                     ms(k_ep, 1e-6, 2), ms(c_ep, 1e-6, 2), ms(calls, 1, 1), ms(k_vs_c, 1, 3), ms(k_vs_pred, 1, 3),
+                     ratio_str(flat_bytes, common.median(k_ep), 1) if lab != "flat" else "1",
+                     ms([epoch_s(r) for r in rs], 1, 2), ms([final_oa(r) for r in rs], 100, 2),
+                     (ms(tta, 1, 1) + (f" ({reached}/{len(rs)} reached)" if reached < len(rs) else ""))
+                     if reached else f"not reached (0/{len(rs)})",
+                     ratio_str(common.median(tta), flat_tta) if lab != "flat" else "1"])
+    return rows, summary
+
+
+NODE_HEADERS = ["row", "hosts x ranks", "kernel: host 1 tx MB/epoch", "mpidl counted MB/epoch (rank 0)",
+                "inter-host calls/epoch", "kernel / counted", "kernel / (counted + fixed)", "flat bytes / row bytes",
+                "epoch s (median of epochs 2..E)", "final test OA %", "time to flat OA - 0.5 (s, training)",
+                "TTA / flat TTA"]
+
+
+# --------------------------------------------------------------------------------------------
+# table 2: peers
+# --------------------------------------------------------------------------------------------
+
+
+def peer_rows(model: str, epochs: int, sync: list[int], extra: list) -> list[Row]:
+    base = ["--model", model, "--epochs", str(epochs), *extra]
+    rows = [Row("mpidl flat", base + ["--balance", "none", "--strategy", "flat", *MODEL_ARGV.get(model, [])],
+                group="flat"),
+            Row("PyTorch DDP", base + ["--peer", "ddp"], kind="torch", group="flat")]
+    for k in sync:
+        rows += [Row(f"mpidl node K'={k}", base + ["--balance", "none", "--strategy", "node", "--sync-every", str(k),
+                                                    *MODEL_ARGV.get(model, [])], group=f"K'={k}"),
+                 Row(f"PyTorch post-local SGD K'={k}", base + ["--peer", "postlocal", "--sync-every", str(k)],
+                     kind="torch", group=f"K'={k}")]
+    return rows
+
+
+def summarize_peers(runs: list[dict], samples: int) -> tuple[list, dict]:
+    labels = list(dict.fromkeys(r["label"] for r in runs))
+    by = {lab: [r for r in runs if r["label"] == lab and r["epochs"]] for lab in labels}
+    flat = by.get("mpidl flat", [])
+    target = common.median([final_oa(r) for r in flat]) - 0.005 if flat else math.nan
+    rows, summary = [], {"target_oa": target}
+    groups = list(dict.fromkeys(lab.split("K'=")[-1] if "K'=" in lab else "flat" for lab in labels))
+    for lab in labels:
+        rs = by[lab]
+        if not rs:
+            rows.append([lab] + ["failed"] * 8)
+            continue
+        n_ep = len(rs[0]["epochs"])
+        thr = [samples / epoch_s(r) for r in rs]
+        tta = [time_to(r, target) for r in rs]
+        reached = sum(math.isfinite(t) for t in tta)
+        summary[lab] = {"throughput": common.median(thr), "epoch_s": common.median([epoch_s(r) for r in rs]),
+                        "final_oa": common.median([final_oa(r) for r in rs]), "tta_s": common.median(tta),
+                        "kernel_tx_per_epoch": common.median([kernel_tx(r) / n_ep for r in rs]),
+                        "loss_epoch1": rs[0]["epochs"][0]["loss"]}
+        rows.append([lab, ms([epoch_s(r) for r in rs], 1, 2), ms(thr, 1, 0),
+                     ms([kernel_tx(r) / n_ep for r in rs], 1e-6, 2), ms([final_oa(r) for r in rs], 100, 2),
+                     f"{rs[0]['epochs'][0]['loss']:.6f}",
+                     (ms(tta, 1, 1) + (f" ({reached}/{len(rs)})" if reached < len(rs) else "")) if reached
+                     else f"not reached (0/{len(rs)})"])
+    pairs = []
+    for lab in labels:
+        if lab.startswith("mpidl") and lab in summary:
+            peer = "PyTorch DDP" if lab == "mpidl flat" else "PyTorch post-local SGD " + lab.split(" ")[-1]
+            if peer in summary:
+                a, b = summary[lab], summary[peer]
+                # per-round ratios: the two runs of one round ran side by side
+                ratios = []
+                for r in range(max(x["round"] for x in runs) + 1):
+                    ma = [x for x in by[lab] if x["round"] == r]
+                    pa = [x for x in by[peer] if x["round"] == r]
+                    if ma and pa:
+                        ratios.append(epoch_s(pa[0]) / epoch_s(ma[0]))
+                pairs.append([f"{lab} / {peer}", ms(ratios, 1, 2), ratio_str(b["tta_s"], a["tta_s"]),
+                              ratio_str(a["kernel_tx_per_epoch"], b["kernel_tx_per_epoch"], 3)])
+                summary[f"{lab} vs {peer}"] = {"throughput_ratio_per_round": ratios}
+    del groups
+    return rows, {"pairs": pairs, **summary}
+
+
+PEER_HEADERS = ["row", "epoch s (median of epochs 2..E)", "samples/s", "kernel: host 1 tx MB/epoch",
+                "final test OA %", "epoch-1 training loss (round 1)", "time to mpidl flat OA - 0.5 (s, training)"]
+PAIR_HEADERS = ["mpidl / peer", "throughput mpidl/peer (per round, median [min-max])", "TTA peer/mpidl",
+                "bytes mpidl/peer"]
+
+
+# --------------------------------------------------------------------------------------------
+# table 3: overlap
+# --------------------------------------------------------------------------------------------
+
+
+def overlap_rows(model: str, epochs: int, extra: list) -> list[Row]:
+    base = ["--model", model, "--epochs", str(epochs), "--balance", "none", "--strategy", "flat",
+            *MODEL_ARGV.get(model, []), *extra]
+    return [Row("blocking", base), Row("--overlap", base + ["--overlap"])]
+
+
+def summarize_overlap(runs: list[dict]) -> tuple[list, dict]:
+    """Exposed communication per epoch = epoch time - compute time (rank 0's ``comp_s``)."""
+    labels = list(dict.fromkeys(r["label"] for r in runs))
+    by = {lab: [r for r in runs if r["label"] == lab and r["epochs"]] for lab in labels}
+
+    def exposed(r):
+        eps = r["epochs"][1:] if len(r["epochs"]) > 1 else r["epochs"]
+        return statistics.median(e["time_s"] - max(e.get("comp_s", [0])) for e in eps)
+
+    def comp(r):
+        eps = r["epochs"][1:] if len(r["epochs"]) > 1 else r["epochs"]
+        return statistics.median(max(e.get("comp_s", [0])) for e in eps)
+
+    base = common.median([exposed(r) for r in by.get("blocking", [])])
+    rows, summary = [], {}
+    for lab in labels:
+        rs = by[lab]
+        if not rs:
+            rows.append([lab] + ["failed"] * 4)
+            continue
+        ex = [exposed(r) for r in rs]
+        summary[lab] = {"exposed_s": common.median(ex), "epoch_s": common.median([epoch_s(r) for r in rs])}
+        rows.append([lab, ms([epoch_s(r) for r in rs], 1, 3), ms([comp(r) for r in rs], 1, 3), ms(ex, 1, 3),
+                     ratio_str(common.median(ex), base)])
+    return rows, summary
+
+
+OVERLAP_HEADERS = ["row", "epoch s", "compute s/epoch (slowest rank)", "exposed = epoch - compute (s)",
+                   "exposed / blocking's exposed"]
+
+
+# --------------------------------------------------------------------------------------------
+# table 4: HDP on real CPU shares
+# --------------------------------------------------------------------------------------------
+
+
+def hdp_rows(epochs: int, sweep: list[str], extra: list) -> list[Row]:
+    base = ["--model", "hsicnn", "--epochs", str(epochs), "--strategy", "flat", *extra]
+    rows = [Row("equal split", base + ["--balance", "none"]),
+            Row("--speeds auto", base + ["--speeds", "auto"]),
+            Row("--speeds auto --rebalance", base + ["--speeds", "auto", "--rebalance"]),
+            Row("--speeds auto, uniform weighting", base + ["--speeds", "auto", "--weighting", "uniform"])]
+    rows += [Row(f"fixed {s.replace(',', ':')}", base + ["--speeds", s], group="sweep") for s in sweep]
+    return rows
+
+
+def summarize_hdp(runs: list[dict]) -> tuple[list, dict]:
+    labels = list(dict.fromkeys(r["label"] for r in runs))
+    by = {lab: [r for r in runs if r["label"] == lab and r["epochs"]] for lab in labels}
+    fixed = {lab: common.median([epoch_s(r) for r in by[lab]]) for lab in labels if lab.startswith("fixed") and by[lab]}
+    best_lab = min(fixed, key=fixed.get) if fixed else None
+    best = fixed.get(best_lab, math.nan) if best_lab else math.nan
+    rows, summary = [], {"best_fixed": best_lab, "best_fixed_epoch_s": best}
+    for lab in labels:
+        rs = by[lab]
+        if not rs:
+            rows.append([lab] + ["failed"] * 5)
+            continue
+        splits = sorted({":".join(map(str, r["epochs"][-1].get("batch_sizes", []))) for r in rs})
+        e = [epoch_s(r) for r in rs]
+        summary[lab] = {"epoch_s": common.median(e), "final_oa": common.median([final_oa(r) for r in rs]),
+                        "splits": splits}
+        rows.append([lab, ", ".join(splits), ms(e, 1, 2), ratio_str(common.median(e), best),
+                     ms([final_oa(r) for r in rs], 100, 2), str(len(rs))])
+    return rows, summary
+
+
+HDP_HEADERS = ["row", "split chosen (last epoch, per run)", "epoch s (median of epochs 2..E)", "/ best fixed split",
+               "final test OA %", "runs"]
+
+
+# --------------------------------------------------------------------------------------------
+# the driver
+# --------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("table", choices=TABLES)
+    p.add_argument("--models", default="hsicnn")
+    p.add_argument("--rates", default="100mbit,1gbit", help="link rates, comma-separated (none: unshaped)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--sync-every", default="10,50", help="K' values of the peers table")
+    p.add_argument("--shares", default="0.5", help="host 2's CPU share(s) of the hdp table (host 1: 1.0)")
+    p.add_argument("--sweep", default="32,32,36,28,40,24,43,21,46,18,48,16",
+                   help="fixed splits of the hdp table, pairs b1,b2 (flattened)")
+    p.add_argument("--extra", default="", help="more mpidl.train options for every row (e.g. '--data X')")
+    p.add_argument("--tag", default="", help="a suffix of the result files (cluster_TABLE_TAG.md/.json)")
+    p.add_argument("--only", default="", help="run only the rows whose labels are listed (comma-separated)")
+    p.add_argument("--name", default="claims", help="the cluster's name (jobs/cluster.sh --name)")
+    p.add_argument("--quick", action="store_true", help="seconds: 1 rate, 1 round, 2 epochs of 4 steps")
+    p.add_argument("--keep-cluster", action="store_true", help="leave the cluster up at the end")
+    p.add_argument("--out", type=Path, default=common.RESULTS)
+    p.add_argument("--work", type=Path, default=None)
+    p.add_argument("--timeout", type=float, default=900)
+    args = p.parse_args(argv)
+    args.models = [m for m in args.models.split(",") if m]
+    args.rates = [r for r in args.rates.split(",") if r]
+    args.sync = [int(k) for k in args.sync_every.split(",") if k]
+    args.extra = args.extra.split()
+    flat = [s for s in args.sweep.split(",") if s]
+    args.sweep = [f"{flat[i]},{flat[i + 1]}" for i in range(0, len(flat) - 1, 2)]
+    args.shares = [s for s in args.shares.split(",") if s]
+    args.only = [s.strip() for s in args.only.split(",") if s.strip()]
+    if args.quick:
+        args.rates, args.rounds, args.epochs = args.rates[:1], 1, 2
+        args.extra += ["--max-steps", "8"]
+        args.sync, args.sweep = args.sync[:1], args.sweep[:1]
+    return args
+
+
+def steps_per_epoch(extra: list, batch: int = 64) -> int:
+    from mpidl import data as mdata
+
+    if "--data" in extra:
+        n = mdata.load_splits(extra[extra.index("--data") + 1])[0].num_samples
+    else:
+        n = mdata.synthetic_splits(seed=0)[0].num_samples
+    if "--batch-size" in extra:
+        batch = int(extra[extra.index("--batch-size") + 1])
+    return math.ceil(n / batch)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cluster = Cluster(args.name)
+    work = args.work or Path(tempfile.mkdtemp(prefix=f"mpidl-cluster-{args.table}-"))
+    work.mkdir(parents=True, exist_ok=True)
+    info = common.machine_info()
+    argv_shown = "python benchmarks/cluster_claims.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    suffix = "_quick" if args.quick else ""
+    results = {"argv": argv_shown, "machine": info, "tables": []}
+    per_epoch = steps_per_epoch(args.extra)
+    n_train = per_epoch * 64  # exact for the default data (2048 = 32 x 64)
+    body = []
+    try:
+        if args.table in ("node", "peers", "overlap"):
+            for model in args.models:
+                for rate in args.rates:
+                    cluster.start(rate=rate, cpus="none")
+                    print(f"{args.table} {model} @ {rate}: cluster {args.name} up", flush=True)
+                    tag = f"{args.table}_{model}_{rate}"
+                    entry = {"table": args.table, "model": model, "rate": rate, "cpu": "1.0/1.0 (own cores)",
+                             "status": cluster.status()}
+                    if args.table == "node":
+                        fx = fixed_traffic(cluster, model, work, f"{tag}_fixed", args.extra, args.timeout)
+                        runs = run_rounds(cluster, node_rows(model, args.epochs, per_epoch, args.quick, args.extra),
+                                          args.rounds, work, tag, args.timeout, args.only)
+                        table, summary = summarize_node(runs, fx["fixed_tx"], per_epoch)
+                        entry.update(runs=runs, fixed=fx, summary=summary)
+                        body += node_section(model, rate, table, summary, fx, runs, per_epoch)
+                    elif args.table == "peers":
+                        runs = run_rounds(cluster, peer_rows(model, args.epochs, args.sync, args.extra),
+                                          args.rounds, work, tag, args.timeout, args.only)
+                        table, summary = summarize_peers(runs, n_train)
+                        entry.update(runs=runs, summary=summary)
+                        body += peers_section(model, rate, table, summary, runs)
+                    else:
+                        runs = run_rounds(cluster, overlap_rows(model, args.epochs, args.extra), args.rounds, work,
+                                          tag, args.timeout, args.only)
+                        table, summary = summarize_overlap(runs)
+                        entry.update(runs=runs, summary=summary)
+                        body += generic_section(f"{model}, {rate}", OVERLAP_HEADERS, table, runs)
+                    results["tables"].append(entry)
+                    save(args, results, body, suffix, info, argv_shown)
+        elif args.table == "hdp":
+            rate = args.rates[-1]
+            for share in args.shares:
+                cluster.start(rate=rate, cpus=f"1.0,{share}")
+                tag = f"hdp_{share}"
+                runs = run_rounds(cluster, hdp_rows(args.epochs, args.sweep, args.extra), args.rounds, work, tag,
+                                  args.timeout, args.only)
+                table, summary = summarize_hdp(runs)
+                results["tables"].append({"table": "hdp", "rate": rate, "cpu": f"1.0/{share}", "runs": runs,
+                                          "summary": summary, "status": cluster.status()})
+                body += generic_section(f"host CPU shares 1.0 / {share}, link {rate}", HDP_HEADERS, table, runs)
+                save(args, results, body, suffix, info, argv_shown)
+    except ClusterError as exc:
+        print(f"cluster_claims.py: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if not args.keep_cluster:
+            cluster.stop()
+    save(args, results, body, suffix, info, argv_shown)
+    return 0 if all(r["code"] == 0 for t in results["tables"] for r in t.get("runs", [])) else 1
+
+
+def load_line(runs: list[dict]) -> str:
+    loads = [float(r["load"].split()[0]) for r in runs]
+    return f"load average (1 min) before the runs: median {statistics.median(loads):.1f} [{min(loads):.1f}-{max(loads):.1f}]"
+
+
+def commands_block(runs: list[dict]) -> list[str]:
+    seen = {}
+    for r in runs:
+        seen.setdefault(r["label"], r["command"])
+    return [common.code_block([f"# {lab}\n{cmd}" for lab, cmd in seen.items()]), ""]
+
+
+def generic_section(title: str, headers: list, table: list, runs: list) -> list[str]:
+    return [f"## {title}", "", load_line(runs) + f"; {max(r['round'] for r in runs) + 1} round(s).", "",
+            common.md_table(headers, table), "", "Commands (one fresh job per run; METRICS is the run's file):", "",
+            *commands_block(runs)]
+
+
+def node_section(model, rate, table, summary, fx, runs, per_epoch) -> list[str]:
+    fixed = fx["fixed_tx"]
+    return [f"## {model}, link {rate}", "",
+            f"{per_epoch} steps per epoch; host CPU shares 1.0 / 1.0 (a core each); "
+            + load_line(runs) + f"; {max(r['round'] for r in runs) + 1} round(s).", "",
+            f"Fixed traffic (host 1's tx of a ONE-step run minus its counted bytes: start-up, launcher, "
+            f"evaluation): {fixed / 1e6:.3f} MB per run. Flat's final OA {100 * summary['flat_final_oa']:.2f} %, "
+            f"so the time-to-accuracy target is {100 * summary['target_oa']:.2f} %.", "",
+            common.md_table(NODE_HEADERS, table), "", "Commands (one fresh job per run; METRICS is the run's file):",
+            "", *commands_block(runs + [{**fx["record"], "label": "fixed traffic (one step)"}])]
+
+
+def peers_section(model, rate, table, summary, runs) -> list[str]:
+    return [f"## {model}, link {rate}", "", "Host CPU shares 1.0 / 1.0 (a core each); " + load_line(runs)
+            + f"; {max(r['round'] for r in runs) + 1} round(s).", "", common.md_table(PEER_HEADERS, table), "",
+            common.md_table(PAIR_HEADERS, summary["pairs"]), "",
+            "Commands (one fresh job per run):", "", *commands_block(runs)]
+
+
+def save(args, results, body, suffix, info, argv_shown) -> None:
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"cluster_{args.table}{'_' + args.tag if args.tag else ''}{suffix}"
+    tmp = args.out / f"{stem}.json.tmp"
+    tmp.write_text(json.dumps(results, indent=1, default=str) + "\n", encoding="utf-8")
+    os.replace(tmp, args.out / f"{stem}.json")
+    intro = __doc__.split("\n\n", 1)[1].strip().replace("``", "`")
+    common.write_markdown(args.out / f"{stem}.md", f"Cluster claims: table {args.table}", argv_shown, info,
+                          [intro, "", *body])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
