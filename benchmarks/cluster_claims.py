@@ -139,30 +139,20 @@ def epoch_s(rec: dict) -> float:
 
 
 def counted_bytes(rec: dict) -> float:
-    """mpidl's own inter-host bytes over the run (rank 0's counters): the ``inter`` level, or
-    the ``world`` level when every host holds one rank (flat's world collectives are then all
-    inter-host); NaN for a peer."""
-    if rec["kind"] != "mpidl" or not rec["epochs"]:
-        return math.nan
-    total = 0
-    for e in rec["epochs"]:
-        comm = e.get("comm", {})
-        total += comm.get("inter", {}).get("bytes", 0)
-        if all(s == 1 for s in rec["sizes"]):
-            total += comm.get("world", {}).get("bytes", 0)
-    return float(total)
+    """mpidl's own bytes over the run at the levels that may cross hosts (rank 0's counters):
+    ``inter`` (leaders) plus ``world`` (flat's collectives over all ranks; with 2 ranks per
+    host MPICH's allreduce crosses the link once per host pair); NaN for a peer."""
+    return _counted(rec, "bytes")
 
 
 def counted_calls(rec: dict) -> float:
+    return _counted(rec, "calls")
+
+
+def _counted(rec: dict, key: str) -> float:
     if rec["kind"] != "mpidl" or not rec["epochs"]:
         return math.nan
-    total = 0
-    for e in rec["epochs"]:
-        comm = e.get("comm", {})
-        total += comm.get("inter", {}).get("calls", 0)
-        if all(s == 1 for s in rec["sizes"]):
-            total += comm.get("world", {}).get("calls", 0)
-    return float(total)
+    return float(sum(e.get("comm", {}).get(level, {}).get(key, 0) for e in rec["epochs"] for level in ("inter", "world")))
 
 
 def kernel_tx(rec: dict, host: int = 0) -> float:
@@ -259,7 +249,7 @@ def summarize_node(runs: list[dict], fixed: float, steps: int) -> tuple[list, di
     return rows, summary
 
 
-NODE_HEADERS = ["row", "hosts x ranks", "kernel: host 1 tx MB/epoch", "mpidl counted MB/epoch (rank 0)",
+NODE_HEADERS = ["row", "hosts x ranks", "kernel: host 1 tx MB/epoch", "mpidl counted MB/epoch (rank 0, inter + world)",
                 "inter-host calls/epoch", "kernel / counted", "kernel / (counted + fixed)", "flat bytes / row bytes",
                 "epoch s (median of epochs 2..E)", "final test OA %", "time to flat OA - 0.5 (s, training)",
                 "TTA / flat TTA"]
@@ -417,6 +407,92 @@ HDP_HEADERS = ["row", "split chosen (last epoch, per run)", "epoch s (median of 
 
 
 # --------------------------------------------------------------------------------------------
+# table 5: the cost model against table 1
+# --------------------------------------------------------------------------------------------
+
+
+def calibrate_link(cluster: Cluster, rate: str, work: Path, timeout: float) -> dict:
+    """alpha and beta of the cluster's link at ``rate``: blocking 2-rank Allreduces of 64 KB ..
+    4 MB (``benchmarks/cluster_progress.py``'s worker, MPICH defaults), fitted by least squares
+    to ``t(n) = 2 alpha + n / beta`` (the cost model's ring formula for 2 nodes)."""
+    cluster.start(rate=rate, cpus="none")
+    out = work / f"calibrate_{rate}.json"
+    out.unlink(missing_ok=True)
+    sizes = "0.0625,0.25,1,2,4"
+    cmd = cluster.mpiexec([1, 1], [common.PYTHON, str(common.BENCH_DIR / "cluster_progress.py"), "--sizes", sizes,
+                                   "--reps", "6", "--worker", str(out)], THREADS_ENV)
+    rec = run_measured(cluster, cmd, work / f"calibrate_{rate}.log", timeout)
+    data = json.loads(out.read_text())
+    points = [(float(mb) * 1e6, statistics.median(r["block_s"] for r in per_rank))
+              for mb, per_rank in data["sizes"].items()]
+    n = [p[0] for p in points]
+    t = [p[1] for p in points]
+    mean_n, mean_t = statistics.fmean(n), statistics.fmean(t)
+    slope = sum((a - mean_n) * (b - mean_t) for a, b in zip(n, t)) / sum((a - mean_n) ** 2 for a in n)
+    intercept = mean_t - slope * mean_n
+    return {"rate": rate, "points": points, "alpha_s": max(intercept / 2, 1e-6), "beta_Bps": 1 / slope,
+            "command": common.shown(cmd).replace(str(work) + "/", ""), "load": rec["load"]}
+
+
+def plan_predict(model: str, sizes: list, step_s: float, link: dict, sync: list[int], steps: int,
+                 samples: int, shape: str, classes: int) -> dict:
+    """Step seconds per strategy from ``python -m mpidl.plan`` (ring allreduce) with the
+    measured per-step compute ``step_s`` and link."""
+    import subprocess
+
+    ranks = sizes[0]
+    cmd = [common.PYTHON, "-m", "mpidl.plan", "--model", model, "--input-shape", shape, "--classes", str(classes),
+           "--step-time", f"{step_s:.6f}", "--local-batch", str(64 // sum(sizes)), "--samples", str(samples),
+           "--steps", str(steps), "--nodes", "2", "--ranks-per-node", str(ranks), "--algorithm", "ring",
+           "--inter", f"{link['alpha_s'] * 1e6:.1f},{link['beta_Bps'] * 8 / 1e9:.4f}",
+           "--sync-every", ",".join(map(str, sync))]
+    text = subprocess.run(cmd, capture_output=True, text=True, cwd=common.ROOT, env=common.bench_env(),
+                          timeout=120).stdout
+    line = next(ln for ln in text.splitlines() if ln.split()[:3] == ["2", str(2 * ranks), str(steps)])
+    # "nodes ranks steps  step / eff  step / eff ..."; the step ms is the last number before each "/"
+    values = [float(piece.split()[-1]) for piece in line.split("/")[:-1]]
+    names = ["flat", "hierarchical"] + [f"node K'={k}" for k in sync]
+    return {"step_ms": dict(zip(names, values)), "command": common.shown(cmd)}
+
+
+def plan_table(args, work: Path, cluster: Cluster) -> tuple[list, dict]:
+    """Every row of ``cluster_node.json`` (table 1): its measured median epoch against the cost
+    model's, the model given the row's own measured compute per step and the link's measured
+    alpha and beta."""
+    node = json.loads((args.out / "cluster_node.json").read_text())
+    links = {}
+    rows, out = [], {"links": links, "rows": []}
+    for entry in node["tables"]:
+        rate = entry["rate"]
+        if rate not in links:
+            links[rate] = calibrate_link(cluster, rate, work, args.timeout)
+            print(f"link {rate}: alpha {links[rate]['alpha_s'] * 1e6:.0f} us, "
+                  f"beta {links[rate]['beta_Bps'] * 8 / 1e6:.1f} Mbit/s", flush=True)
+        runs = [r for r in entry["runs"] if r["epochs"] and r["kind"] == "mpidl"]
+        for label in dict.fromkeys(r["label"] for r in runs):
+            rs = [r for r in runs if r["label"] == label]
+            steps = rs[0]["epochs"][0]["step"]
+            comp = [statistics.median(max(e["comp_s"]) / steps for e in r["epochs"][1:] or r["epochs"]) for r in rs]
+            sync = 10 if "K'=10" in label else 50 if "K'=50" in label else steps
+            pred = plan_predict(entry["model"], rs[0]["sizes"], statistics.median(comp), links[rate], [sync], steps,
+                                steps * 64, "32,7,7", 4)
+            key = "flat" if label.startswith("flat") else "hierarchical" if label.startswith("hier") else f"node K'={sync}"
+            predicted = pred["step_ms"][key] * steps / 1e3
+            measured = common.median([epoch_s(r) for r in rs])
+            out["rows"].append({"model": entry["model"], "rate": rate, "row": label, "predicted_epoch_s": predicted,
+                                "measured_epoch_s": measured, "compute_step_s": statistics.median(comp),
+                                "plan_command": pred["command"]})
+            rows.append([entry["model"], rate, label, f"{1e3 * statistics.median(comp):.1f}", f"{predicted:.2f}",
+                         ms([epoch_s(r) for r in rs], 1, 2), ratio_str(predicted, measured),
+                         "yes" if abs(predicted / measured - 1) <= 0.15 else "**no**"])
+    return rows, out
+
+
+PLAN_HEADERS = ["model", "link", "row", "measured compute ms/step (slowest rank)", "predicted epoch s",
+                "measured epoch s", "predicted / measured", "within 15 %"]
+
+
+# --------------------------------------------------------------------------------------------
 # the driver
 # --------------------------------------------------------------------------------------------
 
@@ -441,6 +517,8 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=common.RESULTS)
     p.add_argument("--work", type=Path, default=None)
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--from-json", type=Path, default=None,
+                   help="rewrite the Markdown from an earlier run's JSON (no cluster, no runs)")
     args = p.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]
     args.rates = [r for r in args.rates.split(",") if r]
@@ -481,6 +559,8 @@ def main(argv=None) -> int:
     per_epoch = steps_per_epoch(args.extra)
     n_train = per_epoch * 64  # exact for the default data (2048 = 32 x 64)
     body = []
+    if args.from_json is not None:
+        return rewrite(args, json.loads(args.from_json.read_text()), n_train, per_epoch, suffix)
     try:
         if args.table in ("node", "peers", "overlap"):
             for model in args.models:
@@ -523,6 +603,19 @@ def main(argv=None) -> int:
                                           "summary": summary, "status": cluster.status()})
                 body += generic_section(f"host CPU shares 1.0 / {share}, link {rate}", HDP_HEADERS, table, runs)
                 save(args, results, body, suffix, info, argv_shown)
+        elif args.table == "plan":
+            table, summary = plan_table(args, work, cluster)
+            results["tables"].append({"table": "plan", **summary})
+            link_rows = [[r, f"{1e6 * v['alpha_s']:.0f}", f"{v['beta_Bps'] * 8 / 1e6:.1f}",
+                          ", ".join(f"{p[0] / 1e6:g} MB: {1e3 * p[1]:.1f} ms" for p in v["points"])]
+                         for r, v in summary["links"].items()]
+            body += ["## The links, measured", "", common.md_table(["link", "alpha us", "beta Mbit/s",
+                                                                    "blocking 2-rank Allreduce (median)"], link_rows),
+                     "", "## Predicted vs measured epoch (table 1's runs)", "", common.md_table(PLAN_HEADERS, table),
+                     "", "Commands:", "", common.code_block(
+                         [v["command"] for v in summary["links"].values()]
+                         + [summary["rows"][0]["plan_command"] + "   # (one per row; its --step-time, --inter, "
+                            "--sync-every, --ranks-per-node from the row)"] if summary["rows"] else []), ""]
     except ClusterError as exc:
         print(f"cluster_claims.py: {exc}", file=sys.stderr)
         return 2
@@ -531,6 +624,30 @@ def main(argv=None) -> int:
             cluster.stop()
     save(args, results, body, suffix, info, argv_shown)
     return 0 if all(r["code"] == 0 for t in results["tables"] for r in t.get("runs", [])) else 1
+
+
+def rewrite(args, results, n_train, per_epoch, suffix) -> int:
+    """The Markdown of an earlier run's JSON, summarised again (same tables as a live run)."""
+    body = []
+    for entry in results["tables"]:
+        runs = entry.get("runs", [])
+        if entry["table"] == "node":
+            table, summary = summarize_node(runs, entry["fixed"]["fixed_tx"], per_epoch)
+            entry["summary"] = summary
+            body += node_section(entry["model"], entry["rate"], table, summary, entry["fixed"], runs, per_epoch)
+        elif entry["table"] == "peers":
+            table, summary = summarize_peers(runs, n_train)
+            entry["summary"] = summary
+            body += peers_section(entry["model"], entry["rate"], table, summary, runs)
+        elif entry["table"] == "overlap":
+            table, summary = summarize_overlap(runs)
+            body += generic_section(f"{entry['model']}, {entry['rate']}", OVERLAP_HEADERS, table, runs)
+        elif entry["table"] == "hdp":
+            table, summary = summarize_hdp(runs)
+            body += generic_section(f"host CPU shares {entry['cpu']}, link {entry['rate']}", HDP_HEADERS, table, runs)
+    args.argv_shown = results["argv"]
+    save(args, results, body, suffix, results["machine"], results["argv"])
+    return 0
 
 
 def load_line(runs: list[dict]) -> str:
