@@ -54,6 +54,7 @@ class Row:
     kind: str = "mpidl"
     sizes: list = field(default_factory=lambda: [1, 1])
     group: str = ""
+    env: dict = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------------------------
@@ -86,7 +87,7 @@ def command(cluster: Cluster, row: Row, metrics: Path, extra: list | None = None
         program = [common.PYTHON, str(common.BENCH_DIR / "cluster_peer_torch.py"), *row.argv,
                    "--master", f"{cluster.address(1)}:{port}", "--node-sizes", ",".join(map(str, row.sizes)),
                    "--metrics", str(metrics)]
-    return cluster.mpiexec(row.sizes, program + list(extra or []), THREADS_ENV)
+    return cluster.mpiexec(row.sizes, program + list(extra or []), {**THREADS_ENV, **row.env})
 
 
 def run_row(cluster: Cluster, row: Row, work: Path, tag: str, timeout: float, during=None) -> dict:
@@ -329,10 +330,14 @@ PAIR_HEADERS = ["mpidl / peer", "throughput mpidl/peer (per round, median [min-m
 # --------------------------------------------------------------------------------------------
 
 
-def overlap_rows(model: str, epochs: int, extra: list) -> list[Row]:
+def overlap_rows(model: str, epochs: int, extra: list, env: dict) -> list[Row]:
     base = ["--model", model, "--epochs", str(epochs), "--balance", "none", "--strategy", "flat",
             *MODEL_ARGV.get(model, []), *extra]
-    return [Row("blocking", base), Row("--overlap", base + ["--overlap"])]
+    rows = [Row("blocking", base), Row("--overlap", base + ["--overlap"])]
+    if env:
+        shown = " ".join(f"{k}={v}" for k, v in env.items())
+        rows += [Row(f"blocking, {shown}", base, env=env), Row(f"--overlap, {shown}", base + ["--overlap"], env=env)]
+    return rows
 
 
 def summarize_overlap(runs: list[dict]) -> tuple[list, dict]:
@@ -348,7 +353,6 @@ def summarize_overlap(runs: list[dict]) -> tuple[list, dict]:
         eps = r["epochs"][1:] if len(r["epochs"]) > 1 else r["epochs"]
         return statistics.median(max(e.get("comp_s", [0])) for e in eps)
 
-    base = common.median([exposed(r) for r in by.get("blocking", [])])
     rows, summary = [], {}
     for lab in labels:
         rs = by[lab]
@@ -356,7 +360,10 @@ def summarize_overlap(runs: list[dict]) -> tuple[list, dict]:
             rows.append([lab] + ["failed"] * 4)
             continue
         ex = [exposed(r) for r in rs]
-        summary[lab] = {"exposed_s": common.median(ex), "epoch_s": common.median([epoch_s(r) for r in rs])}
+        # each row against the blocking row of the same environment
+        base = common.median([exposed(r) for r in by.get(lab.replace("--overlap", "blocking"), [])])
+        summary[lab] = {"exposed_s": common.median(ex), "epoch_s": common.median([epoch_s(r) for r in rs]),
+                        "exposed_vs_blocking": common.median(ex) / base if base else math.nan}
         rows.append([lab, ms([epoch_s(r) for r in rs], 1, 3), ms([comp(r) for r in rs], 1, 3), ms(ex, 1, 3),
                      ratio_str(common.median(ex), base)])
     return rows, summary
@@ -400,6 +407,108 @@ def summarize_hdp(runs: list[dict]) -> tuple[list, dict]:
         rows.append([lab, ", ".join(splits), ms(e, 1, 2), ratio_str(common.median(e), best),
                      ms([final_oa(r) for r in rs], 100, 2), str(len(rs))])
     return rows, summary
+
+
+def run_with_share_change(cluster: Cluster, row: Row, work: Path, tag: str, timeout: float, after_epoch: int,
+                          share: str) -> dict:
+    """``row`` with host 2's CPU share set to ``share`` as soon as epoch ``after_epoch`` is in
+    the metrics file (so from the start of the next epoch); the wall time of the change is kept."""
+    import subprocess
+
+    def during(cmd, metrics, log):
+        load = "%.1f %.1f %.1f" % os.getloadavg()
+        before = cluster.counters()
+        start = time.perf_counter()
+        changed = None
+        with open(log, "w", encoding="utf-8") as out:
+            proc = subprocess.Popen(cmd, cwd=common.ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                    env=common.bench_env(), start_new_session=True)
+            while proc.poll() is None and time.perf_counter() - start < timeout:
+                if changed is None and len(read_epochs(metrics)[0]) >= after_epoch:
+                    cluster.set_cpu(2, share)
+                    changed = time.time()
+                time.sleep(0.05)
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+            code = proc.wait()
+        return {"code": code, "wall_s": time.perf_counter() - start, "load": load, "changed_at": changed,
+                "kernel": Cluster.delta(before, cluster.counters()), "time": time.strftime("%H:%M:%S", time.gmtime())}
+
+    return run_row(cluster, row, work, tag, timeout, during)
+
+
+def critical_steps(timing_dir: Path, ranks: int = 2) -> list[list[float]]:
+    """Per epoch, the per-step compute of the slowest rank: ``max_i step_comp_s[i][t]``."""
+    per_rank = []
+    for r in range(ranks):
+        recs = [json.loads(line) for line in (timing_dir / f"rank{r}.jsonl").read_text().splitlines() if line.strip()]
+        per_rank.append([rec["step_comp_s"] for rec in recs if rec.get("event") == "epoch"])
+    return [[max(vals) for vals in zip(*steps)] for steps in zip(*per_rank)]
+
+
+def share_change(cluster: Cluster, args, work: Path) -> tuple[list[str], dict]:
+    """Host 2's share 1.0 -> ``args.change`` after epoch 2 of a ``--speeds auto --rebalance``
+    run; the best fixed split at the new shares by a sweep; steps until the rebalanced run's
+    slowest-rank compute per step (median of 10) is within 5 % of the best split's."""
+    rate = args.rates[-1]
+    epochs = max(args.epochs, 5)
+    base = ["--model", "hsicnn", "--strategy", "flat", *args.extra]
+    sweep = [f"fixed {s.replace(',', ':')}" for s in args.change_sweep]
+    cluster.start(rate=rate, cpus=f"1.0,{args.change}")
+    sweep_runs = []
+    for r in range(args.rounds):
+        for s in args.change_sweep:
+            tdir = work / f"change_sweep_{s.replace(',', '_')}_r{r}"
+            row = Row(f"fixed {s.replace(',', ':')}", base + ["--epochs", "3", "--speeds", s, "--timing-dir", str(tdir)])
+            rec = run_row(cluster, row, work, f"change_sweep_{s.replace(',', '_')}_r{r}", args.timeout)
+            rec["round"], rec["critical"] = r, critical_steps(tdir) if rec["epochs"] else []
+            sweep_runs.append(rec)
+            print(f"  [{rec['time']}] 1.0/{args.change} {row.label}: epoch {epoch_s(rec):.2f} s", flush=True)
+    fixed = {lab: common.median([epoch_s(x) for x in sweep_runs if x["label"] == lab and x["epochs"]]) for lab in sweep}
+    best = min(fixed, key=fixed.get)
+    best_step = common.median([c for x in sweep_runs if x["label"] == best for ep in x["critical"][1:] for c in ep])
+    cluster.stop()
+    cluster.start(rate=rate, cpus="1.0,1.0")
+    change_runs = []
+    for r in range(args.rounds):
+        tdir = work / f"change_rebalance_r{r}"
+        row = Row("--speeds auto --rebalance, share change", base + ["--epochs", str(epochs), "--speeds", "auto",
+                                                                     "--rebalance", "--timing-dir", str(tdir)])
+        rec = run_with_share_change(cluster, row, work, f"change_rebalance_r{r}", args.timeout, 2, args.change)
+        cluster.set_cpu(2, "1.0")
+        rec["round"], rec["critical"] = r, critical_steps(tdir) if rec["epochs"] else []
+        after = [c for ep in rec["critical"][2:] for c in ep]
+        back = None
+        for t in range(len(after) - 9):
+            if statistics.median(after[t:t + 10]) <= 1.05 * best_step:
+                back = t
+                break
+        rec["steps_back"] = back
+        change_runs.append(rec)
+        print(f"  [{rec['time']}] share change round {r + 1}: splits "
+              f"{[e.get('batch_sizes') for e in rec['epochs']]}, back within 5 % after {back} steps", flush=True)
+    steps_per = change_runs[0]["epochs"][0]["step"] if change_runs and change_runs[0]["epochs"] else 0
+    rows = [[lab, ms([epoch_s(x) for x in sweep_runs if x["label"] == lab and x["epochs"]], 1, 2),
+             ms([1e3 * common.median([c for ep in x["critical"][1:] for c in ep]) for x in sweep_runs
+                 if x["label"] == lab and x["critical"]], 1, 1)] for lab in sweep]
+    change_rows = []
+    for rec in change_runs:
+        change_rows.append([rec["round"] + 1, " -> ".join(":".join(map(str, e.get("batch_sizes", []))) for e in rec["epochs"]),
+                            " / ".join(f"{e['time_s']:.2f}" for e in rec["epochs"]),
+                            ", ".join(f"{e['time_s'] / fixed[best]:.2f}" for e in rec["epochs"][2:]),
+                            "not within 5 %" if rec["steps_back"] is None else str(rec["steps_back"])])
+    body = [f"## A share lowered mid-run: host 2 1.0 -> {args.change} after epoch 2 (link {rate})", "",
+            load_line(sweep_runs + change_runs) + ".", "",
+            f"Best fixed split at 1.0 / {args.change} (sweep, 3 epochs each, median of epochs 2-3):", "",
+            common.md_table(["split", "epoch s", "slowest rank's compute ms/step (median)"], rows), "",
+            f"Best: {best} ({fixed[best]:.2f} s per epoch, {1e3 * best_step:.1f} ms slowest-rank compute per step). "
+            f"`--speeds auto --rebalance` runs ({steps_per} steps per epoch; re-fit every 20 steps; "
+            f"the change lands at the start of epoch 3):", "",
+            common.md_table(["round", "split per epoch", "epoch s per epoch", "epochs 3.. / best fixed epoch",
+                             "steps after the change until the slowest-rank compute (median of 10) <= 1.05 x best's"],
+                            change_rows), "", "Commands:", "", *commands_block(sweep_runs + change_runs)]
+    return body, {"sweep_runs": sweep_runs, "change_runs": change_runs, "best": best, "best_epoch_s": fixed[best],
+                  "best_step_s": best_step}
 
 
 HDP_HEADERS = ["row", "split chosen (last epoch, per run)", "epoch s (median of epochs 2..E)", "/ best fixed split",
@@ -508,6 +617,11 @@ def parse_args(argv=None):
     p.add_argument("--shares", default="0.5", help="host 2's CPU share(s) of the hdp table (host 1: 1.0)")
     p.add_argument("--sweep", default="32,32,36,28,40,24,43,21,46,18,48,16",
                    help="fixed splits of the hdp table, pairs b1,b2 (flattened)")
+    p.add_argument("--change", default="", help="hdp: host 2's share after epoch 2 of a rebalanced run (e.g. 0.33)")
+    p.add_argument("--change-sweep", default="40,24,44,20,48,16,52,12,56,8",
+                   help="hdp --change: fixed splits at the new shares, pairs b1,b2 (flattened)")
+    p.add_argument("--skip-shares", action="store_true", help="hdp: only the --change experiment")
+    p.add_argument("--env", default="", help="overlap: also both rows with this environment (K=V,K=V)")
     p.add_argument("--extra", default="", help="more mpidl.train options for every row (e.g. '--data X')")
     p.add_argument("--tag", default="", help="a suffix of the result files (cluster_TABLE_TAG.md/.json)")
     p.add_argument("--only", default="", help="run only the rows whose labels are listed (comma-separated)")
@@ -524,9 +638,12 @@ def parse_args(argv=None):
     args.rates = [r for r in args.rates.split(",") if r]
     args.sync = [int(k) for k in args.sync_every.split(",") if k]
     args.extra = args.extra.split()
+    args.env = dict(kv.split("=", 1) for kv in args.env.split(",") if kv)
     flat = [s for s in args.sweep.split(",") if s]
     args.sweep = [f"{flat[i]},{flat[i + 1]}" for i in range(0, len(flat) - 1, 2)]
     args.shares = [s for s in args.shares.split(",") if s]
+    flat_change = [s for s in args.change_sweep.split(",") if s]
+    args.change_sweep = [f"{flat_change[i]},{flat_change[i + 1]}" for i in range(0, len(flat_change) - 1, 2)]
     args.only = [s.strip() for s in args.only.split(",") if s.strip()]
     if args.quick:
         args.rates, args.rounds, args.epochs = args.rates[:1], 1, 2
@@ -584,7 +701,7 @@ def main(argv=None) -> int:
                         entry.update(runs=runs, summary=summary)
                         body += peers_section(model, rate, table, summary, runs)
                     else:
-                        runs = run_rounds(cluster, overlap_rows(model, args.epochs, args.extra), args.rounds, work,
+                        runs = run_rounds(cluster, overlap_rows(model, args.epochs, args.extra, args.env), args.rounds, work,
                                           tag, args.timeout, args.only)
                         table, summary = summarize_overlap(runs)
                         entry.update(runs=runs, summary=summary)
@@ -593,7 +710,7 @@ def main(argv=None) -> int:
                     save(args, results, body, suffix, info, argv_shown)
         elif args.table == "hdp":
             rate = args.rates[-1]
-            for share in args.shares:
+            for share in ([] if args.skip_shares else args.shares):
                 cluster.start(rate=rate, cpus=f"1.0,{share}")
                 tag = f"hdp_{share}"
                 runs = run_rounds(cluster, hdp_rows(args.epochs, args.sweep, args.extra), args.rounds, work, tag,
@@ -603,6 +720,10 @@ def main(argv=None) -> int:
                                           "summary": summary, "status": cluster.status()})
                 body += generic_section(f"host CPU shares 1.0 / {share}, link {rate}", HDP_HEADERS, table, runs)
                 save(args, results, body, suffix, info, argv_shown)
+            if args.change:
+                change_body, change = share_change(cluster, args, work)
+                results["tables"].append({"table": "hdp_change", "rate": rate, "cpu": f"1.0 -> {args.change}", **change})
+                body += change_body
         elif args.table == "plan":
             table, summary = plan_table(args, work, cluster)
             results["tables"].append({"table": "plan", **summary})
