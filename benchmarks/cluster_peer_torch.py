@@ -43,7 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--peer", choices=("ddp", "postlocal"), required=True)
+    p.add_argument("--peer", choices=("ddp", "postlocal", "allreduce"), required=True,
+                   help="allreduce: time gloo's allreduce of --sizes MB alone (no training)")
+    p.add_argument("--sizes", default="0.0625,0.5,2", help="--peer allreduce: message sizes in MB")
     p.add_argument("--master", required=True, help="ADDR:PORT of rank 0's rendezvous")
     p.add_argument("--model", default="hsicnn")
     p.add_argument("--data", default=None)
@@ -87,6 +89,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{args.master}", rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=120))
+    if args.peer == "allreduce":
+        return time_allreduce(dist, torch, args.sizes, rank)
     if args.data:
         train_set, test_set, _ = mdata.load_splits(args.data)
     else:
@@ -164,6 +168,27 @@ def main(argv=None) -> int:
     if out is not None:
         out.write(json.dumps({"event": "end", "oa": float(totals[0]) / test_set.num_samples}) + "\n")
         out.close()
+    dist.destroy_process_group()
+    return 0
+
+
+def time_allreduce(dist, torch, sizes: str, rank: int, reps: int = 15) -> int:
+    """Median seconds of gloo's blocking ``all_reduce`` of each size (rank 0 prints JSON)."""
+    import statistics
+
+    out = {}
+    for mb in (float(s) for s in sizes.split(",")):
+        t = torch.ones(int(mb * 1e6) // 4)
+        dist.all_reduce(t)
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(t)
+            times.append(time.perf_counter() - start)
+        out[str(mb)] = {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
+    if rank == 0:
+        print("GLOO_ALLREDUCE " + json.dumps(out), flush=True)
     dist.destroy_process_group()
     return 0
 
