@@ -681,17 +681,17 @@ def steps_per_epoch(extra: list, batch: int = 64) -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     cluster = Cluster(args.name)
+    suffix = "_quick" if args.quick else ""
+    per_epoch = steps_per_epoch(args.extra)
+    n_train = per_epoch * 64  # exact for the default data (2048 = 32 x 64)
+    if args.from_json is not None:
+        return rewrite(args, json.loads(args.from_json.read_text()), n_train, per_epoch, suffix)
     work = args.work or Path(tempfile.mkdtemp(prefix=f"mpidl-cluster-{args.table}-"))
     work.mkdir(parents=True, exist_ok=True)
     info = common.machine_info()
     argv_shown = "python benchmarks/cluster_claims.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    suffix = "_quick" if args.quick else ""
     results = {"argv": argv_shown, "machine": info, "tables": []}
-    per_epoch = steps_per_epoch(args.extra)
-    n_train = per_epoch * 64  # exact for the default data (2048 = 32 x 64)
     body = []
-    if args.from_json is not None:
-        return rewrite(args, json.loads(args.from_json.read_text()), n_train, per_epoch, suffix)
     try:
         if args.table in ("node", "peers", "overlap"):
             for model in args.models:
