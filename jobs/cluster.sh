@@ -368,7 +368,8 @@ status_cluster() {
     echo "cluster $NAME: head $HEAD_NAME ($HEAD_ADDR), bridge $BRIDGE, own core: $OWN_CORE, slurm: $([[ $SLURM == 1 ]] && echo yes || echo no)"
     for ((i = 1; i <= HOSTS; i++)); do
         ns=$(netns_of "$i")
-        rate=$(ip netns exec "$ns" tc qdisc show dev eth0 2>/dev/null | grep -o 'tbf.*rate [0-9.]*[KMG]*bit' | awk '{print $NF}')
+        # An unshaped link (--rate none) has no tbf line: grep finds nothing, which is no error.
+        rate=$(ip netns exec "$ns" tc qdisc show dev eth0 2>/dev/null | { grep -o 'tbf.*rate [0-9.]*[KMG]*bit' || true; } | awk '{print $NF}')
         q=$(cat "/sys/fs/cgroup/cpu/$CG/node$i/cpu.cfs_quota_us" 2>/dev/null || echo -1)
         if (( q < 0 )); then share=none; else share=$(awk -v q="$q" 'BEGIN { printf "%.2f", q / 100000 }'); fi
         frozen=$(cat "/sys/fs/cgroup/freezer/$CG/node$i/freezer.state" 2>/dev/null || echo "?")
