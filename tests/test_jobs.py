@@ -135,7 +135,8 @@ def cluster_name():
 
 @pytest.mark.parametrize("start_args, hosts", [
     (["--rate", "none"], 2),            # unshaped links: status finds no tbf line
-], ids=["rate-none"])
+    (["--hosts", "3", "--own-core", "no"], 3),  # hosts share the cores: the cpuset is inherited
+], ids=["rate-none", "three-hosts-shared-cores"])
 def test_cluster_start_and_stop_leave_nothing(cluster_name, start_args, hosts):
     started = _cluster(cluster_name, "start", *start_args)
     assert started.returncode == 0, f"stdout:\n{started.stdout}\nstderr:\n{started.stderr}"
