@@ -24,7 +24,7 @@ EXPECTED = {"local.sh", "local_cluster.sh", "slurm_cpu_single_node.sh", "slurm_c
 LAUNCHER_OPTIONS = {"--mpi", "--cpu-bind", "--map-by", "--gpus-per-task", "--cpus-per-task",
                     "--ntasks-per-node", "--oversubscribe", "--bind-to", "--mca", "--allow-run-as-root",
                     "--version", "--signal", "--batch", "--no-install-recommends", "--create",
-                    "--keyfile", "--host", "--prtemca", "--name"}
+                    "--keyfile", "--host", "--prtemca", "--name", "--with-ft"}
 # The cluster's own tools (jobs/cluster*.sh) start no training: their options are theirs.
 CLUSTER_TOOLS = {"cluster.sh", "cluster_slurm.sh", "cluster_ssh.sh"}
 
