@@ -133,16 +133,9 @@ class Config:
                               "multiplies: give --emulate-slowdown too")
         self.sync_every = parse_sync_every(self.sync_every)
         # "epoch" is resolved by the trainer once the data (steps per epoch) is known; until
-        # then it stands for a K' larger than any sync_overlap, and DataParallel checks the
-        # resolved value against the same rules.
-        known_k = self.sync_every if self.sync_every != SYNC_EVERY_EPOCH else sys.maxsize
-        try:  # the exchange's own rules (mpidl/distributed/exchange.py), named by their option
-            check_options(strategy=self.strategy, weighting=self.weighting, sync_every=known_k,
-                          intra=self.intra, overlap=self.overlap, bucket_mb=self.bucket_mb,
-                          compress=self.compress, sync_overlap=self.sync_overlap,
-                          host_memory=self.device == "cpu", optimizer=OPTIMIZERS.get(self.optimizer))
-        except OptionError as exc:
-            raise ConfigError(f"--{exc.option.replace('_', '-')}: {exc}") from None
+        # then it stands for a K' larger than any sync_overlap (check_sync_every_epoch checks
+        # the resolved value).
+        self._check_exchange(self.sync_every if self.sync_every != SYNC_EVERY_EPOCH else sys.maxsize)
         emulated = self.ranks_per_node is not None or bool(os.environ.get("MPIDL_RANKS_PER_NODE", "").strip())
         _choice("--on-failure", self.on_failure, ON_FAILURE)
         try:
@@ -208,6 +201,24 @@ class Config:
         if self.data is not None and not os.path.isfile(self.data):
             raise ConfigError(f"--data {self.data}: no such file")
         return self
+
+    def check_sync_every_epoch(self, steps_per_epoch: int) -> None:
+        """With ``--sync-every epoch``: the exchange's rules for K' = ``steps_per_epoch``
+        (e.g. ``--sync-overlap`` below it); raises :class:`ConfigError`."""
+        if self.sync_every == SYNC_EVERY_EPOCH:
+            try:
+                self._check_exchange(max(steps_per_epoch, 1))
+            except ConfigError as exc:
+                raise ConfigError(f"{exc} (--sync-every epoch is K'={steps_per_epoch} here)") from None
+
+    def _check_exchange(self, sync_every: int) -> None:
+        try:  # the exchange's own rules (mpidl/distributed/exchange.py), named by their option
+            check_options(strategy=self.strategy, weighting=self.weighting, sync_every=sync_every,
+                          intra=self.intra, overlap=self.overlap, bucket_mb=self.bucket_mb,
+                          compress=self.compress, sync_overlap=self.sync_overlap,
+                          host_memory=self.device == "cpu", optimizer=OPTIMIZERS.get(self.optimizer))
+        except OptionError as exc:
+            raise ConfigError(f"--{exc.option.replace('_', '-')}: {exc}") from None
 
     def to_dict(self) -> dict:
         """The user-facing options (JSON-serializable), for metrics, checkpoints and saved models."""

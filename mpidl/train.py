@@ -176,6 +176,7 @@ def _build(cfg, local_rank: int = 0):
     per_epoch = steps_per_epoch(n, cfg.batch_size, cfg.drop_last)
     if per_epoch == 0:
         raise ValueError(f"--drop-last with --batch-size {cfg.batch_size} > {n} training samples leaves no step")
+    cfg.check_sync_every_epoch(per_epoch)  # K' of --sync-every epoch against the exchange's rules
     steps = cfg.epochs * per_epoch
     make_schedule(cfg.schedule, cfg.lr, min(steps, cfg.max_steps or steps), warmup_steps=cfg.warmup_steps)
     return backend, model, train_set, test_set, desc

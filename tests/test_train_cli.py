@@ -86,6 +86,10 @@ def test_four_ranks_metrics_have_per_rank_fields(tmp_path):
          "vit: sub-patch 2 does not divide the 7x7 pixels of input_shape (32, 7, 7); pass --model-args"),
         (["--model", "mlp", "--model-args", '{"depth": 2}'], "model 'mlp' takes no argument(s) ['depth']"),
         (["--model", "vit", "--model-args", "patch=2"], "--model-args must be a JSON object"),
+        (["--sync-every", "x"], "--sync-every: must be an integer >= 1 or 'epoch', got 'x'"),
+        # 2048 samples / 64 = 32 steps per epoch: K'=32, and the overlap must stay below it
+        (["--strategy", "node", "--sync-every", "epoch", "--sync-overlap", "40"],
+         "--sync-overlap: sync_overlap must be an integer in [0, sync_every=32), got 40 (--sync-every epoch is K'=32 here)"),
     ],
 )
 @pytest.mark.launcher
