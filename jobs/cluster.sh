@@ -296,10 +296,10 @@ start_cluster() {
     ip link set "$BRIDGE" up
     local hosts_lines=("10.77.$subnet.1 $NAME-head")
     for c in "${CG_ROOTS[@]}"; do mkdir -p "$c/$CG"; done
-    if [[ "$own" == yes ]]; then
-        cat /sys/fs/cgroup/cpuset/cpuset.mems > "/sys/fs/cgroup/cpuset/$CG/cpuset.mems"
-        cat /sys/fs/cgroup/cpuset/cpuset.cpus > "/sys/fs/cgroup/cpuset/$CG/cpuset.cpus"
-    fi
+    # A cpuset cgroup v1 starts with no cpus and no mems, and a child may only take what its
+    # parent has: the cluster's cpuset gets all of the root's before any host's is written.
+    cat /sys/fs/cgroup/cpuset/cpuset.mems > "/sys/fs/cgroup/cpuset/$CG/cpuset.mems"
+    cat /sys/fs/cgroup/cpuset/cpuset.cpus > "/sys/fs/cgroup/cpuset/$CG/cpuset.cpus"
     local -a cpu_list
     mapfile -t cpu_list < <(awk -F- 'BEGIN { RS = "," } NF { a = $1; b = (NF > 1) ? $2 : $1; for (i = a; i <= b; i++) print i }' /sys/fs/cgroup/cpuset/cpuset.cpus)
     for ((i = 1; i <= hosts; i++)); do
@@ -329,8 +329,7 @@ start_cluster() {
             echo "${cpu_list[i-1]}" > "/sys/fs/cgroup/cpuset/$CG/node$i/cpuset.cpus"
         else
             cat /sys/fs/cgroup/cpuset/cpuset.mems > "/sys/fs/cgroup/cpuset/$CG/node$i/cpuset.mems"
-            cat /sys/fs/cgroup/cpuset/$CG/cpuset.cpus > "/sys/fs/cgroup/cpuset/$CG/node$i/cpuset.cpus" 2>/dev/null \
-                || cat /sys/fs/cgroup/cpuset/cpuset.cpus > "/sys/fs/cgroup/cpuset/$CG/node$i/cpuset.cpus"
+            cat "/sys/fs/cgroup/cpuset/$CG/cpuset.cpus" > "/sys/fs/cgroup/cpuset/$CG/node$i/cpuset.cpus"
         fi
         set_cpu_share "$i" "${cpu_of[i-1]}"
         # The host's own UTS and mount namespaces, kept by bind mounts on files of $STATE.
@@ -368,7 +367,8 @@ status_cluster() {
     echo "cluster $NAME: head $HEAD_NAME ($HEAD_ADDR), bridge $BRIDGE, own core: $OWN_CORE, slurm: $([[ $SLURM == 1 ]] && echo yes || echo no)"
     for ((i = 1; i <= HOSTS; i++)); do
         ns=$(netns_of "$i")
-        rate=$(ip netns exec "$ns" tc qdisc show dev eth0 2>/dev/null | grep -o 'tbf.*rate [0-9.]*[KMG]*bit' | awk '{print $NF}')
+        # An unshaped link (--rate none) has no tbf line: grep finds nothing, which is no error.
+        rate=$(ip netns exec "$ns" tc qdisc show dev eth0 2>/dev/null | { grep -o 'tbf.*rate [0-9.]*[KMG]*bit' || true; } | awk '{print $NF}')
         q=$(cat "/sys/fs/cgroup/cpu/$CG/node$i/cpu.cfs_quota_us" 2>/dev/null || echo -1)
         if (( q < 0 )); then share=none; else share=$(awk -v q="$q" 'BEGIN { printf "%.2f", q / 100000 }'); fi
         frozen=$(cat "/sys/fs/cgroup/freezer/$CG/node$i/freezer.state" 2>/dev/null || echo "?")

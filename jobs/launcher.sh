@@ -10,6 +10,12 @@
 #                                     PROG... as RANKS ranks cut into NODES: 1 (one node), K
 #                                     (K equal nodes) or sizes "2,1" (in rank order)
 #   e.g.  mpidl_mpiexec 4 2 python -m mpidl.train --strategy node && exec "${MPIDL_CMD[@]}"
+#   MPIDL_FT=ulfm                     (environment) a launch under which a job can survive a
+#                                     lost rank (ULFM, --on-failure shrink): Open MPI gets
+#                                     --with-ft ulfm right after the mpiexec; MPICH is refused
+#                                     (its wheel has no usable ULFM: MPIR_CVAR_ENABLE_FT=1 fails
+#                                     MPI_Init, docs/failures.md; a launch claiming fault
+#                                     tolerance it cannot give is worse than none)
 #   mpidl_library_flavor [PYTHON]     prints mpich or openmpi: the MPI library that mpi4py of
 #                                     PYTHON (default $PYTHON, python) loads
 #                                     (MPI.Get_library_version(), without MPI_Init)
@@ -83,10 +89,28 @@ mpidl_mpi_flavor() {
     esac
 }
 
+mpidl_ft_flags() {  # KIND: sets the array MPIDL_FT_FLAGS to the mpiexec flags of $MPIDL_FT
+    MPIDL_FT_FLAGS=()
+    case "${MPIDL_FT:-}" in
+        "") ;;
+        ulfm)
+            if [[ "$1" == openmpi ]]; then
+                MPIDL_FT_FLAGS=(--with-ft ulfm)
+            else
+                echo "launcher.sh: MPIDL_FT=ulfm: the MPICH wheel has no usable ULFM" \
+                     "(MPIR_CVAR_ENABLE_FT=1 fails MPI_Init; see docs/failures.md); use Open MPI," \
+                     "or unset MPIDL_FT (--on-failure shrink then falls back to restart)" >&2
+                return 2
+            fi ;;
+        *) echo "launcher.sh: MPIDL_FT must be ulfm or empty, got '$MPIDL_FT'" >&2; return 2 ;;
+    esac
+}
+
 mpidl_mpiexec() {
     local ranks=$1 nodes=$2 exe=${MPIEXEC:-mpiexec} kind i sum=0 hosts=""
     shift 2
     kind=$(mpidl_mpi_flavor "$exe") || return 2
+    mpidl_ft_flags "$kind" || return 2
     local -a sizes
     if [[ -z "$nodes" || "$nodes" == 1 ]]; then
         sizes=("$ranks")
@@ -112,7 +136,7 @@ mpidl_mpiexec() {
         return
     fi
     if [[ "$kind" == mpich ]]; then
-        MPIDL_CMD=("$exe" -n "$ranks")
+        MPIDL_CMD=("$exe" ${MPIDL_FT_FLAGS[@]+"${MPIDL_FT_FLAGS[@]}"} -n "$ranks")
         if (( ${#sizes[@]} > 1 )); then
             if (( ${#sizes[@]} > ${#MPIDL_HOSTS[@]} )); then
                 echo "launcher.sh: at most ${#MPIDL_HOSTS[@]} emulated nodes" >&2
@@ -136,7 +160,7 @@ mpidl_mpiexec() {
             fi
             MPIDL_CMD=(env "MPIDL_RANKS_PER_NODE=$k")
         fi
-        MPIDL_CMD+=("$exe" -n "$ranks" --oversubscribe --bind-to none --mca mpi_yield_when_idle 1)
+        MPIDL_CMD+=("$exe" ${MPIDL_FT_FLAGS[@]+"${MPIDL_FT_FLAGS[@]}"} -n "$ranks" --oversubscribe --bind-to none --mca mpi_yield_when_idle 1)
         if (( EUID == 0 )); then MPIDL_CMD+=(--allow-run-as-root); fi
         MPIDL_CMD+=("$@")
     fi
@@ -148,6 +172,7 @@ mpidl_cluster_cmd() {  # KIND EXE RANKS "SIZES" PROG...: MPIDL_CMD for the clust
     local -a sizes
     read -r -a sizes <<< "$4"
     shift 4
+    mpidl_ft_flags "$kind" || return 2
     local jobs_dir
     jobs_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
     if [[ ! -f "$env_file" ]]; then
@@ -162,13 +187,13 @@ mpidl_cluster_cmd() {  # KIND EXE RANKS "SIZES" PROG...: MPIDL_CMD for the clust
     fi
     for i in "${!sizes[@]}"; do hosts+="${hosts:+,}$MPIDL_CLUSTER-node$((i + 1)):${sizes[i]}"; done
     if [[ "$kind" == mpich ]]; then
-        MPIDL_CMD=("$exe" -n "$ranks" -launcher ssh -launcher-exec "$jobs_dir/cluster_ssh.sh"
+        MPIDL_CMD=("$exe" ${MPIDL_FT_FLAGS[@]+"${MPIDL_FT_FLAGS[@]}"} -n "$ranks" -launcher ssh -launcher-exec "$jobs_dir/cluster_ssh.sh"
                    -localhost "$MPIDL_CLUSTER-head" -hosts "$hosts"
                    -genv UCX_TLS "${UCX_TLS:-tcp,self}" -genv UCX_NET_DEVICES "${UCX_NET_DEVICES:-eth0}"
                    -genv MPIR_CVAR_PROGRESS_TIMEOUT "$MPIDL_FAULT_TIMEOUT" "$@")
     else
         local net="10.77.$SUBNET.0/24"
-        MPIDL_CMD=("$exe" -n "$ranks" --host "$hosts" --prtemca plm_ssh_agent "$jobs_dir/cluster_ssh.sh"
+        MPIDL_CMD=("$exe" ${MPIDL_FT_FLAGS[@]+"${MPIDL_FT_FLAGS[@]}"} -n "$ranks" --host "$hosts" --prtemca plm_ssh_agent "$jobs_dir/cluster_ssh.sh"
                    --prtemca oob_tcp_if_include "$net" --prtemca oob_tcp_keepalive_time 5
                    --prtemca oob_tcp_keepalive_intvl 1 --prtemca oob_tcp_keepalive_probes 5
                    --mca btl_tcp_if_include "$net"

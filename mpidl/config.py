@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import sys
 from dataclasses import asdict, dataclass, field, fields
 
 from mpidl.backend import DEVICES, DTYPES
@@ -25,7 +26,7 @@ from mpidl.distributed.emulation import EMULATION_CLOCKS, parse_link, parse_slow
 from mpidl.log import LEVELS
 from mpidl.models import MODELS
 from mpidl.optim import OPTIMIZERS, SCHEDULES
-from mpidl.trainer import MIN_LOCAL_BATCH
+from mpidl.trainer import MIN_LOCAL_BATCH, SYNC_EVERY_EPOCH
 
 # The allowed names are read, when a configuration is validated, from the registries of the
 # modules that own them (models.MODELS, optim.OPTIMIZERS, ...), so a new model, optimizer or
@@ -67,7 +68,8 @@ class Config:
     # distribution
     strategy: str = "flat"
     weighting: str = "balanced"
-    sync_every: int = 50
+    #: K' (node strategy): an integer >= 1, or "epoch" (the trainer's steps per epoch)
+    sync_every: int | str = 50
     sync_optimizer_state: bool = False
     balance: str = "speed"
     speeds: str = "auto"
@@ -129,14 +131,11 @@ class Config:
         if self.emulate_clock != "wall" and self.emulate_slowdown is None:
             raise ConfigError(f"--emulate-clock {self.emulate_clock} says what --emulate-slowdown "
                               "multiplies: give --emulate-slowdown too")
-        _positive_int("--sync-every", self.sync_every)
-        try:  # the exchange's own rules (mpidl/distributed/exchange.py), named by their option
-            check_options(strategy=self.strategy, weighting=self.weighting, sync_every=self.sync_every,
-                          intra=self.intra, overlap=self.overlap, bucket_mb=self.bucket_mb,
-                          compress=self.compress, sync_overlap=self.sync_overlap,
-                          host_memory=self.device == "cpu", optimizer=OPTIMIZERS.get(self.optimizer))
-        except OptionError as exc:
-            raise ConfigError(f"--{exc.option.replace('_', '-')}: {exc}") from None
+        self.sync_every = parse_sync_every(self.sync_every)
+        # "epoch" is resolved by the trainer once the data (steps per epoch) is known; until
+        # then it stands for a K' larger than any sync_overlap (check_sync_every_epoch checks
+        # the resolved value).
+        self._check_exchange(self.sync_every if self.sync_every != SYNC_EVERY_EPOCH else sys.maxsize)
         emulated = self.ranks_per_node is not None or bool(os.environ.get("MPIDL_RANKS_PER_NODE", "").strip())
         _choice("--on-failure", self.on_failure, ON_FAILURE)
         try:
@@ -203,6 +202,24 @@ class Config:
             raise ConfigError(f"--data {self.data}: no such file")
         return self
 
+    def check_sync_every_epoch(self, steps_per_epoch: int) -> None:
+        """With ``--sync-every epoch``: the exchange's rules for K' = ``steps_per_epoch``
+        (e.g. ``--sync-overlap`` below it); raises :class:`ConfigError`."""
+        if self.sync_every == SYNC_EVERY_EPOCH:
+            try:
+                self._check_exchange(max(steps_per_epoch, 1))
+            except ConfigError as exc:
+                raise ConfigError(f"{exc} (--sync-every epoch is K'={steps_per_epoch} here)") from None
+
+    def _check_exchange(self, sync_every: int) -> None:
+        try:  # the exchange's own rules (mpidl/distributed/exchange.py), named by their option
+            check_options(strategy=self.strategy, weighting=self.weighting, sync_every=sync_every,
+                          intra=self.intra, overlap=self.overlap, bucket_mb=self.bucket_mb,
+                          compress=self.compress, sync_overlap=self.sync_overlap,
+                          host_memory=self.device == "cpu", optimizer=OPTIMIZERS.get(self.optimizer))
+        except OptionError as exc:
+            raise ConfigError(f"--{exc.option.replace('_', '-')}: {exc}") from None
+
     def to_dict(self) -> dict:
         """The user-facing options (JSON-serializable), for metrics, checkpoints and saved models."""
         hidden = {"speed_list", "slowdown_list", "link", "model_kwargs"}
@@ -212,6 +229,20 @@ class Config:
 def _choice(option: str, value: str, allowed) -> None:
     if value not in allowed:
         raise ConfigError(f"{option} {value!r} is not one of: {', '.join(allowed)}")
+
+
+def parse_sync_every(value) -> int | str:
+    """``--sync-every``: an integer >= 1 (as int or text) or the word ``epoch``; returns the
+    int or ``"epoch"``, else raises :class:`ConfigError`."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text == SYNC_EVERY_EPOCH:
+            return SYNC_EVERY_EPOCH
+        if text.isdigit() and int(text) >= 1:
+            return int(text)
+    elif isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise ConfigError(f"--sync-every: must be an integer >= 1 or '{SYNC_EVERY_EPOCH}', got {str(value)!r}")
 
 
 def _positive_int(option: str, value) -> None:
@@ -318,7 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "leaders Allreduce, node Bcast), node (node-local every step, nodes every K' steps)")
     g.add_argument("--weighting", default=d.weighting,
                    help="balanced: local mean gradient x b_i/B then SUM (exact); uniform: 1/P average (baseline)")
-    g.add_argument("--sync-every", type=int, default=d.sync_every, help="K': steps between inter-node syncs (node strategy)")
+    g.add_argument("--sync-every", default=d.sync_every, metavar="K",
+                   help=f"K': steps between inter-node syncs (node strategy): an integer >= 1, or "
+                        f"'{SYNC_EVERY_EPOCH}' for the steps of one epoch (default {d.sync_every})")
     g.add_argument("--sync-optimizer-state", action="store_true",
                    help="node strategy: average optimizer state too at each inter-node sync")
     g.add_argument("--ranks-per-node", type=int, default=None, metavar="K",
@@ -391,8 +424,6 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_config(argv=None, world_size: int = 1) -> Config:
     """Parse and validate a command line. Every error, argparse's own included, raises
     :class:`ConfigError`; ``--help`` prints and exits (SystemExit 0) as usual."""
-    import sys  # noqa: PLC0415
-
     parser = build_parser()
     ns = parser.parse_args(_join_negative_values(parser, list(sys.argv[1:] if argv is None else argv)))
     names = {f.name for f in fields(Config)}

@@ -95,7 +95,7 @@ def main(argv=None) -> int:
                 print(f"error: {exc}", file=sys.stderr, flush=True)
             return 2
     _print_header(printer, cfg, model, train_set, data_desc, trainer)
-    trainer.metrics.write(_start_record(cfg, topo, model, data_desc))
+    trainer.metrics.write(_start_record(cfg, topo, model, data_desc, trainer))
     try:
         end = trainer.run()
     except OutputWriteError as exc:
@@ -176,6 +176,7 @@ def _build(cfg, local_rank: int = 0):
     per_epoch = steps_per_epoch(n, cfg.batch_size, cfg.drop_last)
     if per_epoch == 0:
         raise ValueError(f"--drop-last with --batch-size {cfg.batch_size} > {n} training samples leaves no step")
+    cfg.check_sync_every_epoch(per_epoch)  # K' of --sync-every epoch against the exchange's rules
     steps = cfg.epochs * per_epoch
     make_schedule(cfg.schedule, cfg.lr, min(steps, cfg.max_steps or steps), warmup_steps=cfg.warmup_steps)
     return backend, model, train_set, test_set, desc
@@ -199,9 +200,11 @@ def _print_header(printer, cfg, model, train_set, desc, trainer) -> None:
         printer.info(f"EMULATION: inter-node link {cfg.link[0]} us latency, {cfg.link[1]} Gbit/s")
 
 
-def _start_record(cfg, topo, model, desc) -> dict:
+def _start_record(cfg, topo, model, desc, trainer) -> dict:
     return {
         "event": "start", "config": cfg.to_dict(), "world_size": topo.size,
+        # K' as used (``--sync-every epoch`` resolved) and the steps it may be resolved to
+        "sync_every": trainer.sync_every, "steps_per_epoch": trainer.steps_per_epoch,
         "num_nodes": topo.num_nodes, "node_sizes": list(topo.node_sizes), "model": model.name,
         "num_params": int(model.params.size), "data": desc,
         "emulation": {"slowdown": cfg.slowdown_list, "clock": cfg.emulate_clock if cfg.slowdown_list else None,

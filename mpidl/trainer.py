@@ -54,6 +54,8 @@ PROBE_SAMPLES = 64
 #: the loop's ``min_local_batch``: :meth:`Trainer.compute` handles an empty local batch (a
 #: zero gradient), so the split may be the cost model's min-max optimum and ``B < P`` fits
 MIN_LOCAL_BATCH = 0
+#: ``--sync-every epoch``: K' = the steps of one epoch (eDNNcomm's default)
+SYNC_EVERY_EPOCH = "epoch"
 
 
 class OutputWriteError(RuntimeError):
@@ -156,10 +158,12 @@ class Trainer:
         self.total_steps = min(total, cfg.max_steps) if cfg.max_steps else total
         self.schedule = make_schedule(cfg.schedule, cfg.lr, self.total_steps, warmup_steps=cfg.warmup_steps)
         self._probe_samples = np.arange(min(PROBE_SAMPLES, train_set.num_samples))
+        #: K' of the node strategy: ``--sync-every``, with ``epoch`` resolved to the steps per epoch
+        self.sync_every = self.steps_per_epoch if cfg.sync_every == SYNC_EVERY_EPOCH else cfg.sync_every
         speeds = "equal" if cfg.balance == "none" else (cfg.speed_list or "auto")
         self.dp = DataParallel(
             model, self.optimizer, batch_size=cfg.batch_size, topology=topology,
-            strategy=cfg.strategy, sync_every=cfg.sync_every, weighting=cfg.weighting,
+            strategy=cfg.strategy, sync_every=self.sync_every, weighting=cfg.weighting,
             speeds=speeds, probe=self._probe, balance_threshold=cfg.balance_threshold,
             min_local_batch=MIN_LOCAL_BATCH,
             rebalance_every=cfg.rebalance_every if cfg.rebalance else None,

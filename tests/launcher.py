@@ -30,6 +30,12 @@ cluster's hosts ``NAME-node1``, ``NAME-node2``, ... instead, each with its own n
 ``COMM_TYPE_SHARED`` finds them under both MPIs with no override (:func:`cluster_command`;
 docs/cluster.md says what each MPI needs and why).
 
+``MPIDL_FT=ulfm`` (or ``ft="ulfm"``) asks for a launch under which a job can survive a lost
+rank (ULFM, ``--on-failure shrink``): Open MPI gets ``--with-ft ulfm`` right after the mpiexec
+(without it, a dead rank ends the job whatever the ranks ask for). Under MPICH it is refused:
+the MPICH wheel has no usable ULFM (``MPIR_CVAR_ENABLE_FT=1`` fails ``MPI_Init``;
+docs/failures.md), and a launch that claims fault tolerance it cannot give is worse than none.
+
 The flavour comes from ``MPIDL_MPI_FLAVOR`` (``mpich`` / ``openmpi``; tests/run_all.sh sets it
 from ``MPI.Get_library_version()``), else from ``mpiexec --version``.
 """
@@ -45,6 +51,7 @@ from pathlib import Path
 
 MPICH, OPENMPI = "mpich", "openmpi"
 FLAVOR_ENV = "MPIDL_MPI_FLAVOR"
+FT_ENV = "MPIDL_FT"
 CLUSTER_ENV = "MPIDL_CLUSTER"
 #: Where jobs/cluster.sh keeps the state of cluster NAME: ``STATE_ROOT / NAME / "cluster.env"``
 #: ($MPIDL_CLUSTER_STATE_ROOT overrides it, for the tests of the command lines).
@@ -115,18 +122,37 @@ def node_sizes(ranks: int, nodes=None) -> list[int]:
     return sizes
 
 
+def ft_flags(kind: str, ft: str | None = None) -> list[str]:
+    """The mpiexec flags for fault tolerance ``ft`` (default ``$MPIDL_FT``): none for ``""``,
+    ``--with-ft ulfm`` for ``"ulfm"`` under Open MPI; ValueError for ``"ulfm"`` under MPICH
+    (no usable ULFM in the wheel) and for any other value."""
+    ft = os.environ.get(FT_ENV, "") if ft is None else ft
+    if not ft:
+        return []
+    if ft != "ulfm":
+        raise ValueError(f"{FT_ENV} must be ulfm or empty, got {ft!r}")
+    if kind == OPENMPI:
+        return ["--with-ft", "ulfm"]
+    raise ValueError(f"{FT_ENV}=ulfm: the MPICH wheel has no usable ULFM (MPIR_CVAR_ENABLE_FT=1 "
+                     f"fails MPI_Init; see docs/failures.md); use Open MPI, or unset {FT_ENV} "
+                     f"(--on-failure shrink then falls back to restart)")
+
+
 def mpiexec(ranks: int, program: list[str], nodes=None, *, exe: str | None = None,
-            kind: str | None = None) -> list[str]:
+            kind: str | None = None, ft: str | None = None) -> list[str]:
     """The command line that starts ``program`` as ``ranks`` ranks cut into ``nodes`` (see the
     module docstring) with the launcher ``exe`` (default :func:`default_mpiexec`) of flavour
-    ``kind`` (default :func:`flavor`)."""
+    ``kind`` (default :func:`flavor`), fault tolerance ``ft`` (default ``$MPIDL_FT``;
+    :func:`ft_flags`) right after the launcher."""
     exe = exe or default_mpiexec()
     kind = kind or flavor(exe)
     sizes = node_sizes(ranks, nodes)
+    if kind in (MPICH, OPENMPI):
+        exe_and_ft = [exe, *ft_flags(kind, ft)]
     if os.environ.get(CLUSTER_ENV):
-        return cluster_command(os.environ[CLUSTER_ENV], kind, exe, ranks, sizes, program)
+        return cluster_command(os.environ[CLUSTER_ENV], kind, exe, ranks, sizes, program, ft=ft)
     if kind == MPICH:
-        cmd = [exe, "-n", str(ranks)]
+        cmd = [*exe_and_ft, "-n", str(ranks)]
         if len(sizes) > 1:
             if len(sizes) > len(HOSTS):
                 raise ValueError(f"at most {len(HOSTS)} emulated nodes, got {len(sizes)}")
@@ -140,7 +166,7 @@ def mpiexec(ranks: int, program: list[str], nodes=None, *, exe: str | None = Non
                 raise ValueError(f"Open MPI emulates nodes by MPIDL_RANKS_PER_NODE=K (sizes K..K,r "
                                  f"with r <= K), which cannot give {sizes}")
             prefix = ["env", f"MPIDL_RANKS_PER_NODE={k}"]
-        cmd = [*prefix, exe, "-n", str(ranks), "--oversubscribe", "--bind-to", "none",
+        cmd = [*prefix, *exe_and_ft, "-n", str(ranks), "--oversubscribe", "--bind-to", "none",
                "--mca", "mpi_yield_when_idle", "1"]
         if os.geteuid() == 0:
             cmd.append("--allow-run-as-root")
@@ -163,7 +189,7 @@ def cluster_state(name: str) -> dict[str, str]:
 
 
 def cluster_command(name: str, kind: str, exe: str, ranks: int, sizes: list[int],
-                    program: list[str]) -> list[str]:
+                    program: list[str], *, ft: str | None = None) -> list[str]:
     """The command line that starts ``program`` on the hosts of cluster ``name``, node ``i`` of
     ``sizes`` on host ``name-node{i+1}`` (jobs/launcher.sh, mpidl_cluster_cmd, is its twin).
 
@@ -171,7 +197,9 @@ def cluster_command(name: str, kind: str, exe: str, ranks: int, sizes: list[int]
     the host), ``-localhost NAME-head`` (the address the proxies call back), UCX over TCP on
     ``eth0`` (its default transports reach across network namespaces through shared memory),
     and ``MPIR_CVAR_PROGRESS_TIMEOUT``. Open MPI: prterun's ``plm_ssh_agent``, its out-of-band
-    and TCP BTL on the cluster's subnet, ``pml ob1`` with the tcp, sm and self BTLs."""
+    and TCP BTL on the cluster's subnet, ``pml ob1`` with the tcp, sm and self BTLs. ``ft``:
+    :func:`ft_flags`, right after the launcher."""
+    flags = ft_flags(kind, ft) if kind in (MPICH, OPENMPI) else []
     state = cluster_state(name)
     if len(sizes) > int(state["HOSTS"]):
         raise ValueError(f"{len(sizes)} nodes, but cluster {name} has {state['HOSTS']} hosts")
@@ -179,14 +207,14 @@ def cluster_command(name: str, kind: str, exe: str, ranks: int, sizes: list[int]
     agent = str(JOBS / "cluster_ssh.sh")
     if kind == MPICH:
         timeout = os.environ.get("MPIDL_FAULT_TIMEOUT", str(FAULT_TIMEOUT_S))
-        return [exe, "-n", str(ranks), "-launcher", "ssh", "-launcher-exec", agent,
+        return [exe, *flags, "-n", str(ranks), "-launcher", "ssh", "-launcher-exec", agent,
                 "-localhost", f"{name}-head", "-hosts", hosts,
                 "-genv", "UCX_TLS", os.environ.get("UCX_TLS") or "tcp,self",
                 "-genv", "UCX_NET_DEVICES", os.environ.get("UCX_NET_DEVICES") or "eth0",
                 "-genv", "MPIR_CVAR_PROGRESS_TIMEOUT", timeout, *program]
     if kind == OPENMPI:
         net = f"10.77.{state['SUBNET']}.0/24"
-        cmd = [exe, "-n", str(ranks), "--host", hosts, "--prtemca", "plm_ssh_agent", agent,
+        cmd = [exe, *flags, "-n", str(ranks), "--host", hosts, "--prtemca", "plm_ssh_agent", agent,
                "--prtemca", "oob_tcp_if_include", net, "--prtemca", "oob_tcp_keepalive_time", "5",
                "--prtemca", "oob_tcp_keepalive_intvl", "1", "--prtemca", "oob_tcp_keepalive_probes", "5",
                "--mca", "btl_tcp_if_include", net,

@@ -55,6 +55,16 @@ def test_python_and_shell_agree_on_a_cluster(cluster_state, kind, ranks, nodes):
         assert "plm_ssh_agent" in py and "MPIDL_RANKS_PER_NODE" not in " ".join(py)
 
 
+def test_ulfm_on_a_cluster_under_open_mpi(cluster_state, monkeypatch):
+    monkeypatch.setenv("MPIDL_FT", "ulfm")
+    program = ["python", "-m", "mpidl.train"]
+    py = launcher.mpiexec(4, program, "2", exe="mpiexec", kind=launcher.OPENMPI)
+    assert py == shell_command(launcher.OPENMPI, 4, "2", program)
+    assert py[:3] == ["mpiexec", "--with-ft", "ulfm"] and "plm_ssh_agent" in py
+    with pytest.raises(ValueError, match="no usable ULFM"):
+        launcher.mpiexec(4, program, "2", exe="mpiexec", kind=launcher.MPICH)
+
+
 @pytest.mark.parametrize("kind", [launcher.MPICH, launcher.OPENMPI])
 def test_more_nodes_than_hosts_is_refused(cluster_state, kind):
     with pytest.raises(ValueError, match="has 3 hosts"):

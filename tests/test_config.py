@@ -44,7 +44,11 @@ def test_fault_injection_is_read_from_the_environment_not_the_command_line(monke
         (["--speeds", "1,2,3"], 4, "--speeds: 3 entries in '1,2,3' but there are 4 ranks"),
         (["--speeds", "1,0,1,1"], 4, "--speeds: entry 1 ('0') must be a finite number > 0"),
         (["--speeds", "1,x,1,1"], 4, "--speeds: entry 1 ('x') is not a number"),
-        (["--sync-every", "0"], 1, "--sync-every must be a positive integer"),
+        (["--sync-every", "0"], 1, "--sync-every: must be an integer >= 1 or 'epoch', got '0'"),
+        (["--sync-every", "x"], 1, "--sync-every: must be an integer >= 1 or 'epoch', got 'x'"),
+        (["--sync-every", "1.5"], 1, "--sync-every: must be an integer >= 1 or 'epoch', got '1.5'"),
+        (["--sync-every", "-2"], 1, "--sync-every: must be an integer >= 1 or 'epoch', got '-2'"),
+        (["--sync-every", "Epochs"], 1, "--sync-every: must be an integer >= 1 or 'epoch', got 'Epochs'"),
         (["--strategy", "ring"], 1, "--strategy: unknown strategy 'ring'"),
         (["--weighting", "weird"], 1, "--weighting"),
         (["--lr", "0"], 1, "--lr must be a positive number"),
@@ -116,6 +120,20 @@ def test_argparse_errors_are_config_errors():
 def test_a_directory_as_data_says_so(tmp_path):
     with pytest.raises(ConfigError, match=f"--data {tmp_path}: is a directory"):
         parse_config(["--data", str(tmp_path)])
+
+
+@pytest.mark.parametrize("text, expected", [("epoch", "epoch"), ("1", 1), ("37", 37)])
+def test_sync_every_takes_an_integer_or_epoch(text, expected):
+    cfg = parse_config(["--strategy", "node", "--sync-every", text])
+    assert cfg.sync_every == expected and type(cfg.sync_every) is type(expected)
+    assert parse_config([]).sync_every == 50  # the default, an int
+
+
+def test_sync_every_epoch_is_in_the_help():
+    from mpidl.config import build_parser
+
+    help_text = " ".join(build_parser().format_help().split())
+    assert "--sync-every K K': steps between inter-node syncs (node strategy): an integer >= 1, or 'epoch'" in help_text
 
 
 def test_every_option_has_a_help_text_with_its_default():

@@ -24,7 +24,7 @@ EXPECTED = {"local.sh", "local_cluster.sh", "slurm_cpu_single_node.sh", "slurm_c
 LAUNCHER_OPTIONS = {"--mpi", "--cpu-bind", "--map-by", "--gpus-per-task", "--cpus-per-task",
                     "--ntasks-per-node", "--oversubscribe", "--bind-to", "--mca", "--allow-run-as-root",
                     "--version", "--signal", "--batch", "--no-install-recommends", "--create",
-                    "--keyfile", "--host", "--prtemca", "--name"}
+                    "--keyfile", "--host", "--prtemca", "--name", "--with-ft"}
 # The cluster's own tools (jobs/cluster*.sh) start no training: their options are theirs.
 CLUSTER_TOOLS = {"cluster.sh", "cluster_slurm.sh", "cluster_ssh.sh"}
 
@@ -101,3 +101,55 @@ def test_local_cluster_trains_on_two_emulated_nodes(tmp_path):
     # Open MPI: MPIDL_RANKS_PER_NODE=2).
     assert start["world_size"] == 4 and start["num_nodes"] == 2 and start["node_sizes"] == [2, 2]
     assert epochs[-1]["strategy"] == "node"
+
+
+def _cluster(name, *args):
+    return subprocess.run(["bash", str(REPO / "jobs" / "cluster.sh"), "--name", name, *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def _cluster_leftovers(name):
+    """What of cluster NAME is still on the machine: namespaces, cgroup folders, links, state."""
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    left = [line.split()[0] for line in netns.splitlines() if line.startswith(f"{name}-")]
+    left += [f"link {name}-br"] if f" {name}-br" in links else []
+    left += [str(p) for p in Path("/sys/fs/cgroup").glob(f"*/mpidl-cluster-{name}")]
+    left += [f"/run/mpidl-cluster/{name}"] if Path(f"/run/mpidl-cluster/{name}").exists() else []
+    return left
+
+
+@pytest.fixture
+def cluster_name():
+    """A cluster name of this test's own (beside any other cluster), stopped at the end even
+    when the test fails; skips where this machine cannot run a cluster."""
+    if os.geteuid() != 0:
+        pytest.skip("jobs/cluster.sh needs root")
+    name = f"tj{os.getpid() % 100000}"
+    check = _cluster(name, "check")
+    if check.returncode != 0:
+        pytest.skip(f"no cluster here: {(check.stdout + check.stderr).strip()}")
+    yield name
+    _cluster(name, "stop")
+
+
+@pytest.mark.parametrize("start_args, hosts", [
+    (["--rate", "none"], 2),            # unshaped links: status finds no tbf line
+    (["--hosts", "3", "--own-core", "no"], 3),  # hosts share the cores: the cpuset is inherited
+], ids=["rate-none", "three-hosts-shared-cores"])
+def test_cluster_start_and_stop_leave_nothing(cluster_name, start_args, hosts):
+    started = _cluster(cluster_name, "start", *start_args)
+    assert started.returncode == 0, f"stdout:\n{started.stdout}\nstderr:\n{started.stderr}"
+    host_lines = [line for line in started.stdout.splitlines() if f"{cluster_name}-node" in line]
+    assert len(host_lines) == hosts
+    if "none" in start_args:
+        assert all("link unshaped" in line for line in host_lines)
+    for i in range(1, hosts + 1):
+        cpus = Path(f"/sys/fs/cgroup/cpuset/mpidl-cluster-{cluster_name}/node{i}/cpuset.cpus")
+        assert cpus.read_text().strip(), f"host {i} has no cpus in its cpuset"
+    # A process really runs inside a host: it joins the host's cgroups (cpuset included).
+    inside = _cluster(cluster_name, "run", "1", "--", "hostname")
+    assert inside.returncode == 0 and inside.stdout.strip() == f"{cluster_name}-node1", inside.stderr
+    stopped = _cluster(cluster_name, "stop")
+    assert stopped.returncode == 0, stopped.stderr
+    assert _cluster_leftovers(cluster_name) == []

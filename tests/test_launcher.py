@@ -43,6 +43,35 @@ def test_python_and_shell_agree(kind, ranks, nodes):
         assert words == expected
 
 
+@pytest.mark.parametrize("ranks,nodes", CASES, ids=[f"{r}-{n}" for r, n in CASES])
+def test_ulfm_under_open_mpi_adds_with_ft_in_both_helpers(monkeypatch, ranks, nodes):
+    """MPIDL_FT=ulfm: ``--with-ft ulfm`` right after the mpiexec, the rest unchanged."""
+    monkeypatch.setenv("MPIDL_FT", "ulfm")
+    try:
+        expected = launcher.mpiexec(ranks, ["prog", "--opt"], nodes, exe="/x/mpiexec", kind=launcher.OPENMPI)
+    except ValueError:
+        return  # a node shape Open MPI cannot make: refused as without ULFM (test above)
+    code, words, err = shell_command(ranks, nodes, launcher.OPENMPI)
+    assert code == 0, err
+    assert words == expected
+    at = expected.index("/x/mpiexec")
+    assert expected[at + 1:at + 3] == ["--with-ft", "ulfm"]
+    plain = launcher.mpiexec(ranks, ["prog", "--opt"], nodes, exe="/x/mpiexec", kind=launcher.OPENMPI, ft="")
+    assert expected[:at + 1] + expected[at + 3:] == plain
+
+
+@pytest.mark.parametrize("ft", ["ulfm", "yes"])
+def test_ulfm_under_mpich_and_unknown_values_are_refused_by_both(monkeypatch, ft):
+    monkeypatch.setenv("MPIDL_FT", ft)
+    kinds = [launcher.MPICH] if ft == "ulfm" else [launcher.MPICH, launcher.OPENMPI]
+    message = "no usable ULFM" if ft == "ulfm" else "must be ulfm or empty"
+    for kind in kinds:
+        with pytest.raises(ValueError, match=message):
+            launcher.mpiexec(4, ["prog"], 2, exe="/x/mpiexec", kind=kind)
+        code, words, err = shell_command(4, 2, kind)
+        assert code == 2 and message in err and err.count("\n") == 1, (code, words, err)
+
+
 def test_mpich_fakes_hosts_and_open_mpi_uses_the_override():
     mpich = launcher.mpiexec(3, ["p"], "2,1", exe="mpiexec", kind=launcher.MPICH)
     assert mpich == ["mpiexec", "-n", "3", "-hosts", "localhost:2,127.0.0.1:1", "-launcher", "fork", "p"]

@@ -52,10 +52,7 @@ def _run(ranks: int, args: list[str], *, ulfm: bool = True, fault: str | None = 
     ``ulfm``); returns (return code, output)."""
     if not available():
         pytest.skip("no mpiexec")
-    cmd = mpiexec(ranks, TRAIN + args)
-    if ulfm and flavor() == OPENMPI:
-        at = next(i for i, word in enumerate(cmd) if word.endswith("mpiexec"))
-        cmd[at + 1:at + 1] = ["--with-ft", "ulfm"]
+    cmd = mpiexec(ranks, TRAIN + args, ft="ulfm" if ulfm and flavor() == OPENMPI else "")
     tag = uuid.uuid4().hex
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
                **{TAG_ENV: tag})
@@ -204,9 +201,9 @@ def test_node_strategy_leaves_a_lost_host_out_of_the_next_sync(tmp_path):
     name, env = _cluster(3)
     hosts = ",".join(f"{name}-node{i}:2" for i in (1, 2, 3))
     ssh = str(Path(__file__).resolve().parents[1] / "jobs" / "cluster_ssh.sh")
-    cmd = mpiexec(6, [sys.executable, NODE_WORKER, str(tmp_path), "--kill", "4,5", "--at", "9"])
-    at = next(i for i, word in enumerate(cmd) if word.endswith("mpiexec"))
-    cmd[at + 1:at + 1] = ["--with-ft", "ulfm", "--prtemca", "plm_ssh_agent", ssh, "--host", hosts,
+    cmd = mpiexec(6, [sys.executable, NODE_WORKER, str(tmp_path), "--kill", "4,5", "--at", "9"], ft="ulfm")
+    at = cmd.index("ulfm")  # the hosts of the cluster after the launcher's --with-ft ulfm
+    cmd[at + 1:at + 1] = ["--prtemca", "plm_ssh_agent", ssh, "--host", hosts,
                           "--mca", "btl_tcp_if_include", "eth0",
                           "--mca", "oob_tcp_if_include", f"10.77.{env['SUBNET']}.0/24",
                           "-x", f"PYTHONPATH={Path(__file__).parent}"]

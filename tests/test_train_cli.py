@@ -86,6 +86,10 @@ def test_four_ranks_metrics_have_per_rank_fields(tmp_path):
          "vit: sub-patch 2 does not divide the 7x7 pixels of input_shape (32, 7, 7); pass --model-args"),
         (["--model", "mlp", "--model-args", '{"depth": 2}'], "model 'mlp' takes no argument(s) ['depth']"),
         (["--model", "vit", "--model-args", "patch=2"], "--model-args must be a JSON object"),
+        (["--sync-every", "x"], "--sync-every: must be an integer >= 1 or 'epoch', got 'x'"),
+        # 2048 samples / 64 = 32 steps per epoch: K'=32, and the overlap must stay below it
+        (["--strategy", "node", "--sync-every", "epoch", "--sync-overlap", "40"],
+         "--sync-overlap: sync_overlap must be an integer in [0, sync_every=32), got 40 (--sync-every epoch is K'=32 here)"),
     ],
 )
 @pytest.mark.launcher
@@ -208,3 +212,25 @@ def test_hiding_options_train_and_log(tmp_path, options):
     assert proc.returncode == 0, proc.stderr
     end = read_jsonl(metrics)[-1]
     assert end["event"] == "end" and end["step"] == 4
+
+
+@pytest.mark.launcher
+def test_sync_every_epoch_syncs_once_per_epoch_between_two_nodes(tmp_path):
+    """``--sync-every epoch`` on 2 emulated nodes of 2 ranks: K' = the steps of one epoch, so
+    one inter-node parameter sync in the epoch, at its end."""
+    if not Path(MPIEXEC).exists():
+        pytest.skip(f"no mpiexec at {MPIEXEC}")
+    metrics = tmp_path / "m.jsonl"
+    cmd = launcher.mpiexec(4, [sys.executable, "-m", "mpidl.train", "--strategy", "node", "--sync-every", "epoch",
+                               "--epochs", "1", "--speeds", "1,1,1,1", "--metrics", str(metrics)],
+                           nodes=2, exe=MPIEXEC)
+    env = {k: v for k, v in os.environ.items() if k not in (FAULT_ENV, "MPIDL_RANKS_PER_NODE")}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    start, epoch, end = read_jsonl(metrics)
+    steps = start["steps_per_epoch"]
+    assert start["num_nodes"] == 2 and start["config"]["sync_every"] == "epoch"
+    assert start["sync_every"] == steps > 1
+    assert f"K'={steps}" in proc.stdout and f"{steps} steps/epoch" in proc.stdout
+    assert epoch["step"] == end["step"] == steps
+    assert epoch["comm"]["inter"]["calls"] == 1  # one sync in the epoch's `steps` steps
