@@ -8,11 +8,11 @@
 # host name; sbatch's batch script and srun's tasks run inside the hosts. Clients use it with
 # SLURM_CONF=/run/mpidl-cluster/NAME/slurm.conf (`eval "$(bash jobs/cluster.sh env)"`).
 # Debian's packages (munge, slurmctld, slurmd, slurm-client, libpmix-dev for srun --mpi=pmix)
-# are installed by jobs/local_slurm.sh's rules when missing (root + apt-get). Everything it
-# writes is in the cluster's state folder, and everything it starts is stopped by
-# `jobs/cluster.sh stop`: slurmctld by its pid file there, the slurmds with the hosts'
-# processes, munged only if this script started it and no other cluster's Slurm nor
-# jobs/local_slurm.sh's is up.
+# are installed when missing (root + apt-get), by jobs/slurm_packages.sh as for
+# jobs/local_slurm.sh. Everything it writes is in the cluster's state folder, and everything
+# it starts is stopped by `jobs/cluster.sh stop`: slurmctld by its pid file there, the slurmds
+# with the hosts' processes, munged only if this script started it and no other cluster's
+# Slurm nor jobs/local_slurm.sh's is up.
 set -euo pipefail
 NAME=${1:?usage: cluster_slurm.sh NAME start|stop}
 ACTION=${2:?usage: cluster_slurm.sh NAME start|stop}
@@ -24,23 +24,11 @@ alive() { pgrep -x -r D,R,S,I "$1" >/dev/null; }
 
 # shellcheck disable=SC1091
 source "$STATE/cluster.env"
-
-install_packages() {
-    local missing=()
-    command -v munged >/dev/null 2>&1 || missing+=(munge)
-    command -v slurmctld >/dev/null 2>&1 || missing+=(slurmctld)
-    command -v slurmd >/dev/null 2>&1 || missing+=(slurmd)
-    command -v sbatch >/dev/null 2>&1 || missing+=(slurm-client)
-    [[ -e /usr/lib/x86_64-linux-gnu/pmix2/lib/libpmix.so ]] || missing+=(libpmix-dev)
-    (( ${#missing[@]} == 0 )) && return 0
-    command -v apt-get >/dev/null 2>&1 || { say "missing ${missing[*]}, and no apt-get to install them" >&2; return 1; }
-    say "installing ${missing[*]} (Debian packages)"
-    apt-get update -q >/dev/null
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
-}
+# shellcheck source=jobs/slurm_packages.sh
+source "$JOBS_DIR/slurm_packages.sh"
 
 start() {
-    install_packages
+    mpidl_slurm_install_packages
     local head port i
     head=$(hostname -s)
     port=$((6900 + SUBNET))

@@ -36,6 +36,10 @@ rank (ULFM, ``--on-failure shrink``): Open MPI gets ``--with-ft ulfm`` right aft
 the MPICH wheel has no usable ULFM (``MPIR_CVAR_ENABLE_FT=1`` fails ``MPI_Init``;
 docs/failures.md), and a launch that claims fault tolerance it cannot give is worse than none.
 
+:func:`run_tagged` runs such a command with a timeout and leaves nothing behind: the launcher's
+process group and every process that carries the launch's tag in its environment (the ranks,
+even those a launcher left behind) are killed when it ends.
+
 The flavour comes from ``MPIDL_MPI_FLAVOR`` (``mpich`` / ``openmpi``; tests/run_all.sh sets it
 from ``MPI.Get_library_version()``), else from ``mpiexec --version``.
 """
@@ -45,8 +49,10 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 MPICH, OPENMPI = "mpich", "openmpi"
@@ -61,6 +67,10 @@ JOBS = Path(__file__).resolve().parents[1] / "jobs"
 #: (MPICH's MPIR_CVAR_PROGRESS_TIMEOUT; $MPIDL_FAULT_TIMEOUT overrides; docs/cluster.md).
 FAULT_TIMEOUT_S = 60
 #: Host names of the emulated nodes under MPICH: distinct strings, all this machine.
+#: The environment variable that tags every process of one :func:`run_tagged` launch.
+TAG_ENV = "MPIDL_TEST_TAG"
+#: One thread per rank: the ranks share the cores, and BLAS/OpenMP/Numba pools would oversubscribe them.
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
 HOSTS = ("localhost", "127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5", "127.0.0.6",
          "127.0.0.7")
 
@@ -239,6 +249,41 @@ def rank_of_environ(environ: dict[bytes, bytes]) -> int | None:
         if name in environ:
             return int(environ[name])
     return None
+
+
+def kill_tagged(tag: str) -> None:
+    """SIGKILL every process whose environment carries ``TAG_ENV=tag``."""
+    needle = f"{TAG_ENV}={tag}".encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    os.kill(int(pid), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
+
+
+def run_tagged(cmd: list[str], env: dict[str, str] | None = None, *, timeout: float) -> tuple[int, str]:
+    """Run ``cmd`` (no stdin, in a session of its own) with ``env`` (default ``os.environ``) plus
+    :data:`ONE_THREAD` and a fresh ``TAG_ENV`` tag; returns (return code, stdout and stderr
+    together). Past ``timeout`` seconds its process group is killed and TimeoutError names the
+    command with the tail of its output; either way every process with the tag is killed."""
+    tag = uuid.uuid4().hex
+    env = {**(os.environ if env is None else env), **ONE_THREAD, TAG_ENV: tag}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # the tagged processes too before reading on: one that left the process group may hold
+        # the output pipe open, and the read would wait for it
+        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tagged(tag)
+        output, _ = proc.communicate()
+        raise TimeoutError(f"{' '.join(cmd)} did not end within {timeout} s:\n{output[-3000:]}") from None
+    finally:
+        kill_tagged(tag)
+    return proc.returncode, output
 
 
 def main(argv: list[str]) -> int:

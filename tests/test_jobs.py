@@ -17,7 +17,8 @@ from mpidl.config import build_parser
 REPO = Path(__file__).resolve().parents[1]
 JOBS = sorted((REPO / "jobs").glob("*.sh"))
 EXPECTED = {"local.sh", "local_cluster.sh", "slurm_cpu_single_node.sh", "slurm_cpu_multi_node.sh",
-            "slurm_gpu.sh", "slurm_hetjob.sh", "gpu_check.sh", "launcher.sh", "local_slurm.sh"}
+            "slurm_gpu.sh", "slurm_hetjob.sh", "gpu_check.sh", "launcher.sh", "local_slurm.sh",
+            "slurm_packages.sh"}
 # Options of the launchers (srun, scancel, Open MPI's mpirun, `mpiexec --version`) and of the
 # tools jobs/local_slurm.sh calls (apt-get, mungekey) that appear next to training options;
 # every other --option in a script must be one of `python -m mpidl.train`.

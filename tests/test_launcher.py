@@ -5,6 +5,7 @@ launch picks the srun --mpi type of mpi4py's MPI library (no MPI job is started 
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -115,3 +116,37 @@ def test_slurm_launch_picks_the_pmi_of_the_library():
     words = proc.stdout.splitlines()
     assert words[:5] == ["mpiexec", "-n", "8", *placement] and words[-1] == "prog"
     assert shell("mpidl_slurm_launch -- prog", PYTHON=sys.executable, LAUNCHER="ssh").returncode != 0
+
+
+def test_run_tagged_gives_the_code_and_output_with_the_tag_and_one_thread():
+    code = ("import os, sys; print(os.environ['OMP_NUM_THREADS'], bool(os.environ[sys.argv[1]])); "
+            "sys.stderr.write('to stderr'); sys.exit(3)")
+    returncode, output = launcher.run_tagged([sys.executable, "-c", code, launcher.TAG_ENV],
+                                             dict(os.environ, OMP_NUM_THREADS="8"), timeout=60)
+    assert returncode == 3 and output.startswith("1 True") and "to stderr" in output
+
+
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` has ended (no such process, or a zombie waiting for its parent)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_run_tagged_past_its_timeout_kills_even_what_left_its_process_group(tmp_path):
+    # The child starts a session of its own, so the kill of the process group misses it: only
+    # the tag in its environment finds it.
+    pid_file = tmp_path / "pid"
+    code = ("import subprocess, sys, time; "
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True); "
+            "open(sys.argv[1], 'w').write(str(p.pid)); print('started', flush=True); time.sleep(120)")
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"(?s)did not end within 5 s:.*started"):
+        launcher.run_tagged([sys.executable, "-c", code, str(pid_file)], timeout=5)
+    assert time.monotonic() - start < 60  # not held until the escaped child's sleep of 120 s ends
+    escaped = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while not _gone(escaped) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(escaped)

@@ -5,16 +5,14 @@ recovery is tested for real: tests/recovery_worker.py runs under mpiexec, a rank
 itself mid-loop, and the survivors must shrink, rebuild, re-split and end with the parameters
 of an uninterrupted run (float64, <= 1e-10). Under an MPI without failure recovery the worker
 says why and the test skips with that reason. Every launch has a timeout, after which the
-launcher's process group and every process carrying this test's tag are killed.
+launcher's process group and every process carrying the launch's tag are killed
+(launcher.run_tagged).
 """
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -22,13 +20,12 @@ import pytest
 from mpi4py import MPI
 
 import recovery_worker as worker
-from launcher import OPENMPI, available, flavor, mpiexec
+from launcher import OPENMPI, available, flavor, mpiexec, run_tagged
 from mpidl.distributed.balance import RankCost
 from mpidl.distributed.recovery import (Members, RecoveryError, StepSnapshots, agreed_step, has_quorum,
                                         is_process_failure, resplit, ulfm_available)
 
 WORKER = str(Path(__file__).with_name("recovery_worker.py"))
-TAG_ENV = "MPIDL_RECOVERY_TEST_TAG"
 LAUNCH_TIMEOUT_S = 45
 
 
@@ -111,19 +108,6 @@ def test_support_can_be_forced_off(monkeypatch):
 
 
 # --------------------------------------------------------------------------- under mpiexec
-def _kill_tagged(tag: str) -> None:
-    """SIGKILL every process whose environment carries ``TAG_ENV=tag`` (the ranks, even if a
-    launcher left them behind)."""
-    needle = f"{TAG_ENV}={tag}".encode()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    os.kill(int(pid), signal.SIGKILL)
-        except (OSError, ProcessLookupError):
-            pass
-
-
 def _launch(ranks: int, out: Path, *args: str) -> dict:
     """Run the worker on ``ranks`` ranks; returns each survivor's record by start-up rank,
     or skips with the worker's reason where the MPI cannot recover."""
@@ -131,24 +115,13 @@ def _launch(ranks: int, out: Path, *args: str) -> dict:
         pytest.skip("no mpiexec")
     # ULFM is on only when the launcher is told; the MPICH wheel has none to turn on.
     cmd = mpiexec(ranks, [sys.executable, WORKER, str(out), *args], ft="ulfm" if flavor() == OPENMPI else "")
-    tag = uuid.uuid4().hex
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
-               **{TAG_ENV: tag})
+    env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")]))
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not end within {LAUNCH_TIMEOUT_S} s:\n{output[-3000:]}")
-    finally:
-        _kill_tagged(tag)
+    returncode, output = run_tagged(cmd, env, timeout=LAUNCH_TIMEOUT_S)
     skip = out / "skip.json"
     if skip.exists():
         pytest.skip(f"no failure recovery under this MPI: {json.loads(skip.read_text())['reason']}")
-    assert proc.returncode == 0, f"{' '.join(cmd)} ended with {proc.returncode}:\n{output[-3000:]}"
+    assert returncode == 0, f"{' '.join(cmd)} ended with {returncode}:\n{output[-3000:]}"
     records = {}
     for path in out.glob("rank_*.json"):
         record = json.loads(path.read_text())

@@ -8,7 +8,7 @@ step. Needs Open MPI under ``mpiexec --with-ft ulfm`` (docs/failures.md): elsewh
 tests skip with the reason; the fallback to ``restart`` is tested under any MPI.
 
 Every launch has a timeout, after which the launcher's process group and every process that
-carries this test's tag in its environment are killed.
+carries the launch's tag in its environment are killed (launcher.run_tagged).
 
     .venv-openmpi/bin/python -m pytest -q tests/test_shrink.py    # Open MPI: the launches run
     .venv/bin/python -m pytest -q -rs tests/test_shrink.py          # MPICH: they skip, with the reason
@@ -16,10 +16,7 @@ carries this test's tag in its environment are killed.
 
 import json
 import os
-import signal
-import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import h5py
@@ -27,24 +24,11 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from launcher import OPENMPI, available, flavor, mpiexec
+from launcher import OPENMPI, available, flavor, mpiexec, run_tagged
 
-TAG_ENV = "MPIDL_SHRINK_TEST_TAG"
 LAUNCH_TIMEOUT_S = 240
 TRAIN = [sys.executable, "-m", "mpidl.train", "--dtype", "float64", "--batch-size", "24",
          "--schedule", "constant", "--epochs", "1", "--progress-every", "1000"]
-
-
-def _kill_tagged(tag: str) -> None:
-    """SIGKILL every process whose environment carries ``TAG_ENV=tag``."""
-    needle = f"{TAG_ENV}={tag}".encode()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    os.kill(int(pid), signal.SIGKILL)
-        except (OSError, ProcessLookupError):
-            pass
 
 
 def _run(ranks: int, args: list[str], *, ulfm: bool = True, fault: str | None = None) -> tuple[int, str]:
@@ -53,24 +37,12 @@ def _run(ranks: int, args: list[str], *, ulfm: bool = True, fault: str | None = 
     if not available():
         pytest.skip("no mpiexec")
     cmd = mpiexec(ranks, TRAIN + args, ft="ulfm" if ulfm and flavor() == OPENMPI else "")
-    tag = uuid.uuid4().hex
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
-               **{TAG_ENV: tag})
+    env = dict(os.environ)
     env.pop("MPIDL_INJECT_FAULT", None)
     env.pop("MPIDL_RANKS_PER_NODE", None)
     if fault:
         env["MPIDL_INJECT_FAULT"] = fault
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not end within {LAUNCH_TIMEOUT_S} s:\n{output[-3000:]}")
-    finally:
-        _kill_tagged(tag)
-    return proc.returncode, output
+    return run_tagged(cmd, env, timeout=LAUNCH_TIMEOUT_S)
 
 
 def _needs_ulfm():
@@ -198,29 +170,11 @@ def test_node_strategy_leaves_a_lost_host_out_of_the_next_sync(tmp_path):
     _needs_ulfm()
     import shrink_node_worker as node_worker
 
-    name, env = _cluster(3)
-    hosts = ",".join(f"{name}-node{i}:2" for i in (1, 2, 3))
-    ssh = str(Path(__file__).resolve().parents[1] / "jobs" / "cluster_ssh.sh")
-    cmd = mpiexec(6, [sys.executable, NODE_WORKER, str(tmp_path), "--kill", "4,5", "--at", "9"], ft="ulfm")
-    at = cmd.index("ulfm")  # the hosts of the cluster after the launcher's --with-ft ulfm
-    cmd[at + 1:at + 1] = ["--prtemca", "plm_ssh_agent", ssh, "--host", hosts,
-                          "--mca", "btl_tcp_if_include", "eth0",
-                          "--mca", "oob_tcp_if_include", f"10.77.{env['SUBNET']}.0/24",
-                          "-x", f"PYTHONPATH={Path(__file__).parent}"]
-    tag = uuid.uuid4().hex
-    proc_env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
-                    **{TAG_ENV: tag})
-    proc = subprocess.Popen(cmd, env=proc_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not end within {LAUNCH_TIMEOUT_S} s:\n{output[-3000:]}")
-    finally:
-        _kill_tagged(tag)
-    assert proc.returncode == 0, output[-3000:]
+    name, _ = _cluster(3)
+    # MPIDL_CLUSTER is set: the launcher puts node i of 2 ranks on host NAME-node{i+1}
+    cmd = mpiexec(6, [sys.executable, NODE_WORKER, str(tmp_path), "--kill", "4,5", "--at", "9"], 3, ft="ulfm")
+    returncode, output = run_tagged(cmd, timeout=LAUNCH_TIMEOUT_S)
+    assert returncode == 0, output[-3000:]
     records = [json.loads((tmp_path / f"rank_{i}.json").read_text()) for i in range(4)]
     first = records[0]
     assert first["start"]["nodes"] == [[0, 1], [2, 3], [4, 5]] and first["split"] == [6, 6, 6, 6]
