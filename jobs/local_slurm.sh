@@ -91,6 +91,7 @@ start_daemons() {
             chown munge:munge /etc/munge/munge.key && chmod 600 /etc/munge/munge.key
         fi
         runuser -u munge -- /usr/sbin/munged
+        mkdir -p "$RUN" && cat /run/munge/munged.pid > "$RUN/munged.started"
     fi
     # Until the node is idle (slurmd registered); a node left DOWN by an earlier run is resumed,
     # and a daemon that was still shutting down when this started is started again.
@@ -134,6 +135,14 @@ case "$ACTION" in
                 fi
             done
             say "stopped slurmd and slurmctld"
+        fi
+        # munged only if `start` started it and no cluster of jobs/cluster.sh has a Slurm
+        # that still needs it.
+        if [[ -f "$RUN/munged.started" ]]; then
+            if ! grep -qs '^SLURM=1' /run/mpidl-cluster/*/cluster.env; then
+                kill "$(cat "$RUN/munged.started")" 2>/dev/null || true
+            fi
+            rm -f "$RUN/munged.started"
         fi
         ;;
     status)

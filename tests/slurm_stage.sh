@@ -27,6 +27,8 @@ if ! (command -v scontrol >/dev/null && scontrol ping 2>/dev/null | grep -q "is 
         exit 77
     fi
     bash jobs/local_slurm.sh start
+    # A Slurm this stage started goes when it ends, also when a check fails.
+    trap 'bash jobs/local_slurm.sh stop' EXIT
 fi
 
 WORK=$(mktemp -d /tmp/mpidl-slurm-stage.XXXXXX)
