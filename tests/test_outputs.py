@@ -234,4 +234,6 @@ def test_the_failing_rank_writes_its_message_once_before_mpi_abort(monkeypatch):
             with pytest.raises(SystemExit):
                 launch.abort_on_uncaught_exception(OSError, exc, exc.__traceback__)
     assert [e[0] for e in events] == ["write", "abort", "abort"]
-    assert events[0][1] == 2 and events[0][2].startswith(b"mpidl: rank 1 failed: OSError: disk gone\n")
+    first_line = events[0][2].split(b"\n")[0]
+    assert events[0][1] == 2 and first_line.startswith(b"mpidl: rank 1 failed: OSError: disk gone (host ")
+    assert first_line.endswith(f"pid {os.getpid()})".encode())
