@@ -21,6 +21,7 @@ import pytest
 from mpi4py import MPI
 
 from mpidl.checkpoint import CHECKPOINT_NAME, CheckpointError
+from mpidl.distributed import Topology
 from trainer_harness import all_agree, make_trainer, speeds_for
 
 WORLD = MPI.COMM_WORLD
@@ -217,8 +218,11 @@ def test_a_node_checkpoint_between_syncs_says_what_would_resume_it(mpi_tmp_path)
     folder = str(mpi_tmp_path / "ck")
     argv = BASE + ["--strategy", "node", "--sync-every", "4", "--checkpoint", folder]
     train(argv + ["--max-steps", "6"], ranks_per_node=TWO_NODES)
+    here = Topology.from_comm(WORLD)  # the resuming run's own nodes (real ones in a 2-node stage)
+    nodes_here = here.num_nodes
+    here.free()
     expect_checkpoint_error(BASE + ["--checkpoint", folder, "--resume"],
                             "written 2 step(s) after the last parameter sync of its 2 nodes (strategy node), "
                             "while their parameters differed, so it continues only with strategy node on 2 "
-                            "node(s) (this run: strategy flat on 1); resume it so until an epoch's end (the "
-                            "checkpoint there follows a parameter sync), then change the strategy or node count")
+                            f"node(s) (this run: strategy flat on {nodes_here}); resume it so until an epoch's end "
+                            "(the checkpoint there follows a parameter sync), then change the strategy or node count")
