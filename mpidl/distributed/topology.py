@@ -74,9 +74,6 @@ class Topology:
         Rank within the node and the node's size (kept after :meth:`free`).
     emulated_ranks_per_node : int or None
         ``K`` when nodes were emulated by grouping consecutive ranks, else None.
-    machine_size : int
-        Ranks that share this rank's machine (``Split_type(COMM_TYPE_SHARED)``), emulated nodes
-        or not.
     """
 
     world: MPI.Comm
@@ -90,7 +87,6 @@ class Topology:
     local_rank: int
     local_size: int
     emulated_ranks_per_node: int | None = None
-    machine_size: int = 1
     _owned: list = field(default_factory=list, repr=False)
 
     @classmethod
@@ -110,12 +106,9 @@ class Topology:
         rank = world.Get_rank()
         # key=rank keeps world order inside each node, so local rank 0 is the node's lowest
         # world rank and the leaders come out ordered by node id.
-        machine = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-        machine_size = machine.Get_size()
         if emulated is None:
-            node = machine
+            node = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
         else:
-            machine.Free()
             node = world.Split(color=rank // emulated, key=rank)
         # A node is named by its lowest world rank; every rank learns every rank's node.
         node_lowest_rank = node.allreduce(rank, op=MPI.MIN)
@@ -131,7 +124,7 @@ class Topology:
                    node_sizes=node_sizes, node_of_rank=node_of_rank,
                    rank=rank, size=world.Get_size(), local_rank=node.Get_rank(),
                    local_size=node.Get_size(),
-                   emulated_ranks_per_node=emulated, machine_size=machine_size, _owned=owned)
+                   emulated_ranks_per_node=emulated, _owned=owned)
 
     @property
     def is_leader(self) -> bool:
