@@ -52,6 +52,17 @@ PYTEST=("$PY" -m pytest -q -p no:cacheprovider)
 stage() { echo; echo "=== $* [$library, $(date -u +%H:%M:%S)]"; }
 # Runs "${MPIDL_CMD[@]}" set by mpidl_mpiexec RANKS NODES PROGRAM... (jobs/launcher.sh).
 mpi_stage() { mpidl_mpiexec "$@"; echo "\$ ${MPIDL_CMD[*]}"; "${MPIDL_CMD[@]}"; }
+# optional_stage SCRIPT MODE WHY: runs SCRIPT; its exit code 77 (cannot run here) is a skip when
+# MODE is auto, a failure when it is 1 (the stage required); any other non-zero code stops.
+optional_stage() {
+    local code=0
+    bash "$1" || code=$?
+    if (( code == 77 )) && [[ "$2" == auto ]]; then
+        echo "run_all: $1 skipped ($3)"
+    elif (( code != 0 )); then
+        exit "$code"
+    fi
+}
 
 if [[ "$WHAT" == all ]]; then
     stage "serial tests"
@@ -87,24 +98,12 @@ if [[ "${CLUSTER_STAGE:-auto}" != 0 ]]; then
     # Under both MPIs (CI's Open MPI pass runs `mpi`): the hosts are real network stacks, which
     # nothing above has.
     stage "a real 2-host cluster: equivalence, kernel bytes, two-node Slurm, faults (tests/cluster_stage.sh)"
-    code=0
-    bash tests/cluster_stage.sh || code=$?
-    if (( code == 77 )) && [[ "${CLUSTER_STAGE:-auto}" == auto ]]; then
-        echo "run_all: cluster stage skipped (see the reason above)"
-    elif (( code != 0 )); then
-        exit "$code"
-    fi
+    optional_stage tests/cluster_stage.sh "${CLUSTER_STAGE:-auto}" "see the reason above"
 fi
 
 if [[ "$WHAT" == all && "${SLURM_STAGE:-auto}" != 0 ]]; then
     stage "Slurm: jobs/slurm_cpu_single_node.sh under a one-machine Slurm (tests/slurm_stage.sh)"
-    code=0
-    bash tests/slurm_stage.sh || code=$?
-    if (( code == 77 )) && [[ "${SLURM_STAGE:-auto}" == auto ]]; then
-        echo "run_all: Slurm stage skipped (no Slurm here and none can be installed)"
-    elif (( code != 0 )); then
-        exit "$code"
-    fi
+    optional_stage tests/slurm_stage.sh "${SLURM_STAGE:-auto}" "no Slurm here and none can be installed"
 fi
 
 echo; echo "=== all test stages passed ($library)"
