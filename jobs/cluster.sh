@@ -124,9 +124,19 @@ set_cpu_share() {  # I SHARE: cpu quota in cores per period (none: no limit)
         return 0
     fi
     [[ "$share" =~ ^[0-9]+(\.[0-9]+)?$ ]] || die "CPU share '$share': a number of cores (e.g. 0.5) or none"
-    quota=$(awk -v s="$share" 'BEGIN { printf "%d", s * 100000 }')
-    (( quota >= 1000 )) || die "CPU share '$share' below 0.01 core"
-    echo 100000 > "$dir/cpu.cfs_period_us"
+    # The quota is enforced per period: a half-core host runs a whole period's half at full
+    # speed, then stops. With the kernel's default 100 ms that stop is longer than a training
+    # step, so steps alternate between full speed and stalled; with 10 ms the host behaves as
+    # a slower core at the scale of a step. The kernel's smallest quota is 1 ms, so shares
+    # under 0.1 core get a longer period.
+    local period=10000
+    quota=$(awk -v s="$share" -v p="$period" 'BEGIN { printf "%d", s * p }')
+    if (( quota < 1000 )); then
+        period=$(awk -v s="$share" 'BEGIN { printf "%d", 1000 / s + 0.5 }')
+        quota=1000
+    fi
+    (( period <= 1000000 )) || die "CPU share '$share' below 0.001 core"
+    echo "$period" > "$dir/cpu.cfs_period_us"
     echo "$quota" > "$dir/cpu.cfs_quota_us"
 }
 
@@ -370,7 +380,8 @@ status_cluster() {
         # An unshaped link (--rate none) has no tbf line: grep finds nothing, which is no error.
         rate=$(ip netns exec "$ns" tc qdisc show dev eth0 2>/dev/null | { grep -o 'tbf.*rate [0-9.]*[KMG]*bit' || true; } | awk '{print $NF}')
         q=$(cat "/sys/fs/cgroup/cpu/$CG/node$i/cpu.cfs_quota_us" 2>/dev/null || echo -1)
-        if (( q < 0 )); then share=none; else share=$(awk -v q="$q" 'BEGIN { printf "%.2f", q / 100000 }'); fi
+        p=$(cat "/sys/fs/cgroup/cpu/$CG/node$i/cpu.cfs_period_us" 2>/dev/null || echo 100000)
+        if (( q < 0 )); then share=none; else share=$(awk -v q="$q" -v p="$p" 'BEGIN { printf "%.2f", q / p }'); fi
         frozen=$(cat "/sys/fs/cgroup/freezer/$CG/node$i/freezer.state" 2>/dev/null || echo "?")
         if ip -o link show "$(veth_of "$i")" 2>/dev/null | grep -q "master $BRIDGE"; then cut=connected; else cut=CUT; fi
         procs=$(pids_of_host "$i" | wc -l)
