@@ -412,13 +412,18 @@ def summarize_hdp(runs: list[dict]) -> tuple[list, dict]:
     for lab in labels:
         rs = by[lab]
         if not rs:
-            rows.append([lab] + ["failed"] * 5)
+            rows.append([lab] + ["failed"] * 6)
             continue
         splits = sorted({":".join(map(str, r["epochs"][-1].get("batch_sizes", []))) for r in rs})
         e = [epoch_s(r) for r in rs]
+        # The machine's speed drifts between rounds; within one round the row and the best
+        # split ran minutes apart, so their ratio there is the steadier figure.
+        best_in = {r["round"]: epoch_s(r) for r in by.get(best_lab, [])}
+        same_round = [epoch_s(r) / best_in[r["round"]] for r in rs if r["round"] in best_in]
         summary[lab] = {"epoch_s": common.median(e), "final_oa": common.median([final_oa(r) for r in rs]),
-                        "splits": splits}
+                        "splits": splits, "per_round_ratio": same_round}
         rows.append([lab, ", ".join(splits), ms(e, 1, 2), ratio_str(common.median(e), best),
+                     ms(same_round, 1, 2) if same_round else "n/a",
                      ms([final_oa(r) for r in rs], 100, 2), str(len(rs))])
     return rows, summary
 
@@ -526,7 +531,7 @@ def share_change(cluster: Cluster, args, work: Path) -> tuple[list[str], dict]:
 
 
 HDP_HEADERS = ["row", "split chosen (last epoch, per run)", "epoch s (median of epochs 2..E)", "/ best fixed split",
-               "final test OA %", "runs"]
+               "/ best fixed split in the same round", "final test OA %", "runs"]
 
 
 # --------------------------------------------------------------------------------------------
