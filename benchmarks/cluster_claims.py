@@ -506,6 +506,16 @@ def share_change(cluster: Cluster, args, work: Path) -> tuple[list[str], dict]:
         change_runs.append(rec)
         print(f"  [{rec['time']}] share change round {r + 1}: splits "
               f"{[e.get('batch_sizes') for e in rec['epochs']]}, back within 5 % after {back} steps", flush=True)
+    change = {"sweep_runs": sweep_runs, "change_runs": change_runs, "best": best, "best_epoch_s": fixed[best],
+              "best_step_s": best_step, "sweep": sweep}
+    return change_section(rate, args.change, change), change
+
+
+def change_section(rate: str, share: str, change: dict) -> list[str]:
+    """The Markdown of the share-change experiment (a live run's or its JSON's)."""
+    sweep_runs, change_runs, best = change["sweep_runs"], change["change_runs"], change["best"]
+    sweep = change.get("sweep") or list(dict.fromkeys(x["label"] for x in sweep_runs))
+    best_epoch, best_step = change["best_epoch_s"], change["best_step_s"]
     steps_per = change_runs[0]["epochs"][0]["step"] if change_runs and change_runs[0]["epochs"] else 0
     rows = [[lab, ms([epoch_s(x) for x in sweep_runs if x["label"] == lab and x["epochs"]], 1, 2),
              ms([1e3 * common.median([c for ep in x["critical"][1:] for c in ep]) for x in sweep_runs
@@ -514,20 +524,18 @@ def share_change(cluster: Cluster, args, work: Path) -> tuple[list[str], dict]:
     for rec in change_runs:
         change_rows.append([rec["round"] + 1, " -> ".join(":".join(map(str, e.get("batch_sizes", []))) for e in rec["epochs"]),
                             " / ".join(f"{e['time_s']:.2f}" for e in rec["epochs"]),
-                            ", ".join(f"{e['time_s'] / fixed[best]:.2f}" for e in rec["epochs"][2:]),
+                            ", ".join(f"{e['time_s'] / best_epoch:.2f}" for e in rec["epochs"][2:]),
                             "not within 5 %" if rec["steps_back"] is None else str(rec["steps_back"])])
-    body = [f"## A share lowered mid-run: host 2 1.0 -> {args.change} after epoch 2 (link {rate})", "",
+    return [f"## A share lowered mid-run: host 2 1.0 -> {share} after epoch 2 (link {rate})", "",
             load_line(sweep_runs + change_runs) + ".", "",
-            f"Best fixed split at 1.0 / {args.change} (sweep, 3 epochs each, median of epochs 2-3):", "",
+            f"Best fixed split at 1.0 / {share} (sweep, 3 epochs each, median of epochs 2-3):", "",
             common.md_table(["split", "epoch s", "slowest rank's compute ms/step (median)"], rows), "",
-            f"Best: {best} ({fixed[best]:.2f} s per epoch, {1e3 * best_step:.1f} ms slowest-rank compute per step). "
+            f"Best: {best} ({best_epoch:.2f} s per epoch, {1e3 * best_step:.1f} ms slowest-rank compute per step). "
             f"`--speeds auto --rebalance` runs ({steps_per} steps per epoch; re-fit every 20 steps; "
             f"the change lands at the start of epoch 3):", "",
             common.md_table(["round", "split per epoch", "epoch s per epoch", "epochs 3.. / best fixed epoch",
                              "steps after the change until the slowest-rank compute (median of 10) <= 1.05 x best's"],
                             change_rows), "", "Commands:", "", *commands_block(sweep_runs + change_runs)]
-    return body, {"sweep_runs": sweep_runs, "change_runs": change_runs, "best": best, "best_epoch_s": fixed[best],
-                  "best_step_s": best_step}
 
 
 HDP_HEADERS = ["row", "split chosen (last epoch, per run)", "epoch s (median of epochs 2..E)", "/ best fixed split",
@@ -785,6 +793,8 @@ def rewrite(args, results, n_train, per_epoch, suffix) -> int:
         elif entry["table"] == "hdp":
             table, summary = summarize_hdp(runs)
             body += generic_section(f"host CPU shares {entry['cpu']}, link {entry['rate']}", HDP_HEADERS, table, runs)
+        elif entry["table"] == "hdp_change":
+            body += change_section(entry["rate"], entry["cpu"].split("->")[-1].strip(), entry)
     args.argv_shown = results["argv"]
     save(args, results, body, suffix, results["machine"], results["argv"])
     return 0
