@@ -388,7 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="flat/hierarchical: exchange gradient buckets with non-blocking "
                         "collectives started during the backward pass (default off)")
     g.add_argument("--bucket-mb", type=float, default=d.bucket_mb, metavar="MIB",
-                   help=f"bucket size of --overlap in MiB (default {d.bucket_mb:g})")
+                   help=f"largest bucket of --overlap in MiB (default {d.bucket_mb:g}); a smaller "
+                        f"gradient is still cut into 8 buckets where its layers allow")
     g.add_argument("--compress", default=d.compress,
                    help=f"inter-node traffic in {', '.join(c for c in COMPRESSIONS if c != 'none')} "
                         f"with error feedback and float32 accumulation, or none (default {d.compress})")

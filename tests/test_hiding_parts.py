@@ -8,7 +8,7 @@ import pytest
 from mpidl.config import ConfigError, parse_config
 from mpidl.distributed.compress import Compressor, from_bf16, to_bf16
 from mpidl.distributed.emulation import LinkModel, LinkTimeline
-from mpidl.distributed.overlap import Bucket, plan_buckets
+from mpidl.distributed.overlap import MIN_BUCKETS, Bucket, bucket_bytes, plan_buckets
 from mpidl.distributed.shm import move_state, slice_optimizer
 from mpidl.nn import Linear, ReLU, Sequential
 from mpidl.optim import SGD, Adam, AdamW
@@ -82,6 +82,15 @@ def test_bucket_plan_covers_the_message_once_in_reverse_layer_order():
         assert [b.first for b in plan] == sorted((b.first for b in plan), reverse=True)
     assert plan_buckets(sizes, 1e12, 4) == [Bucket(0, sum(sizes) + 3, 0)]
     assert len(plan_buckets(sizes, 1, 4)) == 6  # one per layer with parameters
+
+
+def test_a_message_under_the_bucket_cap_is_still_cut_so_that_its_last_layers_travel_early():
+    """One bucket would start only after layer 0's backward, with nothing left to hide it."""
+    sizes = [432, 32, 0, 4672, 14528, 57728, 0, 650]  # 78,042 float32: 0.3 MB < 1 MiB
+    plan = plan_buckets(sizes, bucket_bytes(sum(sizes), 4, 1.0), 4)
+    assert len(plan) >= 3 and plan[0].first > 0 and plan[-1].first == 0
+    assert bucket_bytes(sum(sizes), 4, 1.0) == sum(sizes) * 4 / MIN_BUCKETS
+    assert bucket_bytes(10 ** 8, 4, 1.0) == 2 ** 20  # the cap still bounds a large message
 
 
 def test_sequential_backward_hook_sees_the_layers_in_reverse():

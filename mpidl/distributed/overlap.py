@@ -56,7 +56,8 @@ from mpidl.distributed.emulation import LinkTimeline
 from mpidl.distributed.reducer_base import COUNT, NONFINITE, SLOTS, STOP, Variant
 from mpidl.distributed.shm import POLL_S, self_oversubscribed
 
-__all__ = ["Bucket", "plan_buckets", "OverlappedExchange", "Overlapped", "OVERLAP_STRATEGIES"]
+__all__ = ["Bucket", "plan_buckets", "bucket_bytes", "MIN_BUCKETS", "OverlappedExchange", "Overlapped",
+           "OVERLAP_STRATEGIES"]
 
 OVERLAP_STRATEGIES = ("flat", "hierarchical")
 
@@ -90,6 +91,23 @@ def plan_buckets(layer_sizes: list[int], bucket_bytes: float, itemsize: int) -> 
             buckets.append(Bucket(lo, hi, k))
             hi = lo
     return buckets
+
+
+#: the fewest buckets a message is cut into where its layers allow (see :func:`bucket_bytes`)
+MIN_BUCKETS = 8
+
+
+def bucket_bytes(elements: int, itemsize: int, bucket_mb: float) -> float:
+    """The bucket size: ``min(bucket_mb MiB, message bytes / MIN_BUCKETS)``.
+
+    ``bucket_mb`` is a cap, as DDP's ``bucket_cap_mb``. A message smaller than the cap would
+    otherwise be ONE bucket, complete only when the backward of layer 0 is done, i.e. when
+    there is nothing left to overlap it with; with at least ``MIN_BUCKETS`` the buckets of
+    the last layers travel while the first layers compute, and only the last bucket (about
+    ``1 / MIN_BUCKETS`` of the message) is exposed. Each bucket costs one collective's
+    latency more, which is why the count stays small.
+    """
+    return min(float(bucket_mb) * 2 ** 20, elements * itemsize / MIN_BUCKETS)
 
 
 class _Pending:
@@ -281,7 +299,8 @@ class Overlapped(Variant):
         super().__init__(reducer)
         params = model.params
         layers = [sum(p.size for _, p in layer.named_parameters()) for layer in model.net.layers]
-        self.buckets = plan_buckets(layers, float(bucket_mb) * 2 ** 20, params.data.itemsize)
+        self.buckets = plan_buckets(layers, bucket_bytes(sum(layers), params.data.itemsize, bucket_mb),
+                                    params.data.itemsize)
         self.engine = OverlappedExchange(reducer, params.message, self.buckets)
         self.model = model
         self._step = None  # (count, stop_requested) from begin, until reduce
