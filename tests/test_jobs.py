@@ -148,6 +148,17 @@ def test_cluster_start_and_stop_leave_nothing(cluster_name, start_args, hosts):
     for i in range(1, hosts + 1):
         cpus = Path(f"/sys/fs/cgroup/cpuset/mpidl-cluster-{cluster_name}/node{i}/cpuset.cpus")
         assert cpus.read_text().strip(), f"host {i} has no cpus in its cpuset"
+    # A CPU share is a quota over a short period (a slower core at the scale of a step, not
+    # a full one that stalls); shares under 0.1 core stretch the period to the kernel's 1 ms
+    # smallest quota. status reads the share back.
+    cpu = Path(f"/sys/fs/cgroup/cpu/mpidl-cluster-{cluster_name}/node2")
+    for share, quota, period, shown in (("0.5", 5000, 10000, "cpu 0.50"), ("0.05", 1000, 20000, "cpu 0.05")):
+        assert _cluster(cluster_name, "cpu", "2", share).returncode == 0
+        limits = [int((cpu / f"cpu.cfs_{part}_us").read_text()) for part in ("quota", "period")]
+        assert limits == [quota, period]
+        status = [line for line in _cluster(cluster_name, "status").stdout.splitlines()
+                  if f"{cluster_name}-node2" in line]
+        assert status and shown in status[0], status
     # A process really runs inside a host: it joins the host's cgroups (cpuset included).
     inside = _cluster(cluster_name, "run", "1", "--", "hostname")
     assert inside.returncode == 0 and inside.stdout.strip() == f"{cluster_name}-node1", inside.stderr
