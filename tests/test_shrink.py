@@ -97,6 +97,59 @@ def test_without_ulfm_a_dataparallel_says_why_and_restarts(monkeypatch):
     assert not dp.shrunk
 
 
+def test_survivors_that_cannot_go_on_stop_alone_without_mpi_abort(monkeypatch, tmp_path):
+    """A RecoveryError (a minority after a cut link, say) ends the process with one line and
+    exit code 1 but never calls MPI_Abort, which would also end the other half of the job (the
+    ranks that went on without this one); any other exception still aborts."""
+    import mpidl.distributed.launch as launch
+    from mpidl.distributed.recovery import RecoveryError
+
+    events = []
+
+    class World:
+        def Get_rank(self):
+            return 2
+
+        def Get_size(self):
+            return 4
+
+        def Abort(self, code):
+            events.append(("abort", code))
+
+    class FakeMPI:
+        COMM_WORLD = World()
+
+    def fake_exit(code):
+        events.append(("exit", code))
+        raise SystemExit(code)
+
+    monkeypatch.setattr(launch, "MPI", FakeMPI)
+    monkeypatch.setattr(launch.os, "_exit", fake_exit)
+    monkeypatch.setattr(launch.sys.stderr, "fileno", lambda: 2, raising=False)
+    monkeypatch.setattr(launch, "_write_all", lambda fd, data: events.append(("write", data)))
+    monkeypatch.setattr(launch, "_failure_file", str(tmp_path / "m.failure.txt"))
+    monkeypatch.setattr(launch, "_reported", False)
+    message = "lost rank(s) [0, 1] on h1 (all its ranks); 2 rank(s) are a minority and stop"
+    try:
+        raise RecoveryError(message)
+    except RecoveryError as exc:
+        with pytest.raises(SystemExit):
+            launch.abort_on_uncaught_exception(RecoveryError, exc, exc.__traceback__)
+    assert [e[0] for e in events] == ["write", "exit"] and events[1] == ("exit", 1)
+    assert events[0][1].decode().startswith(f"mpidl: rank 2 stops: RecoveryError: {message} (host ")
+    assert events[0][1].count(b"\n") == 1  # one line; the traceback goes to the failure file
+    assert "Traceback" in (tmp_path / "m.failure.txt").read_text()
+
+    events.clear()
+    monkeypatch.setattr(launch, "_reported", False)
+    try:
+        raise RuntimeError("a bug")
+    except RuntimeError as exc:
+        with pytest.raises(SystemExit):
+            launch.abort_on_uncaught_exception(RuntimeError, exc, exc.__traceback__)
+    assert [e[0] for e in events] == ["write", "abort"]
+
+
 @pytest.mark.launcher
 @pytest.mark.parametrize("strategy, victim", [("flat", 0), ("hierarchical", 2)])
 def test_a_killed_rank_ends_as_the_survivors_resumed_from_its_step(tmp_path, strategy, victim):
@@ -191,3 +244,40 @@ def test_node_strategy_leaves_a_lost_host_out_of_the_next_sync(tmp_path):
     unchanged = node_worker.reference(20, first["start"]["nodes"], first["start"]["split"], set(), 9,
                                       first["start"]["split"])
     assert np.abs(unchanged - expected).max() > 1e-3
+
+
+@pytest.mark.launcher
+def test_losing_two_hosts_of_three_one_after_the_other_the_first_host_finishes(tmp_path):
+    """3 hosts of 2 ranks, hierarchical: host 3 dies in step 10 (4 of 6 ranks left: a
+    majority), host 2 in step 25 (2 of 4 left: exactly half, a quorum since they hold start-up
+    rank 0). The survivors on host 1 finish the epoch with exit 0; each loss re-splits the same
+    global batch (24 = 6 x 4 = 4 x 6 = 2 x 12), and every step of the epoch is done exactly
+    once: host 1's ranks took 4, then 6, then 12 samples a step."""
+    _needs_ulfm()
+    name, _ = _cluster(3)
+    first, second, batch = 10, 25, 24
+    metrics = tmp_path / "stress.jsonl"
+    # MPIDL_CLUSTER is set: the launcher puts node i of 2 ranks on host NAME-node{i+1}
+    cmd = mpiexec(6, TRAIN + ["--strategy", "hierarchical", "--balance", "none", "--drop-last",
+                              "--on-failure", "shrink", "--metrics", str(metrics)], 3, ft="ulfm")
+    env = {k: v for k, v in os.environ.items() if k != "MPIDL_RANKS_PER_NODE"}
+    env["MPIDL_INJECT_FAULT"] = f"4:{first}:kill,5:{first}:kill,2:{second}:kill,3:{second}:kill"
+    returncode, output = run_tagged(cmd, env, timeout=LAUNCH_TIMEOUT_S)
+    assert returncode == 0, output[-3000:]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    (start,) = [r for r in records if r["event"] == "start"]
+    failures = [r for r in records if r["event"] == "failure"]
+    (epoch,) = [r for r in records if r["event"] == "epoch"]
+    end = records[-1]
+    assert start["node_sizes"] == [2, 2, 2]
+    steps = start["steps_per_epoch"]
+    assert [(f["step"], f["lost_ranks"], f["lost_hosts"], f["emptied_hosts"], f["ranks_left"], f["node_sizes"])
+            for f in failures] == [
+        (first, [4, 5], [f"{name}-node3"], [f"{name}-node3"], 4, [2, 2]),
+        (second, [2, 3], [f"{name}-node2"], [f"{name}-node2"], 2, [2])]
+    assert [f["batch_sizes"] for f in failures] == [[6] * 4, [12] * 2]
+    assert all(f["recovery_s"] is not None for f in failures)
+    assert end["event"] == "end" and end["step"] == steps and end["failures"] == 2
+    assert epoch["batch_sizes"] == [12, 12]
+    per_rank = 4 * first + 6 * (second - first) + 12 * (steps - second)
+    assert epoch["samples"] == [per_rank, per_rank]
