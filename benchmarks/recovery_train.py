@@ -19,7 +19,10 @@ return while a host is frozen or cut off, so the run is watched through its metr
 survivors' ``end`` record is there, and ``--grace`` seconds later, host 2 is thawed or its link
 restored, and for ``--after-restore`` seconds the benchmark records what mpiexec (does it
 return by itself, with which code) and host 2's ranks (do they find out they are out, and end)
-do; whatever is still running then is killed, and said so.
+do; whatever is still running then is killed, and said so. ``--restore-at failure`` thaws or
+restores as soon as the survivors' failure record is written, while they train on (will the
+host that is back disturb them?). ``--keepalive`` adds TCP keepalive to prterun's links to its
+daemons (as tests/launcher.py does), which may let it give up on an unreachable one.
 
 ``--stress``: 3 hosts; host 3 is killed ``--after`` seconds after the start, then host 2
 ``--gap`` seconds after the survivors' first failure record: the survivors on host 1 (holding
@@ -117,8 +120,13 @@ def command(args, state: dict, strategy: str, hosts: int, fault: str, metrics: P
         period, timeout = args.detector.split(",")
         cmd += ["--mca", "mpi_ft_detector", "true", "--mca", "mpi_ft_detector_period", period,
                 "--mca", "mpi_ft_detector_timeout", timeout]
+        if args.detector_thread:
+            cmd += ["--mca", "mpi_ft_detector_thread", "true"]
+    if args.keepalive:  # prterun's own connections to its daemons (tests/launcher.py sets these)
+        cmd += ["--prtemca", "oob_tcp_keepalive_time", "5", "--prtemca", "oob_tcp_keepalive_intvl", "1",
+                "--prtemca", "oob_tcp_keepalive_probes", "5"]
     return cmd + [sys.executable, "-m", "mpidl.train", "--on-failure", "shrink", "--strategy", strategy,
-                  "--sync-every", "10", "--epochs", "1", "--max-steps", str(args.steps),
+                  "--sync-every", "10", "--epochs", str(args.epochs), "--max-steps", str(args.steps),
                   "--batch-size", str(args.batch_size), "--balance", "none", "--metrics", str(metrics),
                   "--progress-every", "1000"]
 
@@ -143,6 +151,7 @@ def run_once(args, state: dict, strategy: str, fault: str, hosts: int, tag: str)
     def records(event):
         return [r for r in read_metrics(metrics) if r.get("event") == event]
 
+    undone = fault not in UNDO
     try:
         if fault != "none" and wait_for(lambda: records("start"), proc, args.timeout):
             time.sleep(args.after)
@@ -153,27 +162,37 @@ def run_once(args, state: dict, strategy: str, fault: str, hosts: int, tag: str)
                     time.sleep(args.gap)
                     injected.append(time.time())
                     cluster(args, "kill", "2")
-        wait_for(lambda: records("end"), proc, args.timeout - (time.time() - started))
-        end_seen = time.time()
         if fault in UNDO:
-            # does mpiexec end by itself while host 2 is still frozen / cut off?
-            wait_for(lambda: proc.poll() is not None, proc, args.grace)
-            result["mpiexec_before_restore"] = proc.poll()  # None: still running
+            result["restore_at"] = args.restore_at
+            if args.restore_at == "end":
+                wait_for(lambda: records("end"), proc, args.timeout - (time.time() - started))
+                # does mpiexec end by itself while host 2 is still frozen / cut off?
+                wait_for(lambda: proc.poll() is not None, proc, args.grace)
+                result["mpiexec_before_restore"] = proc.poll()  # None: still running
+            else:  # while the survivors train on without host 2
+                wait_for(lambda: records("failure"), proc, args.timeout - (time.time() - started))
             ranks_before = host_ranks(args, victim)
             restored = time.time()
             cluster(args, UNDO[fault], str(victim))
-            result["restored_after_end_s"] = restored - end_seen
+            undone = True
+            if injected:
+                result["restored_after_fault_s"] = restored - injected[0]
             gone = wait_for(lambda: not host_ranks(args, victim), proc, args.after_restore, poll=0.2)
             result["host2_ranks_at_restore"] = [f"rank {r} ({s})" for _, r, s in ranks_before]
             result["host2_ranks_gone_s"] = (time.time() - restored) if gone else None
+            if args.restore_at != "end":
+                wait_for(lambda: records("end"), proc, args.timeout - (time.time() - started))
             ended = wait_for(lambda: proc.poll() is not None, proc,
-                             max(0.0, args.after_restore - (time.time() - restored)), poll=0.2)
+                             max(args.grace, args.after_restore - (time.time() - restored)), poll=0.2)
             result["mpiexec_after_restore"] = proc.returncode if ended else None
             result["mpiexec_ended_s"] = (time.time() - restored) if ended else None
             result["host2_ranks_left"] = [f"rank {r} ({s})" for _, r, s in host_ranks(args, victim)]
         else:
+            wait_for(lambda: records("end"), proc, args.timeout - (time.time() - started))
             wait_for(lambda: proc.poll() is not None, proc, args.grace + 30)
     finally:
+        if not undone:  # a frozen process takes no SIGKILL until thawed
+            cluster(args, UNDO[fault], str(victim))
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -225,6 +244,14 @@ def main(argv=None) -> int:
     parser.add_argument("--after", type=float, default=2.0, help="seconds after the start record")
     parser.add_argument("--gap", type=float, default=2.0, help="--stress: seconds after the first failure record")
     parser.add_argument("--detector", default="1,4", help="freeze/cut: mpi_ft_detector_period,_timeout (s)")
+    parser.add_argument("--detector-thread", action=argparse.BooleanOptionalAction, default=True,
+                        help="freeze/cut: heartbeats from a thread of their own (without it, a rank "
+                             "computing longer than the timeout without an MPI call is taken for dead)")
+    parser.add_argument("--restore-at", choices=("end", "failure"), default="end",
+                        help="freeze/cut: thaw / restore after the survivors' end record, or as soon "
+                             "as their failure record is written (while they train on)")
+    parser.add_argument("--keepalive", action="store_true", help="TCP keepalive on prterun's daemons' links")
+    parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--grace", type=float, default=5.0, help="seconds to wait for mpiexec after the end record")
     parser.add_argument("--after-restore", type=float, default=60.0, help="seconds to watch after a thaw/restore")
     parser.add_argument("--timeout", type=float, default=240.0, help="per run, until the end record")

@@ -97,6 +97,17 @@ def test_without_ulfm_a_dataparallel_says_why_and_restarts(monkeypatch):
     assert not dp.shrunk
 
 
+def test_the_start_up_line_says_what_the_heartbeat_detector_will_catch():
+    from mpidl.distributed.recovery import detector_state
+
+    assert detector_state({}).startswith("no heartbeat detector: a frozen host or a cut link is not detected")
+    on = {"OMPI_MCA_mpi_ft_detector": "true", "OMPI_MCA_mpi_ft_detector_timeout": "4",
+          "OMPI_MCA_mpi_ft_detector_period": "1"}
+    assert "WITHOUT its thread: a rank that computes for more than 4 s" in detector_state(on)
+    assert detector_state({**on, "OMPI_MCA_mpi_ft_detector_thread": "1"}) == (
+        "heartbeat detector: a host silent for 4 s is declared dead (period 1 s)")
+
+
 def test_survivors_that_cannot_go_on_stop_alone_without_mpi_abort(monkeypatch, tmp_path):
     """A RecoveryError (a minority after a cut link, say) ends the process with one line and
     exit code 1 but never calls MPI_Abort, which would also end the other half of the job (the
