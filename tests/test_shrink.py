@@ -108,6 +108,54 @@ def test_the_start_up_line_says_what_the_heartbeat_detector_will_catch():
         "heartbeat detector: a host silent for 4 s is declared dead (period 1 s)")
 
 
+def test_a_garbled_object_collective_is_a_process_failure_when_a_peer_is_known_failed():
+    """A collective can complete on one rank and fail on others: the pickled allgather then
+    left garbage counts on rank 3 of a cut run (MemoryError, not an MPI error). With a failed
+    peer known (MPI_Comm_get_failed) it is recovered from like the MPI error; without one it
+    is a real error and propagates."""
+    from mpidl.distributed.elastic import OUTSIDE, ShrinkOnFailure
+    from mpidl.distributed.recovery import RanksLost
+
+    class Group:
+        def __init__(self, size):
+            self.size = size
+
+        def Get_size(self):
+            return self.size
+
+        def Free(self):
+            pass
+
+    class World:
+        failed = 0
+
+        def Get_failed(self):
+            return Group(self.failed)
+
+    class Topology:
+        world = World()
+
+    class Recovering(ShrinkOnFailure):
+        def __init__(self):
+            self.topology, self._step_snapshots, self.recovered = Topology(), object(), []
+
+        def _recover(self, exc, where):
+            self.recovered.append((exc.Get_error_class(), where))
+            raise RanksLost({"step": 3}, "lost")
+
+    def garbled():
+        raise MemoryError()
+
+    dp = Recovering()
+    with pytest.raises(MemoryError):
+        dp._guarded(OUTSIDE, garbled)
+    assert dp.recovered == []
+    dp.topology.world.failed = 2
+    with pytest.raises(RanksLost):
+        dp._guarded(OUTSIDE, garbled)
+    assert dp.recovered == [(MPI.ERR_PROC_FAILED, OUTSIDE)]
+
+
 def test_survivors_that_cannot_go_on_stop_alone_without_mpi_abort(monkeypatch, tmp_path):
     """A RecoveryError (a minority after a cut link, say) ends the process with one line and
     exit code 1 but never calls MPI_Abort, which would also end the other half of the job (the

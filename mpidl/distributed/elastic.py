@@ -148,7 +148,26 @@ class ShrinkOnFailure:
             if not is_process_failure(exc):
                 raise
             self._recover(exc, where)
+        except Exception:
+            # A collective may complete on one rank and fail on another; a pickled one
+            # (allgather of objects: counts first, then the bytes) then hands the rank that
+            # saw no error garbage counts, and the error is a MemoryError or an unpickling
+            # error instead of MPI's. It is a process failure if MPI knows of a failed peer.
+            if not self._peer_failed():
+                raise
+            self._recover(MPI.Exception(MPI.ERR_PROC_FAILED), where)
         return result
+
+    def _peer_failed(self) -> bool:
+        """Whether this process knows of a failed process of the world (local, no communication)."""
+        try:
+            failed = self.topology.world.Get_failed()
+        except MPI.Exception:
+            return False
+        try:
+            return failed.Get_size() > 0
+        finally:
+            failed.Free()
 
     def _step_completed(self) -> None:
         """The first step completed after a recovery closes its record (``recovery_s``)."""
