@@ -21,7 +21,9 @@ restored, and for ``--after-restore`` seconds the benchmark records what mpiexec
 return by itself, with which code) and host 2's ranks (do they find out they are out, and end)
 do; whatever is still running then is killed, and said so. ``--restore-at failure`` thaws or
 restores as soon as the survivors' failure record is written, while they train on (will the
-host that is back disturb them?). ``--keepalive`` adds TCP keepalive to prterun's links to its
+host that is back disturb them? It does: Open MPI aborts a live rank that was reported dead,
+and each side reported the other), ``--fence`` first SIGKILLs the frozen ranks or waits until
+the cut side has stopped. ``--keepalive`` adds TCP keepalive to prterun's links to its
 daemons (as tests/launcher.py does), which may let it give up on an unreachable one.
 
 ``--stress``: 3 hosts; host 3 is killed ``--after`` seconds after the start, then host 2
@@ -85,6 +87,19 @@ def host_ranks(args, host: int) -> list[tuple[int, str, str]]:
         if rank is not None:
             found.append((int(pid), rank, state))
     return found
+
+
+def kill_host(args, host: int) -> int:
+    """SIGKILL every process of ``host`` (its cgroup); how many."""
+    procs = Path(f"/sys/fs/cgroup/freezer/mpidl-cluster-{args.cluster}/node{host}/cgroup.procs")
+    killed = 0
+    for pid in procs.read_text().split() if procs.exists() else []:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+            killed += 1
+        except ProcessLookupError:
+            pass
+    return killed
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -175,6 +190,13 @@ def run_once(args, state: dict, strategy: str, fault: str, hosts: int, tag: str)
             else:  # while the survivors train on without host 2
                 wait_for(lambda: records("failure"), proc, args.timeout - (time.time() - started))
             ranks_before = host_ranks(args, victim)
+            if args.fence and fault == "freeze":
+                cluster(args, "kill", str(victim))  # pending until the thaw, taken before any code runs
+            elif args.fence:  # the cut side's ranks stop by themselves (minority): wait for that
+                wait_for(lambda: not host_ranks(args, victim), proc, args.after_restore, poll=0.2)
+                result["host2_ranks_gone_before_restore_s"] = time.time() - injected[0]
+                if args.fence == "host":  # and its Open MPI daemon, which keeps their verdict
+                    result["host2_processes_killed"] = kill_host(args, victim)
             restored = time.time()
             cluster(args, UNDO[fault], str(victim))
             undone = True
@@ -184,7 +206,12 @@ def run_once(args, state: dict, strategy: str, fault: str, hosts: int, tag: str)
             result["host2_ranks_at_restore"] = [f"rank {r} ({s})" for _, r, s in ranks_before]
             result["host2_ranks_gone_s"] = (time.time() - restored) if gone else None
             if args.restore_at != "end":
-                wait_for(lambda: records("end"), proc, args.timeout - (time.time() - started))
+                # the survivors, even if mpiexec has returned without them (it did once host 2's
+                # daemon was killed)
+                deadline = started + args.timeout
+                while not records("end") and host_ranks(args, 1) and time.time() < deadline:
+                    time.sleep(0.2)
+                result["survivors_alone_after_mpiexec"] = proc.poll() is not None and bool(records("end"))
             ended = wait_for(lambda: proc.poll() is not None, proc,
                              max(args.grace, args.after_restore - (time.time() - restored)), poll=0.2)
             result["mpiexec_after_restore"] = proc.returncode if ended else None
@@ -254,6 +281,10 @@ def main(argv=None) -> int:
     parser.add_argument("--restore-at", choices=("end", "failure"), default="end",
                         help="freeze/cut: thaw / restore after the survivors' end record, or as soon "
                              "as their failure record is written (while they train on)")
+    parser.add_argument("--fence", nargs="?", const="ranks", choices=("ranks", "host"),
+                        help="before the thaw / restore: SIGKILL the frozen ranks; for a cut, wait until "
+                             "the cut side's ranks have stopped (ranks), and SIGKILL every other process "
+                             "of the host too, its Open MPI daemon included (host)")
     parser.add_argument("--keepalive", action="store_true", help="TCP keepalive on prterun's daemons' links")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--grace", type=float, default=5.0, help="seconds to wait for mpiexec after the end record")

@@ -156,6 +156,53 @@ def test_a_garbled_object_collective_is_a_process_failure_when_a_peer_is_known_f
     assert dp.recovered == [(MPI.ERR_PROC_FAILED, OUTSIDE)]
 
 
+def test_a_step_is_confirmed_by_an_agreement_that_fails_where_a_collective_did_not():
+    """The survivors of a killed host got SUCCESS from the flat allreduce of the step their
+    peers died in (a sum without them); the agreement that confirms the step raises the
+    process failure instead, in that step."""
+    from mpidl.distributed.elastic import IN_STEP, ShrinkOnFailure
+    from mpidl.distributed.recovery import RanksLost
+
+    class Group:
+        def Get_size(self):
+            return 0
+
+        def Free(self):
+            pass
+
+    class World:
+        dead = False
+        agreed = 0
+
+        def Agree(self, flag):
+            self.agreed += 1
+            if self.dead:
+                raise MPI.Exception(MPI.ERR_PROC_FAILED)
+            return flag
+
+        def Get_failed(self):
+            return Group()
+
+    class Topology:
+        world = World()
+
+    class Recovering(ShrinkOnFailure):
+        def __init__(self):
+            self.topology, self._step_snapshots, self.recovered = Topology(), object(), []
+
+        def _recover(self, exc, where):
+            self.recovered.append((exc.Get_error_class(), where))
+            raise RanksLost({"step": 3}, "lost")
+
+    dp = Recovering()
+    assert dp._guarded(IN_STEP, lambda: "sum", dp._world) == "sum" and dp.topology.world.agreed == 1
+    dp.topology.world.dead = True
+    with pytest.raises(RanksLost):
+        dp._guarded(IN_STEP, lambda: "a sum without the dead", dp._world)
+    assert dp.recovered == [(MPI.ERR_PROC_FAILED, IN_STEP)]
+    assert dp._guarded(IN_STEP, lambda: "unconfirmed") == "unconfirmed"  # no communicator: no agreement
+
+
 def test_survivors_that_cannot_go_on_stop_alone_without_mpi_abort(monkeypatch, tmp_path):
     """A RecoveryError (a minority after a cut link, say) ends the process with one line and
     exit code 1 but never calls MPI_Abort, which would also end the other half of the job (the
@@ -340,3 +387,35 @@ def test_losing_two_hosts_of_three_one_after_the_other_the_first_host_finishes(t
     assert epoch["batch_sizes"] == [12, 12]
     per_rank = 4 * first + 6 * (second - first) + 12 * (steps - second)
     assert epoch["samples"] == [per_rank, per_rank]
+
+
+@pytest.mark.launcher
+def test_a_killed_host_ends_as_the_survivors_resumed_from_its_step_on_real_hosts(tmp_path):
+    """2 hosts of 2 ranks, flat, float64: host 2's ranks die at the start of step 4. Across
+    hosts the allreduce of that step returned success on the survivors (a sum without the
+    dead) until every step was confirmed by an agreement; now the loss is seen in step 4 and
+    the run ends with the parameters of the 4 ranks stopped at step 4 and resumed on host 1
+    (<= 1e-10)."""
+    _needs_ulfm()
+    name, _ = _cluster(2)
+    step, steps = 4, 8
+    common = ["--strategy", "flat", "--max-steps", str(steps)]
+    metrics = tmp_path / "shrink.jsonl"
+    env = {k: v for k, v in os.environ.items() if k not in ("MPIDL_RANKS_PER_NODE", "MPIDL_INJECT_FAULT")}
+    cmd = mpiexec(4, TRAIN + common + ["--on-failure", "shrink", "--checkpoint", str(tmp_path / "shrink"),
+                                       "--metrics", str(metrics)], 2, ft="ulfm")
+    rc, out = run_tagged(cmd, {**env, "MPIDL_INJECT_FAULT": f"2:{step}:kill,3:{step}:kill"},
+                         timeout=LAUNCH_TIMEOUT_S)
+    assert rc == 0, out[-3000:]
+    (failure,) = [json.loads(line) for line in metrics.read_text().splitlines() if '"failure"' in line]
+    assert (failure["step"], failure["lost_ranks"], failure["emptied_hosts"]) == (step, [2, 3], [f"{name}-node2"])
+    folder = tmp_path / "reference"
+    rc, out = run_tagged(mpiexec(4, TRAIN + ["--strategy", "flat", "--max-steps", str(step), "--checkpoint",
+                                             str(folder)], 2), env, timeout=LAUNCH_TIMEOUT_S)
+    assert rc == 0, out[-3000:]
+    rc, out = run_tagged(mpiexec(2, TRAIN + common + ["--checkpoint", str(folder), "--resume"], 1), env,
+                         timeout=LAUNCH_TIMEOUT_S)
+    assert rc == 0, out[-3000:]
+    (got, got_steps), (expected, expected_steps) = _params(tmp_path / "shrink"), _params(folder)
+    assert got_steps == expected_steps == steps
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-10)

@@ -137,13 +137,25 @@ class ShrinkOnFailure:
         return counters
 
     # ------------------------------------------------------------------ failures
-    def _guarded(self, where: str, call):
+    def _guarded(self, where: str, call, confirm_over=None):
         """``call()``; with on_failure='shrink', a process failure it raises is recovered
-        from (:meth:`_recover`) and turned into :class:`RanksLost`."""
+        from (:meth:`_recover`) and turned into :class:`RanksLost`.
+
+        ``confirm_over`` (a communicator, or a function giving it): the collectives of
+        ``call`` are confirmed by an agreement over it (``MPI_Comm_agree``), which fails on
+        every member alike when one of them failed. ULFM does not promise that a collective
+        fails everywhere: an allreduce across hosts returned success, with a sum missing the
+        ranks that had died before contributing, on the survivors of a killed host (flat, 2
+        hosts), who applied that update and failed only in the next step. The agreement makes
+        such a step fail where it happened, and it is redone from its snapshot."""
         if self._step_snapshots is None:
             return call()
         try:
             result = call()
+            if confirm_over is not None:
+                comm = confirm_over() if callable(confirm_over) else confirm_over
+                if comm != MPI.COMM_NULL:
+                    comm.Agree(1)
         except MPI.Exception as exc:
             if not is_process_failure(exc):
                 raise
@@ -157,6 +169,14 @@ class ShrinkOnFailure:
                 raise
             self._recover(MPI.Exception(MPI.ERR_PROC_FAILED), where)
         return result
+
+    def _world(self):
+        """The world communicator (read when called: a recovery replaces it)."""
+        return self.topology.world
+
+    def _step_group(self):
+        """Who takes part in a step's exchange: the world, or the node (``node`` strategy)."""
+        return self.topology.world if self.exchange.step_is_global else self.topology.node
 
     def _peer_failed(self) -> bool:
         """Whether this process knows of a failed process of the world (local, no communication)."""
