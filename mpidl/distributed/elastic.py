@@ -4,7 +4,10 @@ each step, and what the survivors do when ranks are lost (the MPI part is
 
 A part of :class:`~mpidl.distributed.DataParallel` (its base class), kept in its own file so
 that the step reads on its own. Every collective of a DataParallel runs inside
-:meth:`ShrinkOnFailure._guarded`; when one raises a process failure, every survivor
+:meth:`ShrinkOnFailure._guarded`, and each step's exchange and each parameter sync is
+confirmed by an agreement (``MPI_Comm_agree``, one per step), since a collective may succeed
+on some ranks with a result that misses the dead; when one raises a process failure, every
+survivor
 
 1. revokes the world and every communicator of the exchange (``exchange.communicators()``),
    shrinks the world and names the lost ranks and hosts; without a quorum it stops
@@ -29,7 +32,7 @@ that the step reads on its own. Every collective of a DataParallel runs inside
    loop runs that global batch again with the new split.
 
 Memory: two copies of the parameters and optimizer state (the states before the last two
-steps, or syncs), only with ``on_failure='shrink'``.
+steps, or syncs), only with ``on_failure='shrink'``; time: the copy and one agreement a step.
 """
 
 from __future__ import annotations
