@@ -147,10 +147,10 @@ class ShrinkOnFailure:
         ``confirm_over`` (a communicator, or a function giving it): the collectives of
         ``call`` are confirmed by an agreement over it (``MPI_Comm_agree``), which fails on
         every member alike when one of them failed. ULFM does not promise that a collective
-        fails everywhere: an allreduce across hosts returned success, with a sum missing the
-        ranks that had died before contributing, on the survivors of a killed host (flat, 2
-        hosts), who applied that update and failed only in the next step. The agreement makes
-        such a step fail where it happened, and it is redone from its snapshot."""
+        fails everywhere: across hosts a flat allreduce can return success on the survivors
+        with a sum that lacks the ranks that died before contributing, and they would apply
+        that update and fail only in the next step. The agreement makes such a step fail
+        where it happened, and it is redone from its snapshot (docs/failures.md)."""
         if self._step_snapshots is None:
             return call()
         try:
