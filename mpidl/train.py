@@ -44,11 +44,12 @@ def main(argv=None) -> int:
     from mpidl.log import Printer
 
     rank, size = world()
+    # An unexpected exception anywhere (a bug, not a bad input) must not leave ranks hanging:
+    # from the first collective on (a rank lost at start-up fails it on the others).
+    sys.excepthook = abort_on_uncaught_exception
     # The rank among the ranks on this machine picks the GPU. (The thread policy is applied
     # when the model's parameter buffer is built, for the ranks the launcher put here.)
     local_rank, _ = machine_rank_and_size()
-    # An unexpected exception anywhere (a bug, not a bad input) must not leave ranks hanging.
-    sys.excepthook = abort_on_uncaught_exception
 
     # ---- set-up: every rank validates the same things, then the ranks agree
     error = None

@@ -97,6 +97,165 @@ def test_without_ulfm_a_dataparallel_says_why_and_restarts(monkeypatch):
     assert not dp.shrunk
 
 
+def test_the_start_up_line_says_what_the_heartbeat_detector_will_catch():
+    from mpidl.distributed.recovery import detector_state
+
+    assert detector_state({}).startswith("no heartbeat detector: a frozen host or a cut link is not detected")
+    on = {"OMPI_MCA_mpi_ft_detector": "true", "OMPI_MCA_mpi_ft_detector_timeout": "4",
+          "OMPI_MCA_mpi_ft_detector_period": "1"}
+    assert "WITHOUT its thread: a rank that computes for more than 4 s" in detector_state(on)
+    assert detector_state({**on, "OMPI_MCA_mpi_ft_detector_thread": "1"}) == (
+        "heartbeat detector: a host silent for 4 s is declared dead (period 1 s)")
+
+
+def test_a_garbled_object_collective_is_a_process_failure_when_a_peer_is_known_failed():
+    """A collective can complete on one rank and fail on others: the pickled allgather then
+    left garbage counts on rank 3 of a cut run (MemoryError, not an MPI error). With a failed
+    peer known (MPI_Comm_get_failed) it is recovered from like the MPI error; without one it
+    is a real error and propagates."""
+    from mpidl.distributed.elastic import OUTSIDE, ShrinkOnFailure
+    from mpidl.distributed.recovery import RanksLost
+
+    class Group:
+        def __init__(self, size):
+            self.size = size
+
+        def Get_size(self):
+            return self.size
+
+        def Free(self):
+            pass
+
+    class World:
+        failed = 0
+
+        def Get_failed(self):
+            return Group(self.failed)
+
+    class Topology:
+        world = World()
+
+    class Recovering(ShrinkOnFailure):
+        def __init__(self):
+            self.topology, self._step_snapshots, self.recovered = Topology(), object(), []
+
+        def _recover(self, exc, where):
+            self.recovered.append((exc.Get_error_class(), where))
+            raise RanksLost({"step": 3}, "lost")
+
+    def garbled():
+        raise MemoryError()
+
+    dp = Recovering()
+    with pytest.raises(MemoryError):
+        dp._guarded(OUTSIDE, garbled)
+    assert dp.recovered == []
+    dp.topology.world.failed = 2
+    with pytest.raises(RanksLost):
+        dp._guarded(OUTSIDE, garbled)
+    assert dp.recovered == [(MPI.ERR_PROC_FAILED, OUTSIDE)]
+
+
+def test_a_step_is_confirmed_by_an_agreement_that_fails_where_a_collective_did_not():
+    """The survivors of a killed host got SUCCESS from the flat allreduce of the step their
+    peers died in (a sum without them); the agreement that confirms the step raises the
+    process failure instead, in that step."""
+    from mpidl.distributed.elastic import IN_STEP, ShrinkOnFailure
+    from mpidl.distributed.recovery import RanksLost
+
+    class Group:
+        def Get_size(self):
+            return 0
+
+        def Free(self):
+            pass
+
+    class World:
+        dead = False
+        agreed = 0
+
+        def Agree(self, flag):
+            self.agreed += 1
+            if self.dead:
+                raise MPI.Exception(MPI.ERR_PROC_FAILED)
+            return flag
+
+        def Get_failed(self):
+            return Group()
+
+    class Topology:
+        world = World()
+
+    class Recovering(ShrinkOnFailure):
+        def __init__(self):
+            self.topology, self._step_snapshots, self.recovered = Topology(), object(), []
+
+        def _recover(self, exc, where):
+            self.recovered.append((exc.Get_error_class(), where))
+            raise RanksLost({"step": 3}, "lost")
+
+    dp = Recovering()
+    assert dp._guarded(IN_STEP, lambda: "sum", dp._world) == "sum" and dp.topology.world.agreed == 1
+    dp.topology.world.dead = True
+    with pytest.raises(RanksLost):
+        dp._guarded(IN_STEP, lambda: "a sum without the dead", dp._world)
+    assert dp.recovered == [(MPI.ERR_PROC_FAILED, IN_STEP)]
+    assert dp._guarded(IN_STEP, lambda: "unconfirmed") == "unconfirmed"  # no communicator: no agreement
+
+
+def test_survivors_that_cannot_go_on_stop_alone_without_mpi_abort(monkeypatch, tmp_path):
+    """A RecoveryError (a minority after a cut link, say) ends the process with one line and
+    exit code 1 but never calls MPI_Abort, which would also end the other half of the job (the
+    ranks that went on without this one); any other exception still aborts."""
+    import mpidl.distributed.launch as launch
+    from mpidl.distributed.recovery import RecoveryError
+
+    events = []
+
+    class World:
+        def Get_rank(self):
+            return 2
+
+        def Get_size(self):
+            return 4
+
+        def Abort(self, code):
+            events.append(("abort", code))
+
+    class FakeMPI:
+        COMM_WORLD = World()
+
+    def fake_exit(code):
+        events.append(("exit", code))
+        raise SystemExit(code)
+
+    monkeypatch.setattr(launch, "MPI", FakeMPI)
+    monkeypatch.setattr(launch.os, "_exit", fake_exit)
+    monkeypatch.setattr(launch.sys.stderr, "fileno", lambda: 2, raising=False)
+    monkeypatch.setattr(launch, "_write_all", lambda fd, data: events.append(("write", data)))
+    monkeypatch.setattr(launch, "_failure_file", str(tmp_path / "m.failure.txt"))
+    monkeypatch.setattr(launch, "_reported", False)
+    message = "lost rank(s) [0, 1] on h1 (all its ranks); 2 rank(s) are a minority and stop"
+    try:
+        raise RecoveryError(message)
+    except RecoveryError as exc:
+        with pytest.raises(SystemExit):
+            launch.abort_on_uncaught_exception(RecoveryError, exc, exc.__traceback__)
+    assert [e[0] for e in events] == ["write", "exit"] and events[1] == ("exit", 1)
+    assert events[0][1].decode().startswith(f"mpidl: rank 2 stops: RecoveryError: {message} (host ")
+    assert events[0][1].count(b"\n") == 1  # one line; the traceback goes to the failure file
+    assert "Traceback" in (tmp_path / "m.failure.txt").read_text()
+
+    events.clear()
+    monkeypatch.setattr(launch, "_reported", False)
+    try:
+        raise RuntimeError("a bug")
+    except RuntimeError as exc:
+        with pytest.raises(SystemExit):
+            launch.abort_on_uncaught_exception(RuntimeError, exc, exc.__traceback__)
+    assert [e[0] for e in events] == ["write", "abort"]
+
+
 @pytest.mark.launcher
 @pytest.mark.parametrize("strategy, victim", [("flat", 0), ("hierarchical", 2)])
 def test_a_killed_rank_ends_as_the_survivors_resumed_from_its_step(tmp_path, strategy, victim):
@@ -191,3 +350,72 @@ def test_node_strategy_leaves_a_lost_host_out_of_the_next_sync(tmp_path):
     unchanged = node_worker.reference(20, first["start"]["nodes"], first["start"]["split"], set(), 9,
                                       first["start"]["split"])
     assert np.abs(unchanged - expected).max() > 1e-3
+
+
+@pytest.mark.launcher
+def test_losing_two_hosts_of_three_one_after_the_other_the_first_host_finishes(tmp_path):
+    """3 hosts of 2 ranks, hierarchical: host 3 dies in step 10 (4 of 6 ranks left: a
+    majority), host 2 in step 25 (2 of 4 left: exactly half, a quorum since they hold start-up
+    rank 0). The survivors on host 1 finish the epoch with exit 0; each loss re-splits the same
+    global batch (24 = 6 x 4 = 4 x 6 = 2 x 12), and every step of the epoch is done exactly
+    once: host 1's ranks took 4, then 6, then 12 samples a step."""
+    _needs_ulfm()
+    name, _ = _cluster(3)
+    first, second, batch = 10, 25, 24
+    metrics = tmp_path / "stress.jsonl"
+    # MPIDL_CLUSTER is set: the launcher puts node i of 2 ranks on host NAME-node{i+1}
+    cmd = mpiexec(6, TRAIN + ["--strategy", "hierarchical", "--balance", "none", "--drop-last",
+                              "--on-failure", "shrink", "--metrics", str(metrics)], 3, ft="ulfm")
+    env = {k: v for k, v in os.environ.items() if k != "MPIDL_RANKS_PER_NODE"}
+    env["MPIDL_INJECT_FAULT"] = f"4:{first}:kill,5:{first}:kill,2:{second}:kill,3:{second}:kill"
+    returncode, output = run_tagged(cmd, env, timeout=LAUNCH_TIMEOUT_S)
+    assert returncode == 0, output[-3000:]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    (start,) = [r for r in records if r["event"] == "start"]
+    failures = [r for r in records if r["event"] == "failure"]
+    (epoch,) = [r for r in records if r["event"] == "epoch"]
+    end = records[-1]
+    assert start["node_sizes"] == [2, 2, 2]
+    steps = start["steps_per_epoch"]
+    assert [(f["step"], f["lost_ranks"], f["lost_hosts"], f["emptied_hosts"], f["ranks_left"], f["node_sizes"])
+            for f in failures] == [
+        (first, [4, 5], [f"{name}-node3"], [f"{name}-node3"], 4, [2, 2]),
+        (second, [2, 3], [f"{name}-node2"], [f"{name}-node2"], 2, [2])]
+    assert [f["batch_sizes"] for f in failures] == [[6] * 4, [12] * 2]
+    assert all(f["recovery_s"] is not None for f in failures)
+    assert end["event"] == "end" and end["step"] == steps and end["failures"] == 2
+    assert epoch["batch_sizes"] == [12, 12]
+    per_rank = 4 * first + 6 * (second - first) + 12 * (steps - second)
+    assert epoch["samples"] == [per_rank, per_rank]
+
+
+@pytest.mark.launcher
+def test_a_killed_host_ends_as_the_survivors_resumed_from_its_step_on_real_hosts(tmp_path):
+    """2 hosts of 2 ranks, flat, float64: host 2's ranks die at the start of step 4. Across
+    hosts the allreduce of that step returned success on the survivors (a sum without the
+    dead) until every step was confirmed by an agreement; now the loss is seen in step 4 and
+    the run ends with the parameters of the 4 ranks stopped at step 4 and resumed on host 1
+    (<= 1e-10)."""
+    _needs_ulfm()
+    name, _ = _cluster(2)
+    step, steps = 4, 8
+    common = ["--strategy", "flat", "--max-steps", str(steps)]
+    metrics = tmp_path / "shrink.jsonl"
+    env = {k: v for k, v in os.environ.items() if k not in ("MPIDL_RANKS_PER_NODE", "MPIDL_INJECT_FAULT")}
+    cmd = mpiexec(4, TRAIN + common + ["--on-failure", "shrink", "--checkpoint", str(tmp_path / "shrink"),
+                                       "--metrics", str(metrics)], 2, ft="ulfm")
+    rc, out = run_tagged(cmd, {**env, "MPIDL_INJECT_FAULT": f"2:{step}:kill,3:{step}:kill"},
+                         timeout=LAUNCH_TIMEOUT_S)
+    assert rc == 0, out[-3000:]
+    (failure,) = [json.loads(line) for line in metrics.read_text().splitlines() if '"failure"' in line]
+    assert (failure["step"], failure["lost_ranks"], failure["emptied_hosts"]) == (step, [2, 3], [f"{name}-node2"])
+    folder = tmp_path / "reference"
+    rc, out = run_tagged(mpiexec(4, TRAIN + ["--strategy", "flat", "--max-steps", str(step), "--checkpoint",
+                                             str(folder)], 2), env, timeout=LAUNCH_TIMEOUT_S)
+    assert rc == 0, out[-3000:]
+    rc, out = run_tagged(mpiexec(2, TRAIN + common + ["--checkpoint", str(folder), "--resume"], 1), env,
+                         timeout=LAUNCH_TIMEOUT_S)
+    assert rc == 0, out[-3000:]
+    (got, got_steps), (expected, expected_steps) = _params(tmp_path / "shrink"), _params(folder)
+    assert got_steps == expected_steps == steps
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-10)

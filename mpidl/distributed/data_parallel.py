@@ -301,7 +301,8 @@ class DataParallel(HeterogeneousSplit, CheckpointState, ShrinkOnFailure):
         t0 = time.perf_counter()
         self._keep_step_state()
         finite, stop = self._guarded(IN_STEP, lambda: self.exchange.reduce(self.params.message, count,
-                                                                            self._pending_stop))
+                                                                            self._pending_stop),
+                                     self._step_group)
         if stop > 0:
             if self.exchange.step_is_global:
                 self.should_stop = True
@@ -322,7 +323,8 @@ class DataParallel(HeterogeneousSplit, CheckpointState, ShrinkOnFailure):
         if due:
             self._keep_sync_state(REDO_AFTER_STEP)
         result = self._guarded(IN_SYNC if due else OUTSIDE, lambda: self.exchange.after_step(
-            self.params.data, self._synced_state(), self._flags(), self.steps))
+            self.params.data, self._synced_state(), self._flags(), self.steps),
+            self._world if due else None)
         if result is not None:
             self._agree(result)
         if self.check_replicas and (self.exact or result is not None):
@@ -363,7 +365,7 @@ class DataParallel(HeterogeneousSplit, CheckpointState, ShrinkOnFailure):
         if self.exchange.steps_since_sync > 0:
             self._keep_sync_state(REDO_SYNCHRONIZE)
         self._agree(self._guarded(IN_SYNC, lambda: self.exchange.synchronize(
-            self.params.data, self._synced_state(), self._flags())))
+            self.params.data, self._synced_state(), self._flags()), self._world))
         self._average_buffers()
         if self.check_replicas:
             self._compare_replicas()

@@ -4,7 +4,10 @@ each step, and what the survivors do when ranks are lost (the MPI part is
 
 A part of :class:`~mpidl.distributed.DataParallel` (its base class), kept in its own file so
 that the step reads on its own. Every collective of a DataParallel runs inside
-:meth:`ShrinkOnFailure._guarded`; when one raises a process failure, every survivor
+:meth:`ShrinkOnFailure._guarded`, and each step's exchange and each parameter sync is
+confirmed by an agreement (``MPI_Comm_agree``, one per step), since a collective may succeed
+on some ranks with a result that misses the dead; when one raises a process failure, every
+survivor
 
 1. revokes the world and every communicator of the exchange (``exchange.communicators()``),
    shrinks the world and names the lost ranks and hosts; without a quorum it stops
@@ -29,7 +32,7 @@ that the step reads on its own. Every collective of a DataParallel runs inside
    loop runs that global batch again with the new split.
 
 Memory: two copies of the parameters and optimizer state (the states before the last two
-steps, or syncs), only with ``on_failure='shrink'``.
+steps, or syncs), only with ``on_failure='shrink'``; time: the copy and one agreement a step.
 """
 
 from __future__ import annotations
@@ -137,18 +140,57 @@ class ShrinkOnFailure:
         return counters
 
     # ------------------------------------------------------------------ failures
-    def _guarded(self, where: str, call):
+    def _guarded(self, where: str, call, confirm_over=None):
         """``call()``; with on_failure='shrink', a process failure it raises is recovered
-        from (:meth:`_recover`) and turned into :class:`RanksLost`."""
+        from (:meth:`_recover`) and turned into :class:`RanksLost`.
+
+        ``confirm_over`` (a communicator, or a function giving it): the collectives of
+        ``call`` are confirmed by an agreement over it (``MPI_Comm_agree``), which fails on
+        every member alike when one of them failed. ULFM does not promise that a collective
+        fails everywhere: across hosts a flat allreduce can return success on the survivors
+        with a sum that lacks the ranks that died before contributing, and they would apply
+        that update and fail only in the next step. The agreement makes such a step fail
+        where it happened, and it is redone from its snapshot (docs/failures.md)."""
         if self._step_snapshots is None:
             return call()
         try:
             result = call()
+            if confirm_over is not None:
+                comm = confirm_over() if callable(confirm_over) else confirm_over
+                if comm != MPI.COMM_NULL:
+                    comm.Agree(1)
         except MPI.Exception as exc:
             if not is_process_failure(exc):
                 raise
             self._recover(exc, where)
+        except Exception:
+            # A collective may complete on one rank and fail on another; a pickled one
+            # (allgather of objects: counts first, then the bytes) then hands the rank that
+            # saw no error garbage counts, and the error is a MemoryError or an unpickling
+            # error instead of MPI's. It is a process failure if MPI knows of a failed peer.
+            if not self._peer_failed():
+                raise
+            self._recover(MPI.Exception(MPI.ERR_PROC_FAILED), where)
         return result
+
+    def _world(self):
+        """The world communicator (read when called: a recovery replaces it)."""
+        return self.topology.world
+
+    def _step_group(self):
+        """Who takes part in a step's exchange: the world, or the node (``node`` strategy)."""
+        return self.topology.world if self.exchange.step_is_global else self.topology.node
+
+    def _peer_failed(self) -> bool:
+        """Whether this process knows of a failed process of the world (local, no communication)."""
+        try:
+            failed = self.topology.world.Get_failed()
+        except MPI.Exception:
+            return False
+        try:
+            return failed.Get_size() > 0
+        finally:
+            failed.Free()
 
     def _step_completed(self) -> None:
         """The first step completed after a recovery closes its record (``recovery_s``)."""

@@ -11,7 +11,9 @@ whole job when one rank fails.
   prints ``mpidl: rank R failed: ...`` with the traceback and calls ``MPI_Abort``, which makes
   the launcher kill every rank: the job ends within seconds with a non-zero exit code. (A
   collective error check after every step would also work, but costs a collective per step
-  and still hangs if a rank dies inside one.)
+  and still hangs if a rank dies inside one.) Not after a shrink that leaves the survivors
+  unable to go on: they all stop alike, and an abort would also end the ranks that went on
+  without them.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import time
 import traceback
 
 from mpi4py import MPI
+
+from mpidl.distributed.recovery import RecoveryError
 
 
 def world(comm=None) -> tuple[int, int]:
@@ -78,13 +82,24 @@ def abort_on_uncaught_exception(exc_type, exc, tb) -> None:
     traceback -- is written once, by this (the failing) rank: to stderr, where it has been
     read by the launcher before ``MPI_Abort`` is called (:func:`report`: the abort makes the
     launcher kill every process, its own readers of the ranks' output included, so bytes
-    still in the pipe would be lost), and to the failure file (:func:`report_failures_to`)."""
+    still in the pipe would be lost), and to the failure file (:func:`report_failures_to`).
+
+    A :class:`~mpidl.distributed.recovery.RecoveryError` (survivors of a lost rank that cannot
+    go on: a minority, or a node that lost only part of its ranks) ends this process only:
+    one line ``mpidl: rank R stops: RecoveryError: ...`` (the traceback goes to the failure
+    file), then exit code 1 without ``MPI_Abort``."""
     global _reported
     rank, size = world()
+    # After a shrink (on_failure='shrink') that leaves these survivors unable to go on (a
+    # minority, a node that lost part of its ranks): every survivor raises the same
+    # RecoveryError, so none is left waiting, and MPI_Abort would reach the ranks that went on
+    # WITHOUT this one (the other half of a cut link, once it is back) and end them too.
+    alone = isinstance(exc, RecoveryError)
     if not _reported:
         _reported = True
         message = str(exc).strip().splitlines()
-        line = (f"mpidl: rank {rank} failed: {exc_type.__name__}: {message[0] if message else ''} "
+        verb = "stops" if alone else "failed"
+        line = (f"mpidl: rank {rank} {verb}: {exc_type.__name__}: {message[0] if message else ''} "
                 f"(host {socket.gethostname()}, pid {os.getpid()})")
         text = line + "\n" + "".join(traceback.format_exception(exc_type, exc, tb))
         if _failure_file is not None:
@@ -93,7 +108,9 @@ def abort_on_uncaught_exception(exc_type, exc, tb) -> None:
                     f.write(text)
             except OSError:
                 pass  # the terminal still gets the report
-        report(text)
+        report(line + "\n" if alone else text)
+    if alone:
+        os._exit(1)  # not MPI_Finalize either: it may wait for the ranks lost (recovery.leave)
     if size > 1:
         MPI.COMM_WORLD.Abort(1)
     sys.exit(1)

@@ -56,7 +56,7 @@ from mpi4py import MPI
 from mpidl.distributed.balance import RankCost, equal_split, solve_split, split_counts
 from mpidl.distributed.topology import Topology
 
-__all__ = ["ULFM_ENV", "ulfm_available", "is_process_failure", "Members", "Shrunk", "shrink",
+__all__ = ["ULFM_ENV", "ulfm_available", "detector_state", "is_process_failure", "Members", "Shrunk", "shrink",
            "agreed_step", "StepSnapshots", "resplit", "rebuild_topology", "leave", "has_quorum",
            "RecoveryError", "RanksLost", "ON_FAILURE", "check_on_failure"]
 
@@ -133,12 +133,37 @@ def _local_support() -> tuple[bool, str]:
     name = " ".join(library.splitlines()[0].split(",")[0].split()) if library else "unknown MPI"
     if "Open MPI" in library:
         if os.environ.get(OPENMPI_FT_ENV, "").strip().lower() in _TRUE:
-            return True, f"{name} with ULFM (mpiexec --with-ft ulfm)"
+            return True, f"{name} with ULFM (mpiexec --with-ft ulfm); {detector_state(os.environ)}"
         return False, f"{name} started without fault tolerance: start it with mpiexec --with-ft ulfm"
     if "MPICH" in library:
         return False, (f"{name}: no usable failure recovery (MPIR_CVAR_ENABLE_FT=1 fails in "
                        f"MPI_Init; without it hydra ends or hangs the survivors; docs/failures.md)")
     return False, f"{name}: fault tolerance unknown (set {ULFM_ENV}=1 to try it)"
+
+
+def detector_state(environ: Mapping[str, str]) -> str:
+    """What Open MPI's heartbeat failure detector will catch, from the MCA settings mpiexec
+    put in ``environ`` (``--mca mpi_ft_detector true`` -> ``OMPI_MCA_mpi_ft_detector``).
+
+    Without the detector only a process that dies (its daemon sees it) or a broken connection
+    is reported: a frozen host or a cut link never is. With it, a rank silent for
+    ``mpi_ft_detector_timeout`` seconds is declared dead (after about three timeouts in all,
+    docs/failures.md). Without ``mpi_ft_detector_thread`` the heartbeats are sent only from
+    inside MPI calls, so a rank that computes (or compiles) longer than the timeout while its
+    observer waits in MPI is taken for dead: the trainer's start-up did exactly that.
+    """
+    def mca(name: str, default: str) -> str:
+        return environ.get(f"OMPI_MCA_mpi_ft_detector{name}", default).strip().lower()
+
+    if mca("", "false") not in _TRUE:
+        return ("no heartbeat detector: a frozen host or a cut link is not detected "
+                "(mpiexec --mca mpi_ft_detector true --mca mpi_ft_detector_thread true)")
+    timeout = mca("_timeout", "10")
+    if mca("_thread", "false") not in _TRUE:
+        return (f"heartbeat detector WITHOUT its thread: a rank that computes for more than {timeout} s "
+                "without an MPI call is taken for dead (add --mca mpi_ft_detector_thread true)")
+    return (f"heartbeat detector: a host silent for {timeout} s is declared dead "
+            f"(period {mca('_period', '3')} s)")
 
 
 def ulfm_available(comm: MPI.Comm | None = None) -> tuple[bool, str]:
