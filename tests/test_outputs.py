@@ -223,17 +223,25 @@ def test_the_failing_rank_writes_its_message_once_before_mpi_abort(monkeypatch):
     class FakeMPI:
         COMM_WORLD = World()
 
+    def fake_exit(code):
+        events.append(("exit", code))
+        raise SystemExit(code)
+
     monkeypatch.setattr(launch, "MPI", FakeMPI)
     monkeypatch.setattr(launch, "_reported", False)
     monkeypatch.setattr(launch.sys.stderr, "fileno", lambda: 2, raising=False)
     monkeypatch.setattr(launch, "_write_all", lambda fd, data: events.append(("write", fd, data)))
+    monkeypatch.setattr(launch.os, "_exit", fake_exit)
     for _ in range(2):  # a second exception (say, while aborting) does not print again
         try:
             raise OSError("disk gone")
         except OSError as exc:
             with pytest.raises(SystemExit):
                 launch.abort_on_uncaught_exception(OSError, exc, exc.__traceback__)
-    assert [e[0] for e in events] == ["write", "abort", "abort"]
+    # An Abort that returns (an MPI already failing) still ends the process at once, never
+    # through Python's exit, whose MPI_Finalize would wait for the unreachable ranks.
+    assert [e[0] for e in events] == ["write", "abort", "exit", "abort", "exit"]
+    assert [e[1] for e in events if e[0] == "exit"] == [1, 1]
     first_line = events[0][2].split(b"\n")[0]
     assert events[0][1] == 2 and first_line.startswith(b"mpidl: rank 1 failed: OSError: disk gone (host ")
     assert first_line.endswith(f"pid {os.getpid()})".encode())

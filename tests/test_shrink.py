@@ -253,7 +253,7 @@ def test_survivors_that_cannot_go_on_stop_alone_without_mpi_abort(monkeypatch, t
     except RuntimeError as exc:
         with pytest.raises(SystemExit):
             launch.abort_on_uncaught_exception(RuntimeError, exc, exc.__traceback__)
-    assert [e[0] for e in events] == ["write", "abort"]
+    assert [e[0] for e in events] == ["write", "abort", "exit"]
 
 
 @pytest.mark.launcher

@@ -18,6 +18,7 @@ whole job when one rank fails.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import socket
@@ -112,7 +113,17 @@ def abort_on_uncaught_exception(exc_type, exc, tb) -> None:
     if alone:
         os._exit(1)  # not MPI_Finalize either: it may wait for the ranks lost (recovery.leave)
     if size > 1:
-        MPI.COMM_WORLD.Abort(1)
+        try:
+            MPI.COMM_WORLD.Abort(1)
+        finally:
+            # MPI_Abort should not return, but on an MPI already failing (MPICH after its
+            # progress timeout on a cut link) it has returned; Python's exit would then call
+            # MPI_Finalize, which waits for the ranks that can no longer be reached, for ever.
+            # Ending the process lets the launcher see this rank gone and end the others.
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(1)
     sys.exit(1)
 
 
