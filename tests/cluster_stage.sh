@@ -122,9 +122,24 @@ if (( ${#slurm[@]} )); then
         fail "job $1 still in the queue after 5 minutes"
     }
     exit_code() { scontrol show job "$1" | grep -o 'ExitCode=[0-9:]*' | head -n 1 | cut -d= -f2; }
+    # run_job NAME ARGS...: submit, wait, print the job id. A job whose MPI did not start (no
+    # rank reached mpidl's first line) is submitted once more, saying so: the resumed job's
+    # MPI_Init has failed here with UCX's "Destination is unreachable" right after the
+    # cancelled job (seen in CI, not explained); what this stage checks starts after MPI_Init.
+    run_job() {
+        local name=$1 id try
+        shift
+        for try in 1 2; do
+            id=$(submit --job-name="$name" "$@")
+            wait_gone "$id"
+            if [[ $(exit_code "$id") == 0:0 ]] || grep -q "rank(s) on" "$WORK/$name-$id.out"; then break; fi
+            say "job $id ($name): its MPI did not start (ExitCode $(exit_code "$id")): $(tail -n 1 "$WORK/$name-$id.out")" >&2
+            if (( try == 1 )); then say "submitting $name once more" >&2; fi
+        done
+        echo "$id"
+    }
     slurm_args=("${common[@]}" --sync-every 2 --epochs 6)
-    job=$(submit --job-name=straight "$SCRIPT" "${slurm_args[@]}" --save "$WORK/straight.h5")
-    wait_gone "$job"
+    job=$(run_job straight "$SCRIPT" "${slurm_args[@]}" --save "$WORK/straight.h5")
     cat "$WORK/straight-$job.out"
     [[ $(exit_code "$job") == 0:0 ]] || fail "job $job ended with ExitCode $(exit_code "$job")"
     grep -q "2 rank(s) on 2 node(s)" "$WORK/straight-$job.out" || fail "job $job did not run on 2 hosts"
@@ -140,8 +155,7 @@ if (( ${#slurm[@]} )); then
     [[ $(exit_code "$job") == 0:0 ]] || fail "job $job ended with ExitCode $(exit_code "$job")"
     end=$(record "$WORK/term.jsonl" end)
     [[ "$end" == *'"stopped": "signal"'* ]] || fail "job $job was not stopped by the signal: $end"
-    job=$(submit --job-name=resume "$SCRIPT" "${slurm_args[@]}" --checkpoint "$WORK/ck-slurm" --resume --save "$WORK/resumed.h5")
-    wait_gone "$job"
+    job=$(run_job resume "$SCRIPT" "${slurm_args[@]}" --checkpoint "$WORK/ck-slurm" --resume --save "$WORK/resumed.h5")
     tail -n 4 "$WORK/resume-$job.out"
     [[ $(exit_code "$job") == 0:0 ]] || fail "job $job ended with ExitCode $(exit_code "$job")"
     grep -q "resumed from" "$WORK/resume-$job.out" || fail "job $job did not resume"
