@@ -108,12 +108,30 @@ def test_the_start_up_line_says_what_the_heartbeat_detector_will_catch():
         "heartbeat detector: a host silent for 4 s is declared dead (period 1 s)")
 
 
+def _recovering(world):
+    """A ShrinkOnFailure over a fake ``world`` whose recovery records (error class, where)."""
+    from types import SimpleNamespace
+
+    from mpidl.distributed.elastic import ShrinkOnFailure
+    from mpidl.distributed.recovery import RanksLost
+
+    class Recovering(ShrinkOnFailure):
+        def __init__(self):
+            self.topology, self._step_snapshots, self.recovered = SimpleNamespace(world=world), object(), []
+
+        def _recover(self, exc, where):
+            self.recovered.append((exc.Get_error_class(), where))
+            raise RanksLost({"step": 3}, "lost")
+
+    return Recovering()
+
+
 def test_a_garbled_object_collective_is_a_process_failure_when_a_peer_is_known_failed():
     """A collective can complete on one rank and fail on others: the pickled allgather then
     left garbage counts on rank 3 of a cut run (MemoryError, not an MPI error). With a failed
     peer known (MPI_Comm_get_failed) it is recovered from like the MPI error; without one it
     is a real error and propagates."""
-    from mpidl.distributed.elastic import OUTSIDE, ShrinkOnFailure
+    from mpidl.distributed.elastic import OUTSIDE
     from mpidl.distributed.recovery import RanksLost
 
     class Group:
@@ -132,21 +150,10 @@ def test_a_garbled_object_collective_is_a_process_failure_when_a_peer_is_known_f
         def Get_failed(self):
             return Group(self.failed)
 
-    class Topology:
-        world = World()
-
-    class Recovering(ShrinkOnFailure):
-        def __init__(self):
-            self.topology, self._step_snapshots, self.recovered = Topology(), object(), []
-
-        def _recover(self, exc, where):
-            self.recovered.append((exc.Get_error_class(), where))
-            raise RanksLost({"step": 3}, "lost")
-
     def garbled():
         raise MemoryError()
 
-    dp = Recovering()
+    dp = _recovering(World())
     with pytest.raises(MemoryError):
         dp._guarded(OUTSIDE, garbled)
     assert dp.recovered == []
@@ -160,7 +167,7 @@ def test_a_step_is_confirmed_by_an_agreement_that_fails_where_a_collective_did_n
     """The survivors of a killed host got SUCCESS from the flat allreduce of the step their
     peers died in (a sum without them); the agreement that confirms the step raises the
     process failure instead, in that step."""
-    from mpidl.distributed.elastic import IN_STEP, ShrinkOnFailure
+    from mpidl.distributed.elastic import IN_STEP
     from mpidl.distributed.recovery import RanksLost
 
     class Group:
@@ -183,18 +190,7 @@ def test_a_step_is_confirmed_by_an_agreement_that_fails_where_a_collective_did_n
         def Get_failed(self):
             return Group()
 
-    class Topology:
-        world = World()
-
-    class Recovering(ShrinkOnFailure):
-        def __init__(self):
-            self.topology, self._step_snapshots, self.recovered = Topology(), object(), []
-
-        def _recover(self, exc, where):
-            self.recovered.append((exc.Get_error_class(), where))
-            raise RanksLost({"step": 3}, "lost")
-
-    dp = Recovering()
+    dp = _recovering(World())
     assert dp._guarded(IN_STEP, lambda: "sum", dp._world) == "sum" and dp.topology.world.agreed == 1
     dp.topology.world.dead = True
     with pytest.raises(RanksLost):
