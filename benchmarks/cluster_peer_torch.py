@@ -82,8 +82,8 @@ def main(argv=None) -> int:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from mpidl import data as mdata
-    from mpidl.models import build_model
-    from mpidl.optim import make_schedule
+    from mpidl.engine.models import build_model
+    from mpidl.engine.optim import make_schedule
     from torch_twins import twin_of
 
     torch.set_num_threads(1)

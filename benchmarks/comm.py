@@ -196,8 +196,8 @@ def main_shm(args) -> int:
     from mpidl.distributed.reducers import make_reducer
     from mpidl.distributed.shm import SharedNode
     from mpidl.distributed.topology import Topology
-    from mpidl.optim import SGD
-    from mpidl.params import FlatParameters, Parameter, zeros
+    from mpidl.engine.optim import SGD
+    from mpidl.engine.params import FlatParameters, Parameter, zeros
 
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()

@@ -513,7 +513,7 @@ def subset_layout(src: Path, dst: Path, sizes: dict, seed: int = 0) -> Path:
     import h5py  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
 
-    from mpidl.layout import SCENE_KIND, write_layout, write_scene_layout  # noqa: PLC0415
+    from mpidl.data.layout import SCENE_KIND, write_layout, write_scene_layout  # noqa: PLC0415
 
     if dst.is_file():
         return dst

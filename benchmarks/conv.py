@@ -92,9 +92,9 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mpidl import kernels  # noqa: E402
-from mpidl.blas import batched_matmul  # noqa: E402
-from mpidl.models import build_model  # noqa: E402
-from mpidl.nn import Conv2d, SoftmaxCrossEntropy  # noqa: E402
+from mpidl.engine.blas import batched_matmul  # noqa: E402
+from mpidl.engine.models import build_model  # noqa: E402
+from mpidl.engine.nn import Conv2d, SoftmaxCrossEntropy  # noqa: E402
 
 MODEL_INPUTS = {"hsicnn": ((156, 9, 9), 16), "resnet8": ((3, 32, 32), 10)}
 LEARNING_RATE = 0.01

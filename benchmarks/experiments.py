@@ -46,7 +46,7 @@ import common  # noqa: E402
 from common import (PYTHON, TrainBatch, epoch_samples, fmt_bytes, ideal_epoch_s, ideal_ratio_factors, md_table,  # noqa: E402
                     mean_std, med_spread, median, shown, timed_epochs, unslowed_cost_per_sample)
 
-from mpidl.config import Config  # noqa: E402
+from mpidl.app.config import Config  # noqa: E402
 
 EXPERIMENTS = ("hdp", "balanced", "node")
 EXTERNAL = ("comm", "scaling", "peers", "overlap", "families")

@@ -7,11 +7,11 @@ link (``--emulate-link 50,1``), the built-in synthetic scene, 3 seeds:
 
 1. **Families**: each family's model (``FAMILIES``: CNN = ``hsicnn``, LSTM = ``spectral_lstm``,
    ViT = ``vit``, keyed by model name so that a model joins the table once it is in
-   ``mpidl.models.MODELS``; one that is not is listed as absent) trained by ``mpidl.train``,
+   ``mpidl.engine.models.MODELS``; one that is not is listed as absent) trained by ``mpidl.train``,
    and the conditional GAN (``mpidl.gan``): epoch time and final quality (test OA; the GAN's
    ``gen_accuracy_mlp``, the share of generated spectra a classifier trained on real spectra
    assigns to their conditioning class, and the class-mean spectral angle).
-2. **Optimizers**: every optimizer of ``mpidl.optim.OPTIMIZERS`` on ``hsicnn``, each with its
+2. **Optimizers**: every optimizer of ``mpidl.engine.optim.OPTIMIZERS`` on ``hsicnn``, each with its
    own learning rate (``OPTIMIZER_LR``).
 
 Rows: mean ± std over the seeds; ``node - flat`` is the difference of the means. Epoch time is
@@ -154,8 +154,8 @@ def main(argv=None) -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="mpidl-families-"))
     info = common.machine_info()
     started = time.perf_counter()
-    from mpidl.models import MODELS
-    from mpidl.optim import OPTIMIZERS
+    from mpidl.engine.models import MODELS
+    from mpidl.engine.optim import OPTIMIZERS
 
     throttle = not args.mpich_defaults
     warm = ["--epochs", "1", "--max-steps", "2", "--batch-size", "32", "--balance", "none"]
@@ -267,7 +267,7 @@ def main(argv=None) -> int:
         md_table(["family", "model", "quality", "epoch s (flat)", "epoch s (node K'=50)",
                   "quality flat", "quality node K'=50", "node - flat (points)", "also"], fam_rows),
         "",
-        ("Not on this branch (no such model in `mpidl.models.MODELS`; they join the table once merged): "
+        ("Not on this branch (no such model in `mpidl.engine.models.MODELS`; they join the table once merged): "
          + ", ".join(absent) + "." if absent else "")
         + (" `--quick` runs the CNN and the GAN only." if args.quick and not args.only else "")
         + (f"`--only {' '.join(args.only)}`: these rows alone; the CNN, GAN and optimizer rows are in "

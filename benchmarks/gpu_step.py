@@ -2,7 +2,7 @@
 """One training step on the GPU: its time and samples/s for hsicnn and resnet8.
 
 Cases: ``hsicnn`` on 156-band 9x9 patches at batch 64 and 512, ``resnet8`` on 3x32x32 images at
-batch 64 and 256, each with the stride-1 3x3 convolutions done by im2col and by Winograd. A step is what :meth:`mpidl.trainer.Trainer.compute` and the optimizer do
+batch 64 and 256, each with the stride-1 3x3 convolutions done by im2col and by Winograd. A step is what :meth:`mpidl.app.trainer.Trainer.compute` and the optimizer do
 with one local batch: copy the host batch to the GPU, forward, softmax cross-entropy (whose
 ``float`` loss waits for the GPU), backward into the flat gradient buffer, SGD with momentum
 on the flat buffers. No MPI: this is one rank's compute.
@@ -73,9 +73,9 @@ def describe_gpu(cupy, ordinal: int) -> str:
 def time_case(backend, model_name, input_shape, batch, num_classes, args, budget_s):
     """Time one case; returns a dict of the table's numbers."""
     from mpidl import kernels  # noqa: PLC0415
-    from mpidl.models import build_model  # noqa: PLC0415
-    from mpidl.nn import SoftmaxCrossEntropy  # noqa: PLC0415
-    from mpidl.optim import build_optimizer  # noqa: PLC0415
+    from mpidl.engine.models import build_model  # noqa: PLC0415
+    from mpidl.engine.nn import SoftmaxCrossEntropy  # noqa: PLC0415
+    from mpidl.engine.optim import build_optimizer  # noqa: PLC0415
 
     rng = np.random.default_rng(0)
     x_host = rng.standard_normal((batch, *input_shape)).astype(backend.dtype)
@@ -143,7 +143,7 @@ def _free_pool(backend) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from mpidl.backend import get_backend, gpu_unavailable_reason  # noqa: PLC0415
+    from mpidl.engine.backend import get_backend, gpu_unavailable_reason  # noqa: PLC0415
 
     if args.device == "gpu":
         reason = gpu_unavailable_reason()

@@ -53,9 +53,9 @@ def main(argv=None) -> int:
 
     import common
     from mpidl.distributed import DataParallel, Topology
-    from mpidl.models import build_model
-    from mpidl.nn import SoftmaxCrossEntropy
-    from mpidl.optim import SGD
+    from mpidl.engine.models import build_model
+    from mpidl.engine.nn import SoftmaxCrossEntropy
+    from mpidl.engine.optim import SGD
 
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()

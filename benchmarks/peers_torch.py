@@ -311,10 +311,10 @@ def run_torch(dist, world, mode, train_set, test_set, lr, epochs, max_steps, syn
 
     from mpidl.distributed import balance
     from mpidl.distributed.data_parallel import MIN_LOCAL_BATCH
-    from mpidl.metrics import classification_report, confusion_matrix
-    from mpidl.models import build_model
-    from mpidl.optim import make_schedule
-    from mpidl.trainer import epoch_permutation
+    from mpidl.app.metrics import classification_report, confusion_matrix
+    from mpidl.engine.models import build_model
+    from mpidl.engine.optim import make_schedule
+    from mpidl.app.trainer import epoch_permutation
 
     rank, size = world.Get_rank(), world.Get_size()
     torch.manual_seed(0)

@@ -39,9 +39,9 @@ def main(argv=None) -> int:
     import numpy as np  # noqa: PLC0415
 
     from torch_twins import TWINS  # noqa: PLC0415
-    from mpidl.models import build_model  # noqa: PLC0415
-    from mpidl.nn import Conv2d, Residual, SoftmaxCrossEntropy  # noqa: PLC0415
-    from mpidl.optim import SGD  # noqa: PLC0415
+    from mpidl.engine.models import build_model  # noqa: PLC0415
+    from mpidl.engine.nn import Conv2d, Residual, SoftmaxCrossEntropy  # noqa: PLC0415
+    from mpidl.engine.optim import SGD  # noqa: PLC0415
 
     twin = TWINS[args.model]
     model = build_model(args.model, twin.input_shape, twin.num_classes, seed=0)

@@ -4,7 +4,7 @@
 * ``hsicnn`` on the built-in synthetic hyperspectral scene (the default data);
 * ``resnet8`` on a synthetic image set of 3x32x32 images (10 classes: a coloured blob whose
   colour and position depend on the class, plus noise), written once into the mpidl HDF5
-  layout with :func:`mpidl.layout.write_layout`.
+  layout with :func:`mpidl.data.layout.write_layout`.
 
 For each rank count, one ``mpiexec -n P`` runs the rows of both models one after another
 (``benchmarks/train_batch.py``: ``python -m mpidl.train`` runs in one job, after untimed
@@ -47,7 +47,7 @@ def write_images(path: Path, train: int, test: int, seed: int = 0) -> Path:
     position that depends on k, on a noisy background."""
     import numpy as np
 
-    from mpidl.layout import write_layout
+    from mpidl.data.layout import write_layout
 
     if path.is_file():
         return path
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
             "so the 4-rank row measures overhead, not parallel speed-up. The extra 1-rank row runs "
             "with 1 thread (OMP/OpenBLAS/MKL/Numba_NUM_THREADS=1).", "",
             "- hsicnn: " + models["hsicnn"][1],
-            "- resnet8: " + models["resnet8"][1] + " (written with `mpidl.layout.write_layout`)", "",
+            "- resnet8: " + models["resnet8"][1] + " (written with `mpidl.data.layout.write_layout`)", "",
             common.md_table(["model", "ranks", "samples/s", "speed-up", "efficiency",
                              "compute share of epoch (slowest rank)", f"OA % after {epochs} epoch(s)"], table), "",
             "Exact command of a row (resnet8, largest rank count): "

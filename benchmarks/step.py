@@ -1,7 +1,7 @@
 # python benchmarks/step.py [--rounds 3] [--steps 10] [--models hsicnn,resnet8] [--device cpu|gpu]
 """One training step of every model, mpidl against its PyTorch twin, each in a fresh process.
 
-For every model of ``mpidl.models.MODELS`` (each has an entry in ``benchmarks/torch_twins.py``,
+For every model of ``mpidl.engine.models.MODELS`` (each has an entry in ``benchmarks/torch_twins.py``,
 ``TWINS``: sample shape, classes, the PyTorch twin), the time of one training step (forward,
 loss, backward, optimizer: SGD lr 0.01, momentum 0.9; batch 64 of random samples) in three
 kinds of fresh process, started with **no thread or wait-policy variable set** (the
@@ -127,10 +127,10 @@ def worker_mpidl(args) -> dict:
     import numpy as np  # noqa: PLC0415,F401 - a user imports NumPy first (OpenBLAS starts its pool)
 
     from torch_twins import TWINS  # noqa: PLC0415
-    from mpidl.backend import get_backend  # noqa: PLC0415
-    from mpidl.models import build_model  # noqa: PLC0415
-    from mpidl.nn import SoftmaxCrossEntropy  # noqa: PLC0415
-    from mpidl.optim import SGD  # noqa: PLC0415
+    from mpidl.engine.backend import get_backend  # noqa: PLC0415
+    from mpidl.engine.models import build_model  # noqa: PLC0415
+    from mpidl.engine.nn import SoftmaxCrossEntropy  # noqa: PLC0415
+    from mpidl.engine.optim import SGD  # noqa: PLC0415
 
     twin = TWINS[args.model]
     backend = get_backend(args.device, "float32")
@@ -169,7 +169,7 @@ def worker_mpidl(args) -> dict:
         import cupy  # noqa: PLC0415
 
         result["device_bytes"] = int(cupy.get_default_memory_pool().total_bytes())
-    from mpidl import threads  # noqa: PLC0415
+    from mpidl.engine import threads  # noqa: PLC0415
 
     result["threads"] = threads.describe()
     return result
@@ -213,7 +213,7 @@ def worker_export(args) -> dict:
     import numpy as np  # noqa: PLC0415
 
     from torch_twins import TWINS  # noqa: PLC0415
-    from mpidl.models import build_model  # noqa: PLC0415
+    from mpidl.engine.models import build_model  # noqa: PLC0415
 
     twin = TWINS[args.model]
     model = build_model(args.model, twin.input_shape, twin.num_classes, seed=0, **twin.kwargs)
@@ -338,7 +338,7 @@ def main(argv=None) -> int:
 
     # The model registry, read in a child: importing mpidl here would set its policy in the
     # environment the workers inherit.
-    registry = subprocess.run([sys.executable, "-c", "from mpidl.models import MODELS; print(','.join(MODELS))"],
+    registry = subprocess.run([sys.executable, "-c", "from mpidl.engine.models import MODELS; print(','.join(MODELS))"],
                               cwd=ROOT, env=clean_env(), capture_output=True, text=True, check=True).stdout.strip()
     all_models = registry.split(",")
     args.model_list = args.models.split(",") if args.models else all_models

@@ -1,6 +1,6 @@
 """PyTorch twins of every model of mpidl: the same layers, starting from mpidl's weights.
 
-``TWINS[name]``, for every model ``name`` of ``mpidl.models.MODELS``, holds the benchmark
+``TWINS[name]``, for every model ``name`` of ``mpidl.engine.models.MODELS``, holds the benchmark
 sample shape and class count (``benchmarks/step.py`` times a batch of 64 of them) and a
 builder ``build(build_args) -> torch.nn.Module``; ``build_args`` is ``Model.build_args`` (the
 resolved widths), so a twin needs no mpidl object to be built.
@@ -48,7 +48,7 @@ def _torch_layers():
     import torch  # noqa: PLC0415
 
     class Residual(torch.nn.Module):
-        """``body(x) + shortcut(x)`` (identity shortcut when None), as ``mpidl.nn.Residual``."""
+        """``body(x) + shortcut(x)`` (identity shortcut when None), as ``mpidl.engine.nn.Residual``."""
 
         def __init__(self, body, shortcut=None):
             super().__init__()
@@ -63,7 +63,7 @@ def _torch_layers():
             return x.mean(dim=(2, 3))
 
     class CenterPixel(torch.nn.Module):
-        """(N, C, H, W) -> (N, C): the centre pixel's spectrum, as ``mpidl.nn.CenterPixel``."""
+        """(N, C, H, W) -> (N, C): the centre pixel's spectrum, as ``mpidl.engine.nn.CenterPixel``."""
 
         def forward(self, x):
             return x[:, :, x.shape[2] // 2, x.shape[3] // 2]
@@ -73,7 +73,7 @@ def _torch_layers():
 
 def hsicnn(args: dict, batch_norm: bool = False):
     """conv3x3 -> [BN] -> ReLU -> conv3x3 -> [BN] -> ReLU -> maxpool 2 -> flatten -> linear ->
-    ReLU -> [dropout] -> linear (``mpidl.models._hsicnn``)."""
+    ReLU -> [dropout] -> linear (``mpidl.engine.models._hsicnn``)."""
     nn = _torch_layers().nn
     bands, height, width = args["input_shape"]
     c1, c2 = args["channels"]
@@ -208,7 +208,7 @@ def vit(args: dict):
 #: runs (vit's default sub-patch there is 1: 49 pixel tokens and the class token)
 SAMSON_SAMPLE, SAMSON_CLASSES = (156, 7, 7), 3
 
-#: model name (of mpidl.models.MODELS) -> its benchmark batch and PyTorch twin
+#: model name (of mpidl.engine.models.MODELS) -> its benchmark batch and PyTorch twin
 TWINS: dict[str, Twin] = {
     "hsicnn": Twin((156, 9, 9), 10, hsicnn),
     "hsicnn_bn": Twin((156, 9, 9), 10, lambda args: hsicnn(args, batch_norm=True)),

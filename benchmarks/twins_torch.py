@@ -53,9 +53,9 @@ def train_twin(name, train_set, test_set, *, epochs, seed, lr=0.02, batch=64, mo
     import numpy as np
     import torch
 
-    from mpidl.models import build_model
-    from mpidl.optim import make_schedule
-    from mpidl.trainer import epoch_permutation, steps_per_epoch
+    from mpidl.engine.models import build_model
+    from mpidl.engine.optim import make_schedule
+    from mpidl.app.trainer import epoch_permutation, steps_per_epoch
 
     torch.manual_seed(seed)
     model = build_model(name, train_set.sample_shape, train_set.num_classes, seed=seed)
@@ -192,7 +192,7 @@ def write_report(args, info, data, results) -> None:
     import common
 
     from mpidl import data as mdata
-    from mpidl.models import build_model
+    from mpidl.engine.models import build_model
 
     try:
         train_set = mdata.load_splits(str(data))[0] if data else mdata.synthetic_splits(seed=0)[0]

@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mpidl.outputs import check_output_file  # noqa: PLC0415
+    from mpidl.app.outputs import check_output_file  # noqa: PLC0415
 
     args = build_parser().parse_args(argv)
     try:

@@ -30,7 +30,7 @@ Storage (``--storage``)
 -----------------------
 ``patches`` stores every sample (each pixel copied into up to ``patch^2`` patches);
 ``scene`` stores the padded cube once plus the labelled pixels' positions and labels, and the
-reader cuts the patches (:func:`mpidl.layout.write_scene_layout`, the same samples bit for
+reader cuts the patches (:func:`mpidl.data.layout.write_scene_layout`, the same samples bit for
 bit); ``auto`` (the default) writes whichever is smaller, i.e. ``scene`` unless few pixels
 are labelled.
 """
@@ -44,7 +44,7 @@ from typing import Sequence
 
 import numpy as np
 
-from mpidl.layout import write_layout, write_scene_layout
+from mpidl.data.layout import write_layout, write_scene_layout
 from mpidl.data_tools.sources import ArrayFile, InputError, clean_name, parse_source
 from mpidl.data_tools.splits import block_split, check_split_options, class_table, random_split
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mpidl.layout import write_layout
+from mpidl.data.layout import write_layout
 from mpidl.data_tools.sources import InputError
 from mpidl.data_tools.splits import check_split_options, class_table, random_split
 

@@ -7,7 +7,7 @@ statistics and the converter's attributes. An invalid file prints ``error: FILE:
 and exits with code 1; so do NaN or Inf sample values (every split is read in blocks, and the
 message names the split, how many values and samples, and the first such sample), and so
 does anything else ``mpidl.train`` refuses in a data file (an empty test split:
-:func:`mpidl.layout.check_trainable`, the same check and words).
+:func:`mpidl.data.layout.check_trainable`, the same check and words).
 ``--verify`` also checks that the stored mean/std are the training split's statistics (they
 must be: the reader normalizes with them) and that the stored content ``fingerprint``
 matches the file's contents.
@@ -20,9 +20,9 @@ import os
 
 import numpy as np
 
-from mpidl.layout import REQUIRED_ATTRS, LayoutError, check_trainable, validate_layout
-from mpidl.layout import SCENE_KIND, channel_stats, file_fingerprint, nonfinite_problem, scan_nonfinite
-from mpidl.layout import scene_channel_stats
+from mpidl.data.layout import REQUIRED_ATTRS, LayoutError, check_trainable, validate_layout
+from mpidl.data.layout import SCENE_KIND, channel_stats, file_fingerprint, nonfinite_problem, scan_nonfinite
+from mpidl.data.layout import scene_channel_stats
 
 
 def _fmt_range(values: np.ndarray) -> str:
@@ -30,7 +30,7 @@ def _fmt_range(values: np.ndarray) -> str:
 
 
 def describe(path: str, verify: bool = False) -> str:
-    """The report printed by ``info`` (raises :class:`~mpidl.layout.LayoutError` if invalid)."""
+    """The report printed by ``info`` (raises :class:`~mpidl.data.layout.LayoutError` if invalid)."""
     import h5py  # noqa: PLC0415
 
     meta = validate_layout(path)

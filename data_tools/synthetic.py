@@ -189,7 +189,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mpidl.layout import write_layout  # noqa: PLC0415
+    from mpidl.data.layout import write_layout  # noqa: PLC0415
     from mpidl.data_tools.splits import check_split_options, class_table  # noqa: PLC0415
 
     per_class = None if args.train_fraction is not None else args.train_per_class

@@ -28,25 +28,25 @@ TOLERANCE = 0.10
 #: its hooks in the step return at their first test.
 STEP = [
     ("mpidl/train.py", "set-up: the command line: options in, `Trainer` built, `run()`"),
-    ("mpidl/config.py", "set-up: every option validated once, before any MPI call"),
+    ("mpidl/app/config.py", "set-up: every option validated once, before any MPI call"),
     ("mpidl/distributed/exchange.py", "set-up: `check_options` (what works with what) and `build_exchange`: the strategy and its variants"),
     ("mpidl/distributed/reducers.py", "set-up: the strategy's own rules and `make_reducer`: the strategy by name"),
-    ("mpidl/trainer.py", "the loop: epoch order, one step, evaluation, checkpoints"),
-    ("mpidl/data.py", "this rank's slice of the global batch, read from HDF5 or memory"),
-    ("mpidl/models.py", "`hsicnn`: the layers of the default model"),
-    ("mpidl/params.py", "one flat parameter buffer and one flat gradient buffer"),
-    ("mpidl/nn/module.py", "`Sequential`: forward in order, backward in reverse"),
-    ("mpidl/nn/conv.py", "`Conv2d`: im2col + one GEMM, or Winograd"),
-    ("mpidl/nn/winograd.py", "Winograd's filter transform; the rest is one kernel call"),
+    ("mpidl/app/trainer.py", "the loop: epoch order, one step, evaluation, checkpoints"),
+    ("mpidl/data/__init__.py", "this rank's slice of the global batch, read from HDF5 or memory"),
+    ("mpidl/engine/models.py", "`hsicnn`: the layers of the default model"),
+    ("mpidl/engine/params.py", "one flat parameter buffer and one flat gradient buffer"),
+    ("mpidl/engine/nn/module.py", "`Sequential`: forward in order, backward in reverse"),
+    ("mpidl/engine/nn/conv.py", "`Conv2d`: im2col + one GEMM, or Winograd"),
+    ("mpidl/engine/nn/winograd.py", "Winograd's filter transform; the rest is one kernel call"),
     ("kernels/__init__.py", "the kernels' one dispatch and argument checks"),
     ("kernels/winograd_reference.py", "the Winograd convolution in NumPy: the definition"),
-    ("mpidl/nn/loss.py", "softmax cross-entropy, fused"),
+    ("mpidl/engine/nn/loss.py", "softmax cross-entropy, fused"),
     ("mpidl/distributed/data_parallel.py", "`DataParallel.local_indices` and `step`: one path over the exchange (its base `elastic.py` acts only with `on_failure='shrink'`)"),
     ("mpidl/distributed/hdp.py", "the split `local_indices` takes its slice from; the plain compute clock `step` stops"),
     ("mpidl/distributed/reducer_base.py", "the exchange interface: the weighted sum, the flags, the finiteness check, the update"),
     ("mpidl/distributed/message.py", "the message: the gradient and its count, stop and non-finite slots"),
     ("mpidl/distributed/flat.py", "the flat strategy: one `Allreduce`"),
-    ("mpidl/optim.py", "SGD (and the other rules) on the flat buffers"),
+    ("mpidl/engine/optim.py", "SGD (and the other rules) on the flat buffers"),
 ]
 
 #: the custom loop's ``dp.step`` (README) under ``strategy="node"``, SGD: from the call to the
@@ -57,7 +57,7 @@ NODE_STEP = [
     ("mpidl/distributed/reducer_base.py", "`reduce`: the flags, the weighted sum, the finiteness check; `update`"),
     ("mpidl/distributed/message.py", "the message's slots"),
     ("mpidl/distributed/node.py", "the node strategy: the node-local weighted `Allreduce`; every K' steps `after_step` averages the parameters between nodes"),
-    ("mpidl/optim.py", "SGD on the flat buffers"),
+    ("mpidl/engine/optim.py", "SGD on the flat buffers"),
 ]
 
 #: page, its markers, its table, the prefix of its links (relative to the page)

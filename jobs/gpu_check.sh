@@ -28,7 +28,7 @@ else
 fi
 
 # Without a usable GPU every test skips and the benchmark only says so: fail, and say why.
-reason=$("$PYTHON" -c 'from mpidl.backend import gpu_unavailable_reason as r; print(r() or "")')
+reason=$("$PYTHON" -c 'from mpidl.engine.backend import gpu_unavailable_reason as r; print(r() or "")')
 if [[ -n "$reason" ]]; then
     echo "gpu_check: no usable GPU: $reason" >&2
     exit 1

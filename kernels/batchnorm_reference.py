@@ -17,7 +17,7 @@ Shapes: ``x, dy, y, dx : (N, C, H, W)``; ``gamma, beta : (C,)``; ``mean, var, dg
 
 from __future__ import annotations
 
-from mpidl.backend import get_array_module
+from mpidl.engine.backend import get_array_module
 
 __all__ = ["batchnorm_forward", "batchnorm_backward"]
 

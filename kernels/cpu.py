@@ -53,7 +53,7 @@ import numba
 import numpy as np
 from numba import njit, prange, uint64
 
-from mpidl import threads as _threads
+from mpidl.engine import threads as _threads
 
 from . import reference
 from .reference import conv_output_size

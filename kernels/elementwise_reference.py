@@ -6,10 +6,10 @@ reference (``xp`` code, NumPy or CuPy), the definition the Numba kernels
 Any shape; ``a, b`` (``dy, y``) of one shape and dtype::
 
     all_finite(x)        = no element of x is NaN or +-inf
-    add_relu(a, b)       = s * [s > 0],   s = a + b           (mpidl.nn.ReLU's values of the sum)
+    add_relu(a, b)       = s * [s > 0],   s = a + b           (mpidl.engine.nn.ReLU's values of the sum)
     relu_backward(dy, y) = dy * [y > 0]                        (y > 0 iff s > 0)
     add(a, b)            = a + b                               (a new array)
-    sigmoid(xp, x)       = 1 / (1 + exp(-x))                     (mpidl.nn.Sigmoid, the LSTM's gates)
+    sigmoid(xp, x)       = 1 / (1 + exp(-x))                     (mpidl.engine.nn.Sigmoid, the LSTM's gates)
 
 Multiplying by the mask rather than selecting keeps NumPy's values: a negative ``s`` gives
 ``-0.0``, and a NaN stays NaN (in ``s`` and in ``dy``).
@@ -17,7 +17,7 @@ Multiplying by the mask rather than selecting keeps NumPy's values: a negative `
 
 from __future__ import annotations
 
-from mpidl.backend import get_array_module
+from mpidl.engine.backend import get_array_module
 
 __all__ = ["all_finite", "add_relu", "relu_backward", "add", "sigmoid"]
 
@@ -29,14 +29,14 @@ def all_finite(x) -> bool:
 
 def add_relu(a, b):
     """``y = relu(a + b)`` elementwise (a residual sum and the ReLU after it), with
-    :class:`mpidl.nn.ReLU`'s values: ``s * [s > 0]`` for ``s = a + b``."""
+    :class:`mpidl.engine.nn.ReLU`'s values: ``s * [s > 0]`` for ``s = a + b``."""
     s = a + b
     return get_array_module(s).multiply(s, s > 0, dtype=s.dtype)
 
 
 def relu_backward(dy, y):
     """``dL/ds = dy * [y > 0]`` for ``y = add_relu(a, b)`` (``y > 0`` iff ``s > 0``); a NaN in
-    ``dy`` stays NaN, as with :class:`mpidl.nn.ReLU`."""
+    ``dy`` stays NaN, as with :class:`mpidl.engine.nn.ReLU`."""
     return get_array_module(dy).multiply(dy, y > 0, dtype=dy.dtype)
 
 

@@ -22,7 +22,7 @@ an LSTM never meet (each sequence has its own state), so a block runs its whole 
 without waiting for the others, and no two blocks write the same element. With the state time
 first, a block's rows of one step are a contiguous (rows, ·) matrix, the operand of its GEMM
 as it lies. Each block's GEMM is a one-thread BLAS call (the thread policy,
-:mod:`mpidl.threads`, limits SciPy's OpenBLAS, which Numba calls, to one thread). Blocks are
+:mod:`mpidl.engine.threads`, limits SciPy's OpenBLAS, which Numba calls, to one thread). Blocks are
 at least ``MIN_BLOCK_ROWS`` rows, so a small batch runs as one block.
 
 The element-wise passes compute in float64 and store in the arrays' dtype; the sigmoids and
@@ -38,8 +38,8 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from mpidl import threads as _threads
-from mpidl.blas import matmul, run_shares
+from mpidl.engine import threads as _threads
+from mpidl.engine.blas import matmul, run_shares
 
 from .vector_math import sigmoid, tanh
 
@@ -194,7 +194,7 @@ def _weight_gradients(inputs, hidden_prev, dz2, workspaces):
     ``[dW_ih, db] = ([X, 1]^T dz)^T`` (with D+1 = 13 columns, (D+1, T*N) x (T*N, 4H) is the
     shape BLAS runs fastest: 65 us against 120 us for ``dz^T X``, spectral_lstm) and
     ``dW_hh = dz^T H_prev``, each summed over ``WEIGHT_GRADIENT_PARTS`` contiguous ranges of
-    steps whose two GEMMs run on one thread (:func:`mpidl.blas.run_shares`): one hand-off for
+    steps whose two GEMMs run on one thread (:func:`mpidl.engine.blas.run_shares`): one hand-off for
     all of the weight gradients' work.
     """
     rows, four_h = dz2.shape

@@ -33,7 +33,7 @@ has ``x``'s dtype. Since ``h_0 = 0``, step 1 adds nothing to ``dW_hh``: its GEMM
 
 from __future__ import annotations
 
-from mpidl.backend import get_array_module
+from mpidl.engine.backend import get_array_module
 from .elementwise_reference import sigmoid
 
 __all__ = ["lstm_forward", "lstm_backward"]

@@ -1,6 +1,6 @@
 """Reference convolution and pooling kernels: the definition the fast kernels are tested against.
 
-Written once against ``xp`` (NumPy or CuPy, from :func:`mpidl.backend.get_array_module`),
+Written once against ``xp`` (NumPy or CuPy, from :func:`mpidl.engine.backend.get_array_module`),
 vectorized over the batch, the channels and the output pixels. The only Python loops run over
 the ``kh*kw`` kernel offsets: for a fixed offset ``(i, j)`` the input pixels that meet it form
 one strided slice of the (padded) input,
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import sys
 
-from mpidl.backend import get_array_module
+from mpidl.engine.backend import get_array_module
 
 __all__ = [
     "conv_output_size",

@@ -7,7 +7,7 @@ GELU forward is SciPy's ``erf`` (a scalar loop, about 7 ns an element, one threa
 element-wise passes; layer normalization and the softmax are reductions along a short last
 axis (64 features, 50 keys for ``vit``), where NumPy's per-row overhead dominates, followed by
 several broadcasting passes. The kernels below read each input once per pass, and a
-``prange`` spreads the rows (or elements) over Numba's threads (the count :mod:`mpidl.threads`
+``prange`` spreads the rows (or elements) over Numba's threads (the count :mod:`mpidl.engine.threads`
 sets).
 
 The transcendental functions decide the rest. Numba calls libm's ``exp`` and ``erf`` one

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 
-from mpidl.backend import get_array_module
+from mpidl.engine.backend import get_array_module
 
 __all__ = ["gelu_forward", "gelu_backward", "layernorm_forward", "layernorm_backward",
            "softmax_forward", "softmax_backward"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from mpidl import threads as _threads
+from mpidl.engine import threads as _threads
 
 from . import winograd_reference as reference
 from .cpu import _COMPILED_DTYPES, _as_compiled, _samples_per_block, _u

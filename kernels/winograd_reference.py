@@ -2,7 +2,7 @@
 (:mod:`mpidl.kernels.winograd_cpu`, :mod:`mpidl.kernels.winograd_cuda`) are tested against.
 
 Written once against ``xp`` (NumPy or CuPy). The layouts and math are in the comment below;
-the layer that uses them is :mod:`mpidl.nn.winograd`. The arguments are checked by the
+the layer that uses them is :mod:`mpidl.engine.nn.winograd`. The arguments are checked by the
 dispatcher, :mod:`mpidl.kernels`; the transforms here take checked ones.
 """
 
@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-from mpidl.backend import get_array_module
+from mpidl.engine.backend import get_array_module
 
 from .reference import conv_output_size
 

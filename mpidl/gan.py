@@ -16,7 +16,7 @@ Models (hand-written layers, float64 or float32)::
     D([x, onehot(y)]) : Linear(C + K, H) - LeakyReLU(0.2) - Linear(H, H) - LeakyReLU(0.2) - Linear(H, 1)
 
 with ``z ~ N(0, I_Z)``. One step on a global batch ``{(x_n, y_n)}`` of ``B`` real spectra
-(``BCE`` is :class:`mpidl.nn.BCEWithLogits`, the mean over its elements)::
+(``BCE`` is :class:`mpidl.engine.nn.BCEWithLogits`, the mean over its elements)::
 
     D step:  L_D = BCE(D([x_real; G(z, y)], [y; y]), [1; 0])            (2 b_i rows on rank i)
     G step:  L_G = BCE(D(G(z', y), y), 1)                                (non-saturating loss)
@@ -45,8 +45,8 @@ class (``--plot``; needs matplotlib, ``pip install 'mpidl[plot]'``; skipped with
 otherwise).
 
 Failures (:func:`main`) keep the trainer's promises with the trainer's means: the options,
-the outputs (:func:`mpidl.outputs.check_output_file` on rank 0), the data file and its values
-(:func:`mpidl.layout.check_trainable`, :func:`mpidl.layout.check_values`) are checked before
+the outputs (:func:`mpidl.app.outputs.check_output_file` on rank 0), the data file and its values
+(:func:`mpidl.data.layout.check_trainable`, :func:`mpidl.data.layout.check_values`) are checked before
 training and agreed by the ranks (one ``error:`` line, exit code 2); a metrics write that
 fails during training stops every rank after that epoch, and a plot that cannot be written
 is reported after the quality numbers are printed and recorded (one ``error:`` line naming
@@ -105,7 +105,7 @@ class GanConfig:
         from mpidl.distributed.data_parallel import MIN_LOCAL_BATCH  # noqa: PLC0415
         from mpidl.distributed.emulation import parse_link  # noqa: PLC0415
         from mpidl.distributed.hdp import check_split_fits  # noqa: PLC0415
-        from mpidl.optim import OPTIMIZERS  # noqa: PLC0415
+        from mpidl.engine.optim import OPTIMIZERS  # noqa: PLC0415
 
         for name, allowed in (("--optimizer", OPTIMIZERS), ("--strategy", STRATEGIES),
                               ("--dtype", ("float32", "float64"))):
@@ -143,9 +143,9 @@ class GanConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The options; a bad one raises :class:`mpidl.cli.UsageError` (a ValueError), so that the
+    """The options; a bad one raises :class:`mpidl.app.cli.UsageError` (a ValueError), so that the
     ranks report it once, like every other set-up error."""
-    from mpidl.cli import Parser  # noqa: PLC0415
+    from mpidl.app.cli import Parser  # noqa: PLC0415
 
     d = GanConfig()
     p = Parser(
@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"the GLOBAL batch of real spectra, split over the ranks (default {d.batch_size})")
     p.add_argument("--noise-dim", type=int, default=d.noise_dim, help=f"Z, the noise size (default {d.noise_dim})")
     p.add_argument("--hidden", type=int, default=d.hidden, help=f"H, the hidden width of G and D (default {d.hidden})")
-    p.add_argument("--optimizer", default=d.optimizer, help=f"for G and D, from mpidl.optim.OPTIMIZERS (default {d.optimizer})")
+    p.add_argument("--optimizer", default=d.optimizer, help=f"for G and D, from mpidl.engine.optim.OPTIMIZERS (default {d.optimizer})")
     p.add_argument("--lr", type=float, default=d.lr, help=f"learning rate of G and D (default {d.lr})")
     p.add_argument("--beta1", type=float, default=d.beta1,
                    help=f"betas[0] of the Adam-family optimizers, momentum of sgd (default {d.beta1})")
@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_config(argv=None, world_size: int = 1, rank: int = 0) -> GanConfig:
     """Parse and validate a command line (``--help`` printed by rank 0 only); every error
     raises a ValueError with a one-line message."""
-    from mpidl.cli import parse_args  # noqa: PLC0415
+    from mpidl.app.cli import parse_args  # noqa: PLC0415
 
     ns = parse_args(build_parser(), argv, rank)
     names = {f.name for f in fields(GanConfig)}
@@ -197,8 +197,8 @@ def parse_config(argv=None, world_size: int = 1, rank: int = 0) -> GanConfig:
 def check_outputs(cfg: GanConfig, rank: int) -> list[str]:
     """On rank 0, which writes them: ``--metrics`` and ``--plot`` can be written in their
     (existing) folders, as the writers will write them (raises
-    :class:`mpidl.outputs.OutputError`); returns the stale temporaries removed."""
-    from mpidl.outputs import check_output_file  # noqa: PLC0415
+    :class:`mpidl.app.outputs.OutputError`); returns the stale temporaries removed."""
+    from mpidl.app.outputs import check_output_file  # noqa: PLC0415
 
     removed = []
     if rank == 0:
@@ -246,11 +246,11 @@ def _centres(dataset) -> tuple[np.ndarray, np.ndarray]:
 
 def load_spectra(path: str | None, seed: int = 0) -> Spectra:
     """The centre-pixel spectra of a layout file, or of the built-in synthetic scene (patch 1).
-    A file must be one the trainer takes (:func:`mpidl.layout.check_trainable`: the quality
+    A file must be one the trainer takes (:func:`mpidl.data.layout.check_trainable`: the quality
     numbers need test spectra); its values are checked by the command line
-    (:func:`mpidl.layout.check_values`, over the ranks)."""
+    (:func:`mpidl.data.layout.check_values`, over the ranks)."""
     from mpidl import data  # noqa: PLC0415
-    from mpidl.layout import LayoutError, check_trainable  # noqa: PLC0415
+    from mpidl.data.layout import LayoutError, check_trainable  # noqa: PLC0415
 
     if path is None:
         train, test, meta = data.synthetic_splits(seed=seed, patch=1)
@@ -274,8 +274,8 @@ def load_spectra(path: str | None, seed: int = 0) -> Spectra:
 # ---------------------------------------------------------------------------- models
 def _mlp(sizes, activation, backend, seed):
     """``Linear - act - ... - Linear`` over ``sizes`` and its flat parameters."""
-    from mpidl.nn import Linear, Sequential  # noqa: PLC0415
-    from mpidl.params import FlatParameters  # noqa: PLC0415
+    from mpidl.engine.nn import Linear, Sequential  # noqa: PLC0415
+    from mpidl.engine.params import FlatParameters  # noqa: PLC0415
 
     layers = []
     for k, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
@@ -305,10 +305,10 @@ class ConditionalGAN:
     """
 
     def __init__(self, spectra: Spectra, cfg: GanConfig, topology):
-        from mpidl.backend import get_backend  # noqa: PLC0415
+        from mpidl.engine.backend import get_backend  # noqa: PLC0415
         from mpidl.distributed import DataParallel  # noqa: PLC0415
-        from mpidl.nn import BCEWithLogits, LeakyReLU, ReLU  # noqa: PLC0415
-        from mpidl.optim import build_optimizer  # noqa: PLC0415
+        from mpidl.engine.nn import BCEWithLogits, LeakyReLU, ReLU  # noqa: PLC0415
+        from mpidl.engine.optim import build_optimizer  # noqa: PLC0415
 
         self.cfg, self.spectra = cfg, spectra
         self.backend = get_backend("cpu", cfg.dtype)
@@ -413,9 +413,9 @@ class ConditionalGAN:
 # ---------------------------------------------------------------------------- quality
 def _train_classifier(spectra: Spectra, seed: int, epochs: int = 40, hidden: int = 64):
     """Linear(C, 64) - ReLU - Linear(64, K) trained on the real training spectra (one process)."""
-    from mpidl.backend import get_backend  # noqa: PLC0415
-    from mpidl.nn import ReLU, SoftmaxCrossEntropy  # noqa: PLC0415
-    from mpidl.optim import Adam  # noqa: PLC0415
+    from mpidl.engine.backend import get_backend  # noqa: PLC0415
+    from mpidl.engine.nn import ReLU, SoftmaxCrossEntropy  # noqa: PLC0415
+    from mpidl.engine.optim import Adam  # noqa: PLC0415
 
     net, params = _mlp([spectra.bands, hidden, spectra.num_classes], ReLU, get_backend("cpu", "float64"), seed)
     opt, loss = Adam(params, lr=3e-3), SoftmaxCrossEntropy()
@@ -504,7 +504,7 @@ def plot_spectra(quality: dict, class_names, path: str, title: str) -> str | Non
         if c == 0:
             ax.legend(fontsize="x-small")
     fig.suptitle(title, fontsize="medium")
-    from mpidl.outputs import atomic_file  # noqa: PLC0415
+    from mpidl.app.outputs import atomic_file  # noqa: PLC0415
 
     with atomic_file(path) as tmp:
         fig.savefig(tmp, format="png", dpi=110)
@@ -521,8 +521,8 @@ def main(argv=None) -> int:
     from mpidl.distributed import Topology  # noqa: PLC0415
     from mpidl.distributed.launch import (abort_on_uncaught_exception, agree_on_error,  # noqa: PLC0415
                                           allgather, world)
-    from mpidl.layout import check_values  # noqa: PLC0415
-    from mpidl.log import MetricsWriter, Printer  # noqa: PLC0415
+    from mpidl.data.layout import check_values  # noqa: PLC0415
+    from mpidl.app.log import MetricsWriter, Printer  # noqa: PLC0415
 
     rank, size = world()
     sys.excepthook = abort_on_uncaught_exception

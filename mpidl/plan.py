@@ -61,8 +61,8 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 
-from mpidl.links import LinkModel
-from mpidl.links import parse_link as parse_link_model
+from mpidl.distributed.links import LinkModel
+from mpidl.distributed.links import parse_link as parse_link_model
 
 STRATEGY_NAMES = ("flat", "hierarchical", "node")
 ALGORITHMS = ("best", "ring", "tree")
@@ -324,8 +324,8 @@ def _timed_step(model: str, input_shape, classes: int, local_batch: int):
     """The model and a function that runs one step of it, after 2 warm-up steps."""
     import numpy as np  # noqa: PLC0415
 
-    from mpidl.models import build_model  # noqa: PLC0415
-    from mpidl.nn import SoftmaxCrossEntropy  # noqa: PLC0415
+    from mpidl.engine.models import build_model  # noqa: PLC0415
+    from mpidl.engine.nn import SoftmaxCrossEntropy  # noqa: PLC0415
 
     m = build_model(model, input_shape, classes, seed=0)
     loss = SoftmaxCrossEntropy()
@@ -422,7 +422,7 @@ def main(argv=None) -> int:
                 how = (f"measured here: {args.model} {shape}, local batch {args.local_batch}; "
                        f"{measured.describe()}")
             else:
-                from mpidl.models import build_model  # noqa: PLC0415
+                from mpidl.engine.models import build_model  # noqa: PLC0415
                 t_c, counted = args.step_time, build_model(args.model, shape, args.classes).params.size
                 how = "given"
         else:

@@ -37,7 +37,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from mpidl.outputs import OutputError, atomic_file, check_output_folder
+from mpidl.app.outputs import OutputError, atomic_file, check_output_folder
 
 # One colour per kind of time, the same in every figure: the eye learns them once.
 TIME_KINDS = (
@@ -309,7 +309,7 @@ def _matplotlib():
 
 
 def _save(fig, out_path) -> Path:
-    """Write the figure atomically (:func:`mpidl.outputs.atomic_file`: the user's file mode;
+    """Write the figure atomically (:func:`mpidl.app.outputs.atomic_file`: the user's file mode;
     a failure names ``out_path`` and leaves no temporary file)."""
     out_path = Path(out_path)
     with atomic_file(str(out_path)) as tmp:

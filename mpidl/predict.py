@@ -28,7 +28,7 @@ Every input is checked on every rank before any pixel is classified, and the ran
 (a bad option; a missing or unreadable model, data file or cube; a cube whose band count
 differs from the model's; a scene shape that differs from the layout's); the outputs are
 checked on rank 0, which writes them, as the atomic writer will write them (a missing or
-read-only folder; :func:`mpidl.outputs.check_output_file`): rank 0 prints ``error: ...`` and
+read-only folder; :func:`mpidl.app.outputs.check_output_file`): rank 0 prints ``error: ...`` and
 every rank exits with code 2, leaving no output. A write that still fails (a full disk) prints
 ``error: cannot write PATH: cause``, leaves no temporary file and exits with code 1.
 """
@@ -44,7 +44,7 @@ PREDICT_BATCH = 1024
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mpidl.cli import Parser  # noqa: PLC0415
+    from mpidl.app.cli import Parser  # noqa: PLC0415
 
     p = Parser(prog="python -m mpidl.predict",
                                 description="Classify every pixel of a scene with a trained model "
@@ -92,10 +92,10 @@ def prepare(args) -> dict:
     import h5py  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
 
-    from mpidl.checkpoint import load_model  # noqa: PLC0415
+    from mpidl.app.checkpoint import load_model  # noqa: PLC0415
     from mpidl.data_tools.hsi import load_abundances, load_cube, load_labels  # noqa: PLC0415
-    from mpidl.layout import SCENE_KIND, validate_layout  # noqa: PLC0415
-    from mpidl.outputs import cause  # noqa: PLC0415
+    from mpidl.data.layout import SCENE_KIND, validate_layout  # noqa: PLC0415
+    from mpidl.app.outputs import cause  # noqa: PLC0415
 
     if args.batch < 1:
         raise ValueError(f"--batch must be >= 1, got {args.batch}")
@@ -175,9 +175,9 @@ def png_path(args) -> str | None:
 
 def check_outputs(args, rank: int) -> list[str]:
     """On rank 0, which writes them: ``--out`` and the figure can be written atomically in
-    their (existing) folders (raises :class:`mpidl.outputs.OutputError`); returns the stale
+    their (existing) folders (raises :class:`mpidl.app.outputs.OutputError`); returns the stale
     temporaries of interrupted writes that were removed."""
-    from mpidl.outputs import check_output_file  # noqa: PLC0415
+    from mpidl.app.outputs import check_output_file  # noqa: PLC0415
 
     if rank != 0:
         return []
@@ -204,7 +204,7 @@ def classify_rows(model, cube, lo: int, hi: int, mean, std, pad_mode: str, batch
     """
     import numpy as np  # noqa: PLC0415
 
-    from mpidl.layout import cut_patches  # noqa: PLC0415
+    from mpidl.data.layout import cut_patches  # noqa: PLC0415
 
     patch = model.input_shape[1]
     half = patch // 2
@@ -252,7 +252,7 @@ def accuracy_report(pred, truth, where, k: int) -> tuple[float, list[float], int
 def _write_map(path: str, pred, prep, report: dict, args) -> None:
     import numpy as np  # noqa: PLC0415
 
-    from mpidl.outputs import atomic_h5  # noqa: PLC0415
+    from mpidl.app.outputs import atomic_h5  # noqa: PLC0415
 
     with atomic_h5(path) as f:
         f.create_dataset("map", data=pred.astype(np.int16))
@@ -300,7 +300,7 @@ def draw_map(path: str, pred, truth, class_names, title: str) -> None:
                loc="lower center", ncol=min(k, 8), frameon=False)
     fig.suptitle(title, fontsize=11)
     fig.subplots_adjust(bottom=0.12, top=0.86, wspace=0.05)
-    from mpidl.outputs import atomic_file  # noqa: PLC0415
+    from mpidl.app.outputs import atomic_file  # noqa: PLC0415
 
     with atomic_file(path) as tmp:
         fig.savefig(tmp, format="png", dpi=110)
@@ -312,7 +312,7 @@ def main(argv=None) -> int:
     from mpidl.distributed.launch import (abort_on_uncaught_exception, agree_on_error,  # noqa: PLC0415
                                           gather_to_root, world)
 
-    from mpidl.cli import parse_args  # noqa: PLC0415
+    from mpidl.app.cli import parse_args  # noqa: PLC0415
 
     rank, size = world()
     sys.excepthook = abort_on_uncaught_exception

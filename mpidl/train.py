@@ -1,7 +1,7 @@
 """The command line: ``mpiexec -n N python -m mpidl.train [options]``.
 
-Thin on purpose: parse and validate the configuration (:mod:`mpidl.config`), load the data,
-build the model, hand everything to :class:`mpidl.trainer.Trainer`. With no ``--data`` it
+Thin on purpose: parse and validate the configuration (:mod:`mpidl.app.config`), load the data,
+build the model, hand everything to :class:`mpidl.app.trainer.Trainer`. With no ``--data`` it
 trains on the built-in synthetic hyperspectral scene. ``python -m mpidl.train --help`` lists
 every option.
 
@@ -17,7 +17,7 @@ one rank only (say, a file missing on one node) ends every rank cleanly: rank 0 
 
 *Output paths* are checked on the ranks that will write them (``--save``, ``--checkpoint`` and
 ``--metrics`` on rank 0, ``--timing-dir`` on every rank) by creating and removing a temporary
-file beside the target, as the atomic writer will (:mod:`mpidl.outputs`); the temporaries an
+file beside the target, as the atomic writer will (:mod:`mpidl.app.outputs`); the temporaries an
 interrupted write left there are removed at the same time. A write that still fails later
 (disk full) stops the job with exit code 1 and an ``error:`` line that names the path, the
 cause and the place the trained model was rescued to.
@@ -35,13 +35,13 @@ import sys
 
 
 def main(argv=None) -> int:
-    from mpidl.checkpoint import CheckpointError
-    from mpidl.config import ConfigError, parse_config
+    from mpidl.app.checkpoint import CheckpointError
+    from mpidl.app.config import ConfigError, parse_config
     from mpidl.distributed import NonFiniteGradient, Topology
     from mpidl.distributed.launch import (abort_on_uncaught_exception, agree_on_error, allgather,
                                           failure_file_for, machine_rank_and_size, report_failures_to,
                                           world)
-    from mpidl.log import Printer
+    from mpidl.app.log import Printer
 
     rank, size = world()
     # An unexpected exception anywhere (a bug, not a bad input) must not leave ranks hanging:
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     error = agree_on_error(error)
     if error is None and cfg.data is not None:
         # the values, once the file is known to be valid: each rank scans its share
-        from mpidl.layout import check_values
+        from mpidl.data.layout import check_values
 
         error = check_values(cfg.data, rank, size, allgather)
     if error is not None:
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
         printer.info(f"removed {len(removed)} temporary file(s) left by an interrupted write: "
                      f"{', '.join(removed)}")
 
-    from mpidl.trainer import OutputWriteError, Trainer
+    from mpidl.app.trainer import OutputWriteError, Trainer
 
     trainer = Trainer(cfg, model, train_set, test_set, printer, topology=topo, handle_sigterm=True)
     if cfg.resume:
@@ -126,10 +126,10 @@ def main(argv=None) -> int:
 
 def check_outputs(cfg, rank: int) -> list[str]:
     """Check every output path on the ranks that will write it (raises
-    :class:`mpidl.outputs.OutputError`, agreed with the other set-up errors); returns the
+    :class:`mpidl.app.outputs.OutputError`, agreed with the other set-up errors); returns the
     stale temporaries of earlier, interrupted writes that were removed."""
-    from mpidl.checkpoint import CHECKPOINT_NAME
-    from mpidl.outputs import check_output_file, check_output_folder
+    from mpidl.app.checkpoint import CHECKPOINT_NAME
+    from mpidl.app.outputs import check_output_file, check_output_folder
 
     removed = []
     if rank == 0:
@@ -147,9 +147,9 @@ def check_outputs(cfg, rank: int) -> list[str]:
 def _build(cfg, local_rank: int = 0):
     """Load data and build the model; raises a readable error for anything wrong."""
     from mpidl import data
-    from mpidl.backend import get_backend
-    from mpidl.models import build_model
-    from mpidl.optim import make_schedule
+    from mpidl.engine.backend import get_backend
+    from mpidl.engine.models import build_model
+    from mpidl.engine.optim import make_schedule
 
     backend = get_backend(cfg.device, cfg.dtype)
     # One GPU per rank of a node (local_rank % GPUs), before anything is allocated on it.
@@ -160,7 +160,7 @@ def _build(cfg, local_rank: int = 0):
     else:
         train_set, test_set, meta = data.load_splits(cfg.data, cache=cfg.cache, augment=cfg.augment, seed=cfg.seed)
         desc = meta["description"]
-        from mpidl.layout import LayoutError, check_trainable
+        from mpidl.data.layout import LayoutError, check_trainable
 
         try:
             check_trainable(meta)
@@ -171,7 +171,7 @@ def _build(cfg, local_rank: int = 0):
     model = build_model(cfg.model, train_set.sample_shape, train_set.num_classes,
                         backend=backend, seed=cfg.seed, **cfg.model_kwargs)
     # The schedule's length depends on the data size; check it now, before any collective.
-    from mpidl.trainer import steps_per_epoch  # noqa: PLC0415
+    from mpidl.app.trainer import steps_per_epoch  # noqa: PLC0415
 
     n = train_set.num_samples
     per_epoch = steps_per_epoch(n, cfg.batch_size, cfg.drop_last)

@@ -20,9 +20,9 @@ import numpy as np
 
 from mpidl.distributed import DataParallel
 from mpidl.distributed.launch import abort_on_uncaught_exception
-from mpidl.models import build_model
-from mpidl.nn import SoftmaxCrossEntropy
-from mpidl.optim import SGD
+from mpidl.engine.models import build_model
+from mpidl.engine.nn import SoftmaxCrossEntropy
+from mpidl.engine.optim import SGD
 
 
 def main(mode: str, stamp: str) -> None:

@@ -19,8 +19,8 @@ from typing import Callable
 
 import numpy as np
 
-from mpidl.backend import get_array_module, get_backend, to_host
-from mpidl.params import FlatParameters
+from mpidl.engine.backend import get_array_module, get_backend, to_host
+from mpidl.engine.params import FlatParameters
 
 __all__ = ["numerical_gradient", "bind_parameters", "check_backward", "check_loss_backward"]
 

@@ -39,9 +39,9 @@ def reference(steps: int, nodes: list[list[int]], split: list[int], lost: set[in
     """The node scheme in one process (see the module docstring). ``nodes``: start-up ranks of
     every node; ``split``: batch sizes by start-up rank before the loss; ``new_split`` after
     the first sync that follows it (by survivor, in start-up order)."""
-    from mpidl.backend import get_backend
-    from mpidl.optim import SGD
-    from mpidl.params import FlatParameters, Parameter, zeros
+    from mpidl.engine.backend import get_backend
+    from mpidl.engine.optim import SGD
+    from mpidl.engine.params import FlatParameters, Parameter, zeros
 
     x, y = data()
     replicas = []
@@ -88,10 +88,10 @@ def main(argv=None) -> int:
 
     from mpi4py import MPI
 
-    from mpidl.backend import get_backend
+    from mpidl.engine.backend import get_backend
     from mpidl.distributed import DataParallel, RanksLost
-    from mpidl.optim import SGD
-    from mpidl.params import FlatParameters, Parameter, zeros
+    from mpidl.engine.optim import SGD
+    from mpidl.engine.params import FlatParameters, Parameter, zeros
 
     me = MPI.COMM_WORLD.Get_rank()
     victims = {int(r) for r in args.kill.split(",") if r}

@@ -37,7 +37,7 @@ say "work folder $WORK"
 "$PY" - "$WORK/tiny.h5" <<'EOF'
 import sys
 import numpy as np
-from mpidl.layout import write_layout
+from mpidl.data.layout import write_layout
 rng = np.random.default_rng(0)
 def split(n):
     y = rng.integers(0, 3, n)

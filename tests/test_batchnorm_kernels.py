@@ -8,8 +8,8 @@ import pytest
 
 from gradcheck import bind_parameters, check_backward
 from mpidl.kernels import batchnorm_cpu, batchnorm_reference
-from mpidl.nn import BatchNorm2d, ReLU, Sequential
-from mpidl.nn.fused import FusedAway, FusedBatchNorm2d, fuse_batchnorm_relu
+from mpidl.engine.nn import BatchNorm2d, ReLU, Sequential
+from mpidl.engine.nn.fused import FusedAway, FusedBatchNorm2d, fuse_batchnorm_relu
 
 SHAPES = [(4, 3, 5, 5), (2, 1, 3, 7), (1, 2, 1, 2)]
 

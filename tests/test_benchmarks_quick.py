@@ -103,7 +103,7 @@ def test_peers_quick_writes_its_table(tmp_path):
 def test_families_quick_writes_its_tables(tmp_path):
     # Through experiments.py --only families: the CNN and the GAN rows and one row per
     # optimizer, each with both strategies' numbers (--quick leaves LSTM and ViT out).
-    from mpidl.optim import OPTIMIZERS
+    from mpidl.engine.optim import OPTIMIZERS
 
     _run([sys.executable, str(BENCH / "experiments.py"), "--quick", "--no-samson", "--out", str(tmp_path),
           "--work", str(tmp_path / "work"), "--only", "families"], timeout=600)
@@ -210,7 +210,7 @@ def test_every_model_has_a_torch_twin_that_computes_its_logits():
     sys.path.insert(0, str(BENCH))
     from torch_twins import TWINS, twin_of
 
-    from mpidl.models import MODELS, build_model
+    from mpidl.engine.models import MODELS, build_model
 
     assert sorted(TWINS) == sorted(MODELS)
     for name, twin in TWINS.items():

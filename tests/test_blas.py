@@ -1,11 +1,11 @@
-"""mpidl.blas: the same products as numpy.matmul, whatever the split between threads."""
+"""mpidl.engine.blas: the same products as numpy.matmul, whatever the split between threads."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from mpidl import blas, threads
+from mpidl.engine import blas, threads
 
 
 def _random(shape, seed):

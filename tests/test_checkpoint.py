@@ -19,14 +19,14 @@ from mpi4py import MPI
 
 import launcher
 
-import mpidl.checkpoint as ck
-from mpidl.backend import get_backend
-from mpidl.config import parse_config
+import mpidl.app.checkpoint as ck
+from mpidl.engine.backend import get_backend
+from mpidl.app.config import parse_config
 from mpidl.data import ArrayDataset
 from mpidl.distributed.topology import Topology
-from mpidl.log import Printer
-from mpidl.models import build_model
-from mpidl.trainer import Trainer
+from mpidl.app.log import Printer
+from mpidl.engine.models import build_model
+from mpidl.app.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 MPIEXEC = launcher.default_mpiexec()
@@ -97,7 +97,7 @@ def test_failure_mid_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 KILLED_WRITER = """
 import sys, time
 import numpy as np
-import mpidl.checkpoint as ck
+import mpidl.app.checkpoint as ck
 sys.path.insert(0, sys.argv[2])
 from test_checkpoint import META, SavedState
 def slow(group, state):
@@ -126,7 +126,7 @@ def test_sigkill_mid_write_keeps_the_previous_checkpoint(tmp_path):
     assert state["steps"] == 7
     assert len(leftovers(tmp_path)) == 1  # the killed writer's temporary file, never read
     # the next start in this folder (the command line's set-up check) removes exactly it
-    from mpidl.outputs import check_output_folder
+    from mpidl.app.outputs import check_output_folder
 
     stray = leftovers(tmp_path)
     removed = check_output_folder("--checkpoint", str(tmp_path), [ck.CHECKPOINT_NAME])
@@ -298,7 +298,7 @@ def test_a_saved_model_given_as_a_checkpoint_says_what_it_is_and_how_to_use_it(t
     assert str(info.value) == (
         f"--resume: {path} is a saved model (mpidl.train --save), not a checkpoint: it holds the weights only, "
         "not the optimizer state and the place in the training that --resume needs; python -m mpidl.predict "
-        f"--model {path} (or mpidl.checkpoint.load_model) reads it, and a run resumes from the --checkpoint DIR "
+        f"--model {path} (or mpidl.app.checkpoint.load_model) reads it, and a run resumes from the --checkpoint DIR "
         "it wrote")
     # ... and the other way round
     write_simple(tmp_path, 1.0)
@@ -311,8 +311,8 @@ def test_a_saved_model_given_as_a_checkpoint_says_what_it_is_and_how_to_use_it(t
 def test_files_are_written_with_the_users_umask(tmp_path, umask):
     """Before: models, checkpoints and maps 0600 (mkstemp's mode), layout files and figures
     0644: every file mpidl writes now goes through one writer that gives ``0666 & ~umask``."""
-    from mpidl.layout import write_layout
-    from mpidl.outputs import atomic_file, atomic_h5
+    from mpidl.data.layout import write_layout
+    from mpidl.app.outputs import atomic_file, atomic_h5
 
     previous = os.umask(umask)
     try:

@@ -1,10 +1,10 @@
 # python -m pytest -q tests/test_cluster_netstat.py
-"""mpidl/netstat.py: the kernel's byte counters of the non-loopback interfaces, as differences
+"""mpidl/app/netstat.py: the kernel's byte counters of the non-loopback interfaces, as differences
 since a reset, merged per host (on a fake /sys/class/net tree)."""
 
 import socket
 
-from mpidl.netstat import WireCounter, interface_bytes, per_host
+from mpidl.app.netstat import WireCounter, interface_bytes, per_host
 
 
 def write_iface(root, name, tx, rx):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mpidl.config import Config, ConfigError, parse_config
+from mpidl.app.config import Config, ConfigError, parse_config
 
 
 def test_defaults_are_valid():
@@ -90,8 +90,8 @@ def test_to_dict_is_plain():
 def test_allowed_names_come_from_the_registries_that_own_them(monkeypatch):
     """A model, optimizer or schedule registered in its own module is accepted with no edit
     of the configuration module."""
-    import mpidl.models as models
-    import mpidl.optim as optim
+    import mpidl.engine.models as models
+    import mpidl.engine.optim as optim
 
     monkeypatch.setitem(models.MODELS, "toy", models.MODELS["hsicnn"])
     monkeypatch.setitem(optim.OPTIMIZERS, "toyopt", optim.SGD)
@@ -130,14 +130,14 @@ def test_sync_every_takes_an_integer_or_epoch(text, expected):
 
 
 def test_sync_every_epoch_is_in_the_help():
-    from mpidl.config import build_parser
+    from mpidl.app.config import build_parser
 
     help_text = " ".join(build_parser().format_help().split())
     assert "--sync-every K K': steps between inter-node syncs (node strategy): an integer >= 1, or 'epoch'" in help_text
 
 
 def test_every_option_has_a_help_text_with_its_default():
-    from mpidl.config import build_parser
+    from mpidl.app.config import build_parser
 
     parser = build_parser()
     text = parser.format_help()

@@ -1,4 +1,4 @@
-"""mpidl.data and mpidl.layout: the layout reader, the datasets, the cache, augmentation, validation errors."""
+"""mpidl.data and mpidl.data.layout: the layout reader, the datasets, the cache, augmentation, validation errors."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from mpidl.data import (
     open_dataset,
     synthetic_splits,
 )
-from mpidl.layout import LayoutError, LayoutFileNotFoundError, channel_stats, validate_layout, write_layout
+from mpidl.data.layout import LayoutError, LayoutFileNotFoundError, channel_stats, validate_layout, write_layout
 
 C, H, W = 3, 5, 5
 NAMES = ["a", "b", "c"]

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import scipy.io
 
-from mpidl.layout import read_split_arrays, validate_layout
+from mpidl.data.layout import read_split_arrays, validate_layout
 from mpidl.data_tools.__main__ import main
 from mpidl.data_tools.hsi import convert_hsi, extract_patches, pixels_to_image
 from scene_checks import roughness
-from mpidl.layout import channel_stats
+from mpidl.data.layout import channel_stats
 from mpidl.data_tools.sources import ArrayFile, InputError, clean_name, parse_source
 from mpidl.data_tools.splits import block_split, random_split
 
@@ -479,8 +479,8 @@ def test_images_without_pillow_say_how_to_install(tmp_path, monkeypatch):
 
 def test_info_refuses_what_training_refuses_with_the_same_words(tmp_path, capsys):
     """Before: ``info`` printed a file with an empty test split (exit 0) that ``mpidl.train``
-    refuses (exit 2). Both now call mpidl.layout.check_trainable."""
-    from mpidl.layout import write_layout
+    refuses (exit 2). Both now call mpidl.data.layout.check_trainable."""
+    from mpidl.data.layout import write_layout
 
     x = np.zeros((8, 2, 3, 3), np.float32)
     y = np.arange(8) % 2

@@ -15,14 +15,14 @@ import h5py
 import numpy as np
 import pytest
 
-from mpidl.checkpoint import CHECKPOINT_NAME
+from mpidl.app.checkpoint import CHECKPOINT_NAME
 
 ROOT = Path(__file__).resolve().parents[1]
 MPIEXEC = os.environ.get("MPIEXEC") or str(Path(sys.executable).parent / "mpiexec")
 
 
 def tiny(path, n_train=60, n_test=20, seed=0, nan_at=()):
-    from mpidl.layout import write_layout
+    from mpidl.data.layout import write_layout
 
     rng = np.random.default_rng(seed)
 
@@ -166,7 +166,7 @@ def test_save_failing_at_the_end_rescues_the_model(data, tmp_path):
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(
-        "import errno, os, mpidl.trainer as t\n"
+        "import errno, os, mpidl.app.trainer as t\n"
         "real = t.save_model\n"
         "def full(path, model):\n"
         f"    if path.startswith({str(out)!r}):\n"
@@ -183,8 +183,8 @@ def test_save_failing_at_the_end_rescues_the_model(data, tmp_path):
     rescued, = work.glob("mpidl-rescued-model.*.h5")
     assert proc.stderr.strip() == (
         f"error: cannot write the final model to {out / 'model.h5'}: No space left on device (ENOSPC); the "
-        f"trained model was saved to {rescued} instead (mpidl.checkpoint.load_model reads it)")
+        f"trained model was saved to {rescued} instead (mpidl.app.checkpoint.load_model reads it)")
     assert "epoch   1/1" in proc.stdout  # the training did happen
-    from mpidl.checkpoint import load_model
+    from mpidl.app.checkpoint import load_model
 
     assert load_model(str(rescued)).name == "hsicnn"

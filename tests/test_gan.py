@@ -195,10 +195,10 @@ def test_a_plot_that_does_not_fit_names_the_plot_and_keeps_the_numbers(tmp_path)
 
 def test_data_with_nan_is_refused_naming_the_file_and_the_sample(tmp_path):
     """Before: NonFiniteGradient at step 0 through MPI_Abort, no word of the data. The check
-    is the trainer's (mpidl.layout.check_values), so are its words."""
+    is the trainer's (mpidl.data.layout.check_values), so are its words."""
     import h5py
 
-    from mpidl.layout import write_layout
+    from mpidl.data.layout import write_layout
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((60, 4, 3, 3)).astype(np.float32)

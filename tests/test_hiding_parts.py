@@ -5,14 +5,14 @@ error feedback, and the configuration options."""
 import numpy as np
 import pytest
 
-from mpidl.config import ConfigError, parse_config
+from mpidl.app.config import ConfigError, parse_config
 from mpidl.distributed.compress import Compressor, from_bf16, to_bf16
 from mpidl.distributed.emulation import LinkModel, LinkTimeline
 from mpidl.distributed.overlap import MIN_BUCKETS, Bucket, bucket_bytes, plan_buckets
 from mpidl.distributed.shm import move_state, slice_optimizer
-from mpidl.nn import Linear, ReLU, Sequential
-from mpidl.optim import SGD, Adam, AdamW
-from mpidl.params import FlatParameters, Parameter, uniform
+from mpidl.engine.nn import Linear, ReLU, Sequential
+from mpidl.engine.optim import SGD, Adam, AdamW
+from mpidl.engine.params import FlatParameters, Parameter, uniform
 
 
 class Flat:

@@ -96,7 +96,7 @@ def test_graph_covers_the_three_folders():
     assert "mpidl.data_tools.synthetic" in graph
     assert "mpidl.distributed.data_parallel" in graph
     # The parser sees function-level imports too (a lazy import is still an edge).
-    assert "mpidl.backend" in graph["mpidl.kernels.recurrent_reference"]
+    assert "mpidl.engine.backend" in graph["mpidl.kernels.recurrent_reference"]
 
 
 def test_find_cycle_finds_a_cycle():

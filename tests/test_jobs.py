@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import launcher
-from mpidl.config import build_parser
+from mpidl.app.config import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 JOBS = sorted((REPO / "jobs").glob("*.sh"))

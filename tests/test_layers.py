@@ -20,8 +20,8 @@ from loop_reference import (
     maxpool_loops,
     softmax_cross_entropy_loops,
 )
-from mpidl.backend import get_backend
-from mpidl.nn import (
+from mpidl.engine.backend import get_backend
+from mpidl.engine.nn import (
     AvgPool2d,
     BatchNorm2d,
     Conv2d,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gradcheck import bind_parameters, check_backward
-from mpidl.nn import (
+from mpidl.engine.nn import (
     GELU,
     GRU,
     LSTM,
@@ -256,7 +256,7 @@ def test_sequential_stops_at_a_skipped_input_gradient_only_before_parameters():
     """A layer that returns no input gradient ends backward when nothing before it has
     parameters (hooks still run for every layer); behind a layer with parameters it is an
     error (that layer's gradients would be stale)."""
-    from mpidl.nn import Linear, Sequential  # noqa: PLC0415
+    from mpidl.engine.nn import Linear, Sequential  # noqa: PLC0415
 
     lstm = LSTM(3, 2)
     lstm.compute_input_grad = False

@@ -1,4 +1,4 @@
-"""Binary cross-entropy with logits and mean squared error (mpidl/nn/loss.py): float64
+"""Binary cross-entropy with logits and mean squared error (mpidl/engine/nn/loss.py): float64
 gradient checks (CPU, and CuPy where a GPU is present), values against the textbook
 formulas, numerical stability at large logits, and the shape checks."""
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from gradcheck import check_loss_backward
-from mpidl.backend import get_backend, gpu_unavailable_reason, to_host
-from mpidl.nn import BCEWithLogits, MSELoss
+from mpidl.engine.backend import get_backend, gpu_unavailable_reason, to_host
+from mpidl.engine.nn import BCEWithLogits, MSELoss
 
 DEVICES = ["cpu", pytest.param("gpu", marks=pytest.mark.skipif(
     gpu_unavailable_reason() is not None, reason=str(gpu_unavailable_reason())))]

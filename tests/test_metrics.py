@@ -1,4 +1,4 @@
-"""Confusion matrix and the metrics built on it (mpidl/metrics.py), on hand-computed examples
+"""Confusion matrix and the metrics built on it (mpidl/app/metrics.py), on hand-computed examples
 and against scikit-learn when it is installed (skipped otherwise)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from mpidl.backend import gpu_unavailable_reason
-from mpidl.metrics import (
+from mpidl.engine.backend import gpu_unavailable_reason
+from mpidl.app.metrics import (
     average_accuracy,
     classification_report,
     cohen_kappa,

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from gradcheck import numerical_gradient
-from mpidl.backend import get_backend
-from mpidl.models import MODELS, build_model
-from mpidl.nn import BatchNorm2d, Conv2d, SoftmaxCrossEntropy
+from mpidl.engine.backend import get_backend
+from mpidl.engine.models import MODELS, build_model
+from mpidl.engine.nn import BatchNorm2d, Conv2d, SoftmaxCrossEntropy
 
 DEFAULT_SHAPES = {"hsicnn": (156, 9, 9), "hsicnn_bn": (156, 7, 7), "resnet8": (3, 32, 32),
                   "mlp": (156, 9, 9), "spectral_lstm": (156, 7, 7), "vit": (156, 7, 7)}

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mpidl.outputs import LOCKED
+from mpidl.app.outputs import LOCKED
 
 ROOT = Path(__file__).resolve().parents[1]
 MPIEXEC = os.environ.get("MPIEXEC") or str(Path(sys.executable).parent / "mpiexec")
@@ -36,7 +36,7 @@ def run(args, np_=None, timeout=300):
 
 @pytest.fixture
 def layout(tmp_path):
-    from mpidl.layout import write_layout
+    from mpidl.data.layout import write_layout
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((40, 4, 3, 3)).astype(np.float32)

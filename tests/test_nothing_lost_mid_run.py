@@ -28,7 +28,7 @@ ENV.pop(FAULT_ENV, None)
 def tiny(path, n_train=64, n_test=16):
     import numpy as np
 
-    from mpidl.layout import write_layout
+    from mpidl.data.layout import write_layout
 
     rng = np.random.default_rng(0)
 
@@ -81,10 +81,10 @@ def test_shm_with_a_non_elementwise_optimizer_is_a_setup_error(data, optimizer, 
 def test_one_rule_for_the_smallest_local_batch():
     """Before: --batch-size 3 on 4 ranks was refused "every rank needs at least one sample",
     while --speeds 1e-300,1,1,1 ran with [0,22,21,21]: the split's rule is min_local_batch."""
-    from mpidl.config import ConfigError, parse_config
+    from mpidl.app.config import ConfigError, parse_config
     from mpidl.distributed import balance
     from mpidl.distributed.hdp import check_split_fits
-    from mpidl.trainer import MIN_LOCAL_BATCH
+    from mpidl.app.trainer import MIN_LOCAL_BATCH
 
     assert MIN_LOCAL_BATCH == 0
     parse_config(["--batch-size", "3"], world_size=4)  # the trainer: an empty share fits
@@ -173,7 +173,7 @@ def test_ctrl_c_to_mpiexec_stops_with_a_checkpoint(data, tmp_path):
     """Before: a KeyboardInterrupt traceback on every rank, MPI_Abort, no checkpoint at the stop."""
     import signal
 
-    from mpidl.checkpoint import CHECKPOINT_NAME
+    from mpidl.app.checkpoint import CHECKPOINT_NAME
 
     checkpoint = tmp_path / "ck"
     proc, lines = start_until_first_epoch(["--epochs", "100000", "--checkpoint", str(checkpoint),
@@ -192,7 +192,7 @@ def test_after_a_first_ctrl_c_a_second_one_ends_the_rank_at_once():
     on a second Ctrl-C itself)."""
     import signal
 
-    from mpidl.trainer import Trainer
+    from mpidl.app.trainer import Trainer
 
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     try:
@@ -234,7 +234,7 @@ def test_a_full_disk_under_the_logs_stops_every_rank_and_keeps_the_model(data, t
     during an 8-epoch run. Before: MPI_Abort with [Errno 28], no save, no rescue."""
     from tmpfs import small_disk
 
-    from mpidl.checkpoint import load_model
+    from mpidl.app.checkpoint import load_model
 
     with small_disk(tmp_path / "disk", size="8k") as disk:
         logs = (["--metrics", str(disk / "m.jsonl")] if output == "metrics"

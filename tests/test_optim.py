@@ -1,4 +1,4 @@
-"""Optimizers on the flat buffers and learning-rate schedules (mpidl/optim.py).
+"""Optimizers on the flat buffers and learning-rate schedules (mpidl/engine/optim.py).
 
 The optimizers are checked against a straightforward reference written here, one parameter
 tensor at a time in the textbook form of each rule, and against ``torch.optim`` on the same
@@ -13,9 +13,9 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from mpidl.backend import get_backend, gpu_unavailable_reason
-from mpidl.optim import SGD, Adam, AdamW, Schedule, build_optimizer, make_schedule
-from mpidl.params import FlatParameters, Parameter, he_normal, uniform
+from mpidl.engine.backend import get_backend, gpu_unavailable_reason
+from mpidl.engine.optim import SGD, Adam, AdamW, Schedule, build_optimizer, make_schedule
+from mpidl.engine.params import FlatParameters, Parameter, he_normal, uniform
 
 SHAPES = [(4, 3, 3, 3), (4,), (5, 36), (5,)]  # a conv weight/bias and a linear weight/bias
 STEPS = 6

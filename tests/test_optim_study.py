@@ -15,8 +15,8 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from mpidl.backend import gpu_unavailable_reason
-from mpidl.optim import (LAMB, OPTIMIZERS, Adadelta, Adagrad, Adamax, NAdam, RAdam, RMSprop,
+from mpidl.engine.backend import gpu_unavailable_reason
+from mpidl.engine.optim import (LAMB, OPTIMIZERS, Adadelta, Adagrad, Adamax, NAdam, RAdam, RMSprop,
                          build_optimizer)
 
 from test_optim import _Scalar, gradient_sequence, make_flat, run_flat, split
@@ -350,8 +350,8 @@ def test_build_optimizer_study_names_and_arguments():
 def test_device_buffers_match_host(index):
     import cupy
 
-    from mpidl.backend import get_backend
-    from mpidl.params import FlatParameters, Parameter, uniform
+    from mpidl.engine.backend import get_backend
+    from mpidl.engine.params import FlatParameters, Parameter, uniform
     from test_optim import SHAPES
 
     flat_host = make_flat()

@@ -17,9 +17,9 @@ import h5py
 import numpy as np
 import pytest
 
-import mpidl.outputs as outputs
-from mpidl.checkpoint import load_model
-from mpidl.outputs import OutputError, check_output_file, check_output_folder
+import mpidl.app.outputs as outputs
+from mpidl.app.checkpoint import load_model
+from mpidl.app.outputs import OutputError, check_output_file, check_output_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,8 +102,8 @@ def test_atomic_write_errors_name_the_target_not_the_temporary(tmp_path):
 
 
 def test_rescue_goes_to_the_working_folder(tmp_path, monkeypatch):
-    from mpidl.checkpoint import save_model
-    from mpidl.models import build_model
+    from mpidl.app.checkpoint import save_model
+    from mpidl.engine.models import build_model
 
     monkeypatch.chdir(tmp_path)
     model = build_model("hsicnn", (4, 5, 5), 3, seed=1, channels=(4, 4), hidden=8)
@@ -111,7 +111,7 @@ def test_rescue_goes_to_the_working_folder(tmp_path, monkeypatch):
     message = outputs.rescue_model(save_model, model, failed, OSError(errno.ENOSPC, "full"), "the final model")
     rescued = tmp_path / f"mpidl-rescued-model.{os.getpid()}.h5"
     assert message == (f"cannot write the final model to {failed}: No space left on device (ENOSPC); "
-                       f"the trained model was saved to {rescued} instead (mpidl.checkpoint.load_model reads it)")
+                       f"the trained model was saved to {rescued} instead (mpidl.app.checkpoint.load_model reads it)")
     np.testing.assert_array_equal(load_model(str(rescued)).params.data, model.params.data)
 
 
@@ -148,7 +148,7 @@ def test_converter_out_is_checked_first(tmp_path, where, message):
 
 
 def test_write_layout_names_the_path_for_a_directory(tmp_path):
-    from mpidl.layout import write_layout
+    from mpidl.data.layout import write_layout
 
     x = np.zeros((4, 1, 3, 3), np.float32)
     with pytest.raises(OSError, match=f"cannot write {tmp_path}: is a directory"):
@@ -157,7 +157,7 @@ def test_write_layout_names_the_path_for_a_directory(tmp_path):
 
 # ---------------------------------------------------------------- values in the data
 def nan_file(path, where=(17, 40)):
-    from mpidl.layout import write_layout
+    from mpidl.data.layout import write_layout
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((60, 2, 3, 3)).astype(np.float32)
@@ -172,7 +172,7 @@ def nan_file(path, where=(17, 40)):
 
 
 def test_scan_nonfinite_in_chunks(tmp_path):
-    from mpidl.layout import scan_nonfinite
+    from mpidl.data.layout import scan_nonfinite
 
     path = nan_file(tmp_path / "nan.h5")
     assert scan_nonfinite(path, "train", block=7) == (2, 3, 17)
@@ -190,7 +190,7 @@ def test_info_reports_nonfinite_values(tmp_path):
 
 
 def test_fingerprint_is_stored_and_verified(tmp_path):
-    from mpidl.layout import file_fingerprint, stored_fingerprint
+    from mpidl.data.layout import file_fingerprint, stored_fingerprint
 
     path = nan_file(tmp_path / "d.h5", where=())
     assert stored_fingerprint(path) == file_fingerprint(path)

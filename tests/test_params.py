@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from gradcheck import bind_parameters
-from mpidl.backend import get_backend
-from mpidl.nn import BatchNorm2d, Conv2d, Linear, ReLU, Sequential
-from mpidl.params import FlatParameters, Parameter, he_normal, kaiming_uniform, ones, uniform, zeros
+from mpidl.engine.backend import get_backend
+from mpidl.engine.nn import BatchNorm2d, Conv2d, Linear, ReLU, Sequential
+from mpidl.engine.params import FlatParameters, Parameter, he_normal, kaiming_uniform, ones, uniform, zeros
 
 
 def small_net():

@@ -13,7 +13,7 @@ import h5py
 import numpy as np
 import pytest
 
-from mpidl.checkpoint import load_model
+from mpidl.app.checkpoint import load_model
 from mpidl.data import load_splits
 from mpidl.data_tools.hsi import convert_hsi
 from mpidl.data_tools.synthetic import make_scene
@@ -204,7 +204,7 @@ def test_a_checkpoint_given_as_the_model_says_what_it_is(trained, tmp_path):
 
 
 def test_a_model_held_open_by_a_writer_says_so(trained, tmp_path):
-    from mpidl.outputs import LOCKED
+    from mpidl.app.outputs import LOCKED
 
     d, _, _ = trained
     hold = "import sys, time, h5py\nf = h5py.File(sys.argv[1], 'r+')\nprint('open', flush=True)\ntime.sleep(120)\n"

@@ -10,7 +10,7 @@ import pytest
 from gradcheck import bind_parameters
 from mpidl import kernels
 from mpidl.kernels import recurrent_cpu, recurrent_reference
-from mpidl.nn import LSTM, BandGroups
+from mpidl.engine.nn import LSTM, BandGroups
 
 # (N, T, D, H): spectral_lstm's own shape, one step, odd sizes, a batch split into blocks
 # of unequal size (N = 37 on two threads), fewer rows than MIN_BLOCK_ROWS

@@ -1,4 +1,4 @@
-"""A residual sum fused with the ReLU after it (mpidl.nn.fused.FusedResidual) and its kernels.
+"""A residual sum fused with the ReLU after it (mpidl.engine.nn.fused.FusedResidual) and its kernels.
 
 The Numba kernels (``add_relu``, ``relu_backward``, ``add`` in mpidl.kernels.cpu) must give the
 reference's values to the bit, signed zeros and NaN included; the fused block must give the
@@ -15,9 +15,9 @@ from gradcheck import bind_parameters, check_backward
 from mpidl import kernels
 from mpidl.kernels import elementwise_cpu as cpu
 from mpidl.kernels import elementwise_reference as reference
-from mpidl.models import build_model
-from mpidl.nn import BatchNorm2d, Conv2d, ReLU, Residual, Sequential
-from mpidl.nn.fused import FusedAway, FusedResidual, fuse_residual_relu
+from mpidl.engine.models import build_model
+from mpidl.engine.nn import BatchNorm2d, Conv2d, ReLU, Residual, Sequential
+from mpidl.engine.nn.fused import FusedAway, FusedResidual, fuse_residual_relu
 
 DTYPES = (np.float32, np.float64)
 # The operands hold inf + -inf on purpose (a NaN sum).

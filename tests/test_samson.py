@@ -17,7 +17,7 @@ import pytest
 import scipy.io
 
 from mpidl.data import load_splits
-from mpidl.layout import validate_layout
+from mpidl.data.layout import validate_layout
 from mpidl.data_tools.__main__ import main
 from mpidl.data_tools.hsi import pixels_to_image
 from scene_checks import roughness

@@ -16,7 +16,7 @@ from mpidl.data import HDF5Dataset, SceneDataset, load_splits, open_dataset
 from mpidl.data_tools.__main__ import main
 from mpidl.data_tools.hsi import choose_storage, convert_hsi
 from mpidl.data_tools.synthetic import make_scene
-from mpidl.layout import (LayoutError, read_split_arrays, scene_channel_stats, validate_layout,
+from mpidl.data.layout import (LayoutError, read_split_arrays, scene_channel_stats, validate_layout,
                           write_scene_layout)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -188,7 +188,7 @@ def test_writer_refuses_bad_input_without_leaving_a_file(tmp_path):
 
 def test_streaming_statistics_equal_channel_stats_across_blocks():
     """More samples than one statistics block (1024), so the block boundaries matter."""
-    from mpidl.layout import channel_stats, cut_patches
+    from mpidl.data.layout import channel_stats, cut_patches
     rng = np.random.default_rng(1)
     padded = (rng.standard_normal((60, 50, 3)) * 3 + 10).astype(np.float32)
     pos = rng.integers(0, [56, 46], size=(2500, 2))

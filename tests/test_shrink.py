@@ -58,12 +58,12 @@ def _params(folder: Path) -> tuple[np.ndarray, int]:
 
 
 def test_shrink_is_refused_with_what_it_cannot_rebuild(monkeypatch):
-    from mpidl.backend import get_backend
-    from mpidl.config import ConfigError, parse_config
+    from mpidl.engine.backend import get_backend
+    from mpidl.app.config import ConfigError, parse_config
     from mpidl.distributed import DataParallel
     from mpidl.distributed.recovery import check_on_failure
-    from mpidl.optim import SGD
-    from mpidl.params import FlatParameters, Parameter, zeros
+    from mpidl.engine.optim import SGD
+    from mpidl.engine.params import FlatParameters, Parameter, zeros
 
     check_on_failure("restart", intra="shm", overlap=True)  # restart takes anything
     for option, message in ((dict(intra="shm"), "intra='shm'"), (dict(overlap=True), "overlap"),
@@ -85,10 +85,10 @@ def test_shrink_is_refused_with_what_it_cannot_rebuild(monkeypatch):
 
 
 def test_without_ulfm_a_dataparallel_says_why_and_restarts(monkeypatch):
-    from mpidl.backend import get_backend
+    from mpidl.engine.backend import get_backend
     from mpidl.distributed import DataParallel
-    from mpidl.optim import SGD
-    from mpidl.params import FlatParameters, Parameter, zeros
+    from mpidl.engine.optim import SGD
+    from mpidl.engine.params import FlatParameters, Parameter, zeros
 
     monkeypatch.setenv("MPIDL_ULFM", "0")
     params = FlatParameters([("w", Parameter((3,), zeros()))], get_backend("cpu", "float64"))

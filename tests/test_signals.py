@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import launcher
-from mpidl.checkpoint import CHECKPOINT_NAME, read_checkpoint_meta
+from mpidl.app.checkpoint import CHECKPOINT_NAME, read_checkpoint_meta
 
 ROOT = Path(__file__).resolve().parents[1]
 MPIEXEC = launcher.default_mpiexec()
@@ -39,7 +39,7 @@ pytestmark = pytest.mark.launcher
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
     """240 training patches of 4 bands x 5 x 5 pixels in the mpidl layout: fast to train."""
-    from mpidl.layout import write_layout
+    from mpidl.data.layout import write_layout
 
     rng = np.random.default_rng(0)
 

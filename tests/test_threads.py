@@ -1,4 +1,4 @@
-"""The thread policy (mpidl/threads.py), each case in a fresh interpreter with its own environment."""
+"""The thread policy (mpidl/engine/threads.py), each case in a fresh interpreter with its own environment."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 _PROBE = """
 import json, time, numpy
-from mpidl.models import build_model
-from mpidl import threads
+from mpidl.engine.models import build_model
+from mpidl.engine import threads
 {setup}
 build_model("hsicnn", (4, 4, 4), 3)
 a = numpy.ones((512, 512), numpy.float32)
@@ -83,7 +83,7 @@ def test_explicit_settings_win():
 @pytest.mark.slow
 def test_every_openblas_runs_one_multithreaded_product_and_keeps_the_users_count():
     """A process on one thread never runs a multithreaded product by itself, and its OpenBLAS
-    then runs long one-thread products 2-3x slower (mpidl/threads.py, ``_prime_openblas``):
+    then runs long one-thread products 2-3x slower (mpidl/engine/threads.py, ``_prime_openblas``):
     the policy primes NumPy's and SciPy's OpenBLAS (Numba's ``np.dot``) all the same, and
     both still run the user's one thread after."""
     info = _policy(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
@@ -99,7 +99,7 @@ def test_every_openblas_runs_one_multithreaded_product_and_keeps_the_users_count
 _NESTED_BLAS_PROBE = """
 import json
 from threadpoolctl import threadpool_info
-from mpidl import threads
+from mpidl.engine import threads
 
 def blas():
     return {lib["filepath"].rsplit("/", 1)[-1]: lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"}
@@ -138,9 +138,9 @@ def test_srun_step_layout_divides_the_cores():
 
 _CUSTOM_NETWORK_PROBE = """
 import json
-from mpidl import threads
-from mpidl.nn import Linear, ReLU, Sequential
-from mpidl.params import FlatParameters
+from mpidl.engine import threads
+from mpidl.engine.nn import Linear, ReLU, Sequential
+from mpidl.engine.params import FlatParameters
 first = threads.describe()["threads"]
 net = Sequential(Linear(8, 16), ReLU(), Linear(16, 3))
 FlatParameters(net.named_parameters())
@@ -171,23 +171,23 @@ def test_a_network_of_ones_own_gets_the_policy_once():
 
 
 def threads_expected() -> int:
-    from mpidl import threads
+    from mpidl.engine import threads
     return max(1, _cores() // threads.launcher_local_size())
 
 
 def test_the_policy_is_applied_from_one_place():
     """The parameter buffer applies it; nothing else in the package, the kernels, the data tools
-    or the benchmarks calls :func:`mpidl.threads.apply`."""
+    or the benchmarks calls :func:`mpidl.engine.threads.apply`."""
     import re
 
     call = re.compile(r"threads\.apply\(|from mpidl\.threads import [^\n]*\bapply\b|_apply_thread_policy|apply_thread_policy\(")
     callers = sorted(str(path.relative_to(ROOT)) for folder in ("mpidl", "kernels", "data_tools", "benchmarks")
                      for path in (ROOT / folder).rglob("*.py") if call.search(path.read_text()))
-    assert callers == ["mpidl/params.py"], callers
+    assert callers == ["mpidl/engine/params.py"], callers
 
 
 def test_slurm_step_layout():
-    from mpidl.threads import slurm_step_local_size
+    from mpidl.engine.threads import slurm_step_local_size
 
     layout = {"SLURM_STEP_TASKS_PER_NODE": "4(x2),3"}
     assert [slurm_step_local_size({**layout, "SLURM_NODEID": str(node)}) for node in range(3)] == [4, 4, 3]
@@ -198,7 +198,7 @@ def test_slurm_step_layout():
 
 
 def test_launcher_count_order(monkeypatch):
-    from mpidl import threads
+    from mpidl.engine import threads
 
     for name in (*threads.LAUNCHER_LOCAL_SIZE, threads.SLURM_LOCAL_SIZE, "SLURM_STEP_TASKS_PER_NODE", "SLURM_NODEID"):
         monkeypatch.delenv(name, raising=False)
@@ -213,7 +213,7 @@ def test_launcher_count_order(monkeypatch):
 
 
 def test_threads_per_process_arithmetic(monkeypatch):
-    from mpidl import threads
+    from mpidl.engine import threads
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(threads, "usable_cores", lambda: 8)
     assert threads.threads_per_process(3) == 2
@@ -223,13 +223,13 @@ def test_threads_per_process_arithmetic(monkeypatch):
 
 
 def test_malloc_policy_respects_the_users_variables(monkeypatch):
-    from mpidl import threads
+    from mpidl.engine import threads
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
     assert threads.set_malloc_policy() is False
 
 
 def test_malloc_policy_is_set_on_glibc(monkeypatch):
-    from mpidl import threads
+    from mpidl.engine import threads
 
     for name in threads._MALLOC_ENV:
         monkeypatch.delenv(name, raising=False)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import launcher
-from mpidl.checkpoint import load_model
+from mpidl.app.checkpoint import load_model
 from mpidl.faults import ENV as FAULT_ENV
 
 ROOT = Path(__file__).resolve().parents[1]

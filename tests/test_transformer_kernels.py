@@ -13,7 +13,7 @@ import pytest
 from gradcheck import bind_parameters, check_backward
 from mpidl import kernels
 from mpidl.kernels import transformer_cpu, transformer_reference
-from mpidl.nn import GELU, LayerNorm, MultiHeadSelfAttention, TransformerEncoderBlock
+from mpidl.engine.nn import GELU, LayerNorm, MultiHeadSelfAttention, TransformerEncoderBlock
 
 SHAPES = [(4, 3, 5), (1, 7), (2, 1, 1), (3, 50, 64), (13,)]
 DTYPES = [np.float32, np.float64]

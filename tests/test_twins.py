@@ -17,9 +17,9 @@ torch = pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from torch_twins import twin_of  # noqa: E402
 
-from mpidl.backend import get_backend  # noqa: E402
-from mpidl.models import build_model  # noqa: E402
-from mpidl.nn import SoftmaxCrossEntropy  # noqa: E402
+from mpidl.engine.backend import get_backend  # noqa: E402
+from mpidl.engine.models import build_model  # noqa: E402
+from mpidl.engine.nn import SoftmaxCrossEntropy  # noqa: E402
 
 CASES = [("hsicnn", (6, 4, 4), {"channels": (4, 5), "hidden": 7}),
          ("hsicnn_bn", (6, 4, 4), {"channels": (4, 5), "hidden": 7}),

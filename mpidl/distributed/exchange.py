@@ -1,98 +1,150 @@
-"""The exchange: one interface over every strategy and variant, and the factory that builds it.
+"""The exchange: the one interface :class:`~mpidl.distributed.DataParallel` calls.
 
-``build_exchange`` composes, from the options, what :class:`~mpidl.distributed.DataParallel`
-calls every step (the interface is :class:`~mpidl.distributed.reducer_base.Reducer`'s)::
+Every step a rank hands the exchange its *message*, one flat buffer (``FlatParameters.message``)::
 
-    strategy (reducers.py)          flat | hierarchical | node (K', sync_overlap)
-      + compress (the strategy)      16-bit inter-node exchange   (hierarchical, node)
-      + variant (wraps it)           intra='shm': the node-shared window   (shm.py)
-                                     overlap=True: buckets started by backward (overlap.py)
+    message = [ g_i (P scalars) | c_i | stop_i | nonfinite_i ]
 
-==================  =====================================================================
-option              works with
-==================  =====================================================================
-``compress``        ``hierarchical`` or ``node``, the blocking exchange (no ``overlap``)
-``sync_overlap``    ``node`` with ``intra='mpi'`` and no ``compress``; ``< sync_every``
-``overlap``         ``flat`` or ``hierarchical``, ``intra='mpi'``, the CPU backend, a
-                    Model whose ``net`` is a Sequential
-``intra='shm'``     the CPU backend and an elementwise optimizer
-==================  =====================================================================
+``g_i`` is the rank's local MEAN gradient over its ``b_i`` samples and ``c_i`` its weight:
+``b_i`` under balanced weighting, ``1`` under uniform weighting (the naive ``1/P`` baseline).
+:meth:`Exchange.reduce` replaces it, in place, by::
 
-Each rule is written once, in the part that owns it (the strategy's in
-:func:`~mpidl.distributed.reducers.check_strategy`, the variants' here), and
-:func:`check_options` checks them all without MPI (the command line calls it too, and names
-the option from :attr:`OptionError.option`).
+    [ g = sum_i c_i g_i / sum_i c_i | sum_i c_i | sum_i stop_i | sum_i nonfinite_i ]
+
+over the ranks that reduce together (the *step group*: the world for the exact strategies,
+the node for the node strategy). Balanced, ``g = sum_i (b_i / B) g_i`` with ``B = sum_i b_i``:
+exactly the gradient of the mean loss over the step's ``B`` samples, whatever the local batch
+sizes. The weights need no message of their own, and the stop requests (a SIGTERM on any
+rank) travel in the same SUM. A step group of one rank exchanges nothing and scales nothing,
+so one process computes bit for bit what a plain loop computes.
+
+The interface (one instance per topology and options; every call collective)::
+
+    reduce(message)                        -> finite?      every step, after backward
+    after_step(steps, params, state, flags) -> flags | None after the optimizer: node's K' sync
+    synchronize(params, state, flags)      -> flags        make every replica identical now
+    state() / load_state(dict)                             what a checkpoint or a rollback keeps
+    close()                                                free what it holds
+
+A strategy is a list of :class:`Stage` s, the collectives :meth:`reduce` runs on the message in
+order: ``flat`` one world allreduce, ``hierarchical`` node reduce -> leaders allreduce -> node
+broadcast, ``node`` one node allreduce. The overlapped exchange
+(:mod:`~mpidl.distributed.extras.overlap`) runs the same stages bucket by bucket.
 """
 
 from __future__ import annotations
 
-from numbers import Real
+from typing import NamedTuple
 
 import numpy as np
 
-from mpidl.distributed.overlap import OVERLAP_STRATEGIES, Overlapped
-from mpidl.distributed.reducer_base import OptionError, Reducer
-from mpidl.distributed.reducers import check_strategy, make_reducer
-from mpidl.distributed.shm import SharedExchange, check_elementwise
+from mpidl import kernels
+from mpidl.engine.backend import get_array_module, to_host
+from mpidl.distributed.channel import Channel, Traffic
+from mpidl.distributed.message import COUNT, NONFINITE, STOP, check_message
+from mpidl.distributed.topology import Topology
 
-#: how the ranks of one node combine: MPI messages on private replicas, or the shared window
-INTRA = ("mpi", "shm")
-#: default bucket size of ``overlap`` (MiB)
-BUCKET_MB = 1.0
-
-__all__ = ["OptionError", "check_options", "build_exchange", "INTRA", "BUCKET_MB"]
+__all__ = ["Stage", "Exchange", "is_finite"]
 
 
-def check_options(*, strategy: str = "flat", weighting: str = "balanced", sync_every: int = 50,
-                  intra: str = "mpi", overlap: bool = False, bucket_mb: float = BUCKET_MB,
-                  compress: str = "none", sync_overlap: int = 0, host_memory: bool = True,
-                  optimizer=None) -> None:
-    """Raise :class:`OptionError` when the options do not fit together (see the module table);
-    ``host_memory``: the parameters are NumPy arrays (the CPU backend); ``optimizer``: the
-    optimizer or its class (None: not checked here)."""
-    def rule(option, ok, message):
-        if not ok:
-            raise OptionError(option, message)
+class Stage(NamedTuple):
+    """One collective of a strategy's reduction: ``channel.run(op, message)``."""
 
-    check_strategy(strategy, weighting, sync_every, sync_overlap, compress)
-    rule("intra", intra in INTRA, f"intra must be one of {', '.join(INTRA)}, got {intra!r}")
-    rule("bucket_mb", not isinstance(bucket_mb, bool) and isinstance(bucket_mb, Real)
-         and 0 < bucket_mb < float("inf"), f"bucket_mb must be a number > 0, got {bucket_mb!r}")
-    rule("compress", compress == "none" or not overlap,
-         "compress acts on the blocking exchange (not with overlap)")
-    rule("sync_overlap", not sync_overlap or intra == "mpi", "sync_overlap works with intra='mpi'")
-    if overlap:
-        rule("overlap", strategy in OVERLAP_STRATEGIES,
-             f"overlap works with strategy {' or '.join(OVERLAP_STRATEGIES)}, not {strategy!r}")
-        rule("overlap", intra == "mpi", "overlap works with intra='mpi' (the shared window is reduced in place)")
-        rule("overlap", host_memory, "overlap needs the CPU backend (host buffers for non-blocking MPI)")
-    rule("intra", intra != "shm" or host_memory, "intra='shm' shares host memory: it needs the CPU backend")
-    if intra == "shm" and optimizer is not None:
-        try:
-            check_elementwise(optimizer)
-        except ValueError as exc:
-            raise OptionError("intra", str(exc)) from None
+    channel: Channel
+    op: str
 
 
-def build_exchange(model, params, optimizer, topology, *, strategy: str = "flat",
-                   weighting: str = "balanced", sync_every: int = 50, emulate_link=None,
-                   intra: str = "mpi", overlap: bool = False, bucket_mb: float = BUCKET_MB,
-                   compress: str = "none", sync_overlap: int = 0, check_only: bool = False) -> Reducer | None:
-    """The exchange for these options (collective unless ``check_only``, which only raises
-    what building would: every rule before any MPI call)."""
-    check_options(strategy=strategy, weighting=weighting, sync_every=sync_every, intra=intra,
-                  overlap=overlap, bucket_mb=bucket_mb, compress=compress, sync_overlap=sync_overlap,
-                  host_memory=isinstance(params.data, np.ndarray), optimizer=optimizer)
-    if overlap:
-        Overlapped.check_model(model)
-    if intra == "shm":
-        SharedExchange.check(params, optimizer)
-    if check_only:
+def is_finite(values) -> bool:
+    """Whether every value is finite. On a device: one float64 sum (NaN or Inf anywhere makes
+    it non-finite) and one read, instead of an elementwise test."""
+    if get_array_module(values) is np:
+        return kernels.all_finite(values)
+    return bool(np.isfinite(to_host(values.sum(dtype=np.float64))))
+
+
+class Exchange:
+    """Base class of the strategies: the interface, and the exact strategies' defaults.
+
+    Attributes: ``topology``; ``traffic`` (the channels' counters); ``control`` (the world
+    channel for flags and the loop's small collectives, never wrapped); ``stages`` (set by
+    the strategy, over channels made by :meth:`channel`);
+    ``exact`` (True when every replica holds the same parameters after every step, i.e. the
+    step group is the world).
+    """
+
+    name = "exchange"
+    exact = True
+
+    def __init__(self, topology: Topology, wrap=None):
+        self.topology = topology
+        self.traffic = Traffic()
+        self._wrap = wrap
+        self.control = Channel("control", topology.world, self.traffic)
+        self.stages: list[Stage] = []
+
+    def channel(self, level: str, comm):
+        """A counted channel of ``level`` over ``comm``, passed through ``wrap`` (a function
+        channel -> channel given at construction: compression, an EMULATED link), which the
+        strategies never need to know about."""
+        channel = Channel(level, comm, self.traffic)
+        return self._wrap(channel) if self._wrap is not None else channel
+
+    @property
+    def group_size(self) -> int:
+        """Ranks of the step group."""
+        return self.topology.size
+
+    def describe(self) -> str:
+        return f"strategy {self.name}"
+
+    # ------------------------------------------------------------------ the interface
+    def reduce(self, message) -> bool:
+        """The weighted SUM of the step group, in place (see the module docstring); returns
+        whether the reduced gradient is finite, the same answer on every rank of the group."""
+        check_message(message)
+        grad = message[:COUNT]
+        if self.group_size > 1:
+            weight = float(message[COUNT])
+            if weight != 1:
+                grad *= weight
+            for stage in self.stages:
+                stage.channel.run(stage.op, message)
+            total = float(message[COUNT])
+            if total == 0 and self.exact:
+                raise ValueError("no rank computed a sample this step (every count was 0)")
+            if total > 0:
+                grad /= total
+        return is_finite(grad)
+
+    def after_step(self, steps: int, params_data, state_buffers, flags) -> tuple | None:
+        """After the optimizer step (``steps`` done so far); returns the world's ``(stop,
+        nonfinite)`` sums when it synchronised the replicas, else None."""
         return None
-    exchange = make_reducer(strategy, topology, weighting=weighting, sync_every=sync_every,
-                            emulate_link=emulate_link, sync_overlap=sync_overlap, compress=compress)
-    if intra == "shm":
-        exchange = SharedExchange(exchange, params, optimizer)
-    if overlap and topology.size > 1:  # one rank has nothing to exchange
-        exchange = Overlapped(exchange, model, bucket_mb)
-    return exchange
+
+    def synchronize(self, params_data, state_buffers, flags) -> tuple:
+        """Make every replica identical now; returns the world's ``(stop, nonfinite)`` sums of
+        ``flags``. The exact strategies' replicas already are: only the flags travel."""
+        return self.world_flags(flags)
+
+    def state(self) -> dict:
+        """What a checkpoint or a rollback must keep of the exchange (nothing, when exact)."""
+        return {}
+
+    def load_state(self, state: dict) -> None:
+        """Continue from :meth:`state`'s dict."""
+
+    def close(self) -> None:
+        """Free what the exchange holds (duplicated communicators, windows)."""
+
+    # ------------------------------------------------------------------ helpers
+    def world_flags(self, flags) -> tuple:
+        """World SUM of this rank's ``(stop, nonfinite)`` (one small collective)."""
+        buf = np.asarray(flags, dtype=np.float64).copy()
+        self.control.allreduce(buf)
+        return float(buf[0]), float(buf[1])
+
+
+def reset_slots(message, stop: bool) -> None:
+    """Clear a message's flags for a new step: ``stop_i`` this rank's stop request,
+    ``nonfinite_i = 0``."""
+    message[STOP] = 1.0 if stop else 0.0
+    message[NONFINITE] = 0.0

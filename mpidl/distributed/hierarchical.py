@@ -7,12 +7,12 @@ rank.
 
 from __future__ import annotations
 
-from mpidl.distributed.reducer_base import Reducer, check_message
+from mpidl.distributed.exchange import Exchange, Stage
 
 
-class HierarchicalReducer(Reducer):
-    """``g = sum_i c_i g_i / sum_i c_i`` in three levels, with the world weights of
-    :class:`~mpidl.distributed.flat.FlatReducer`.
+class Hierarchical(Exchange):
+    """``g = sum_i c_i g_i / sum_i c_i`` in three levels; the same result as
+    :class:`~mpidl.distributed.flat.Flat`.
 
     Notes
     -----
@@ -20,31 +20,17 @@ class HierarchicalReducer(Reducer):
 
     1. ``Reduce(SUM)`` in each node onto its leader:   ``h_n = sum_{i in node n} m_i``
     2. ``Allreduce(SUM)`` among the leaders:           ``m = sum_n h_n``
-    3. ``Bcast`` of ``m`` from the leader in each node; every rank divides the gradient part
-       by the summed count.
+    3. ``Bcast`` of ``m`` from the leader in each node; every rank divides by the summed count.
 
-    The result equals the flat one. Counters per step: ``intra`` 2 calls (reduce + bcast;
-    none on a single-rank node), ``inter`` 1 call on leaders when there is more than one
-    node, each of ``message.nbytes``.
-
-    EMULATION: the leaders sleep ``2 (L-1) (alpha + n / (L beta))`` after the leaders'
-    allreduce (``L`` nodes); the other ranks wait for it in the broadcast.
-
-    With a compressor (``compress='bf16'|'fp16'``) step 2 is the compressed exchange of
-    :mod:`~mpidl.distributed.compress`: the leaders' ``inter`` bytes halve.
+    Counters per step: ``intra`` 2 calls (none on a one-rank node); ``inter`` 1 call on the
+    leaders when there are several nodes; each of ``message.nbytes``.
     """
 
     name = "hierarchical"
 
-    def reduce_gradients(self, message, count: int) -> None:
-        check_message(message)
-        total = self._weighted_sum("world", self.topology.world, message, count, self._three_levels)
-        if total == 0:
-            raise ValueError("no rank computed a sample this step (every count was 0)")
-
-    def _three_levels(self, level, world, message) -> None:
-        topo = self.topology
-        self._reduce_to_root("intra", topo.node, message)
-        if topo.is_leader:
-            self.inter_sum(message)
-        self._bcast_from_root("intra", topo.node, message)
+    def __init__(self, topology, wrap=None):
+        super().__init__(topology, wrap)
+        self.intra = self.channel("intra", topology.node)
+        self.inter = self.channel("inter", topology.leaders)
+        self.stages = [Stage(self.intra, "reduce"), Stage(self.inter, "allreduce"),
+                       Stage(self.intra, "bcast")]

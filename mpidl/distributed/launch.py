@@ -31,7 +31,6 @@ import traceback
 
 from mpi4py import MPI
 
-from mpidl.distributed.recovery import RecoveryError
 
 
 def world(comm=None) -> tuple[int, int]:
@@ -85,8 +84,9 @@ def abort_on_uncaught_exception(exc_type, exc, tb) -> None:
     launcher kill every process, its own readers of the ranks' output included, so bytes
     still in the pipe would be lost), and to the failure file (:func:`report_failures_to`).
 
-    A :class:`~mpidl.distributed.recovery.RecoveryError` (survivors of a lost rank that cannot
-    go on: a minority, or a node that lost only part of its ranks) ends this process only:
+    An exception with a true ``stops_alone`` attribute (the elastic package's RecoveryError:
+    survivors of a lost rank that cannot go on, a minority or a node that lost only part of
+    its ranks) ends this process only:
     one line ``mpidl: rank R stops: RecoveryError: ...`` (the traceback goes to the failure
     file), then exit code 1 without ``MPI_Abort``."""
     global _reported
@@ -95,7 +95,7 @@ def abort_on_uncaught_exception(exc_type, exc, tb) -> None:
     # minority, a node that lost part of its ranks): every survivor raises the same
     # RecoveryError, so none is left waiting, and MPI_Abort would reach the ranks that went on
     # WITHOUT this one (the other half of a cut link, once it is back) and end them too.
-    alone = isinstance(exc, RecoveryError)
+    alone = getattr(exc, "stops_alone", False)
     if not _reported:
         _reported = True
         message = str(exc).strip().splitlines()

@@ -20,38 +20,23 @@ split of one machine is also possible: ``mpiexec -n 4 -ppn 2 -hosts localhost,12
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 from mpi4py import MPI
 
-RANKS_PER_NODE_ENV = "MPIDL_RANKS_PER_NODE"
+from mpidl import settings
+
 
 
 def _ranks_per_node_from(value) -> int | None:
-    """Validate an explicit ranks-per-node value, or read it from the environment.
-
-    Returns None when neither is given (use the shared-memory split). Raises ValueError for
-    anything that is not an integer >= 1; every rank sees the same value (argument or
-    inherited environment), so every rank raises alike, before any collective.
-    """
-    source = "ranks_per_node"
+    """An explicit ranks-per-node value, checked, or ``MPIDL_RANKS_PER_NODE``
+    (:mod:`mpidl.settings`); None when neither is given (the shared-memory split). Raises
+    ValueError for anything that is not an integer >= 1, alike on every rank."""
     if value is None:
-        value = os.environ.get(RANKS_PER_NODE_ENV, "").strip()
-        if value == "":
-            return None
-        source = f"environment variable {RANKS_PER_NODE_ENV}"
-    if isinstance(value, bool):
-        raise ValueError(f"{source} must be an integer >= 1, got {value!r}")
-    try:
-        ranks = int(value)
-        if isinstance(value, float) and ranks != value:
-            raise ValueError
-    except (TypeError, ValueError):
-        raise ValueError(f"{source} must be an integer >= 1, got {value!r}") from None
-    if ranks < 1:
-        raise ValueError(f"{source} must be an integer >= 1, got {value!r}")
-    return ranks
+        return settings.SETTINGS.ranks_per_node
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"ranks_per_node must be an integer >= 1, got {value!r}")
+    return value
 
 
 @dataclass(eq=False)

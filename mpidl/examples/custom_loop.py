@@ -4,9 +4,9 @@ import numpy as np
 
 from mpidl.data import synthetic_splits
 from mpidl.distributed import DataParallel
-from mpidl.models import build_model
-from mpidl.nn import SoftmaxCrossEntropy
-from mpidl.optim import SGD
+from mpidl.engine.models import build_model
+from mpidl.engine.nn import SoftmaxCrossEntropy
+from mpidl.engine.optim import SGD
 
 train, test, _ = synthetic_splits(seed=0)
 model = build_model("hsicnn", train.sample_shape, train.num_classes, seed=0)

@@ -2,7 +2,7 @@
 
 * ``tests/`` goes on ``sys.path`` so that these tests reuse the one gradient-check helper,
   ``tests/gradcheck.py`` (pytest puts only ``tests/gpu`` there for the files in this folder).
-* Every module here skips itself, with :func:`mpidl.backend.gpu_unavailable_reason` as the
+* Every module here skips itself, with :func:`mpidl.engine.backend.gpu_unavailable_reason` as the
   reason, where CuPy or a CUDA device is missing.
 * ``MPIDL_GPU_TESTS_ON_CPU=1`` runs the modules that support it with the CPU backend standing
   in for the GPU. That checks the *test code* on a machine without a GPU (its arithmetic, its

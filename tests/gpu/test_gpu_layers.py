@@ -22,7 +22,7 @@ import os
 import numpy as np
 import pytest
 
-from mpidl.backend import gpu_unavailable_reason
+from mpidl.engine.backend import gpu_unavailable_reason
 
 _ON_CPU = os.environ.get("MPIDL_GPU_TESTS_ON_CPU", "").strip() == "1"
 _REASON = None if _ON_CPU else gpu_unavailable_reason()
@@ -32,9 +32,9 @@ if _REASON is not None:
 from gradcheck import check_backward, check_loss_backward  # noqa: E402 - tests/ is on sys.path (conftest.py)
 
 from mpidl import kernels  # noqa: E402
-from mpidl.backend import get_backend, is_device_array, select_device, to_host  # noqa: E402
-from mpidl.models import MODELS, build_model  # noqa: E402
-from mpidl.nn import (  # noqa: E402
+from mpidl.engine.backend import get_backend, is_device_array, select_device, to_host  # noqa: E402
+from mpidl.engine.models import MODELS, build_model  # noqa: E402
+from mpidl.engine.nn import (  # noqa: E402
     AvgPool2d,
     BatchNorm2d,
     Conv2d,
@@ -49,7 +49,7 @@ from mpidl.nn import (  # noqa: E402
     Sequential,
     SoftmaxCrossEntropy,
 )
-from mpidl.params import FlatParameters  # noqa: E402
+from mpidl.engine.params import FlatParameters  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

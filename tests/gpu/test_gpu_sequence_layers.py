@@ -13,7 +13,7 @@ import os
 import numpy as np
 import pytest
 
-from mpidl.backend import gpu_unavailable_reason
+from mpidl.engine.backend import gpu_unavailable_reason
 
 _ON_CPU = os.environ.get("MPIDL_GPU_TESTS_ON_CPU", "").strip() == "1"
 _REASON = None if _ON_CPU else gpu_unavailable_reason()
@@ -23,9 +23,9 @@ if _REASON is not None:
 from gradcheck import check_backward  # noqa: E402 - tests/ is on sys.path (conftest.py)
 from test_layers_sequence import ATOL, LAYERS, RTOL  # noqa: E402
 
-from mpidl.backend import get_backend, is_device_array  # noqa: E402
-from mpidl.nn import BatchNorm1d, BatchNorm2d  # noqa: E402
-from mpidl.params import FlatParameters  # noqa: E402
+from mpidl.engine.backend import get_backend, is_device_array  # noqa: E402
+from mpidl.engine.nn import BatchNorm1d, BatchNorm2d  # noqa: E402
+from mpidl.engine.params import FlatParameters  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

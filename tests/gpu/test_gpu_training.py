@@ -26,15 +26,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mpidl.backend import gpu_unavailable_reason
+from mpidl.engine.backend import gpu_unavailable_reason
 
 _ON_CPU = os.environ.get("MPIDL_GPU_TESTS_ON_CPU", "").strip() == "1"
 _REASON = None if _ON_CPU else gpu_unavailable_reason()
 if _REASON is not None:
     pytest.skip(_REASON, allow_module_level=True)
 
-from mpidl.backend import get_backend  # noqa: E402
-from mpidl.checkpoint import load_model  # noqa: E402
+from mpidl.engine.backend import get_backend  # noqa: E402
+from mpidl.app.checkpoint import load_model  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

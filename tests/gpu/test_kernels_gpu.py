@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mpidl.backend import gpu_unavailable_reason
+from mpidl.engine.backend import gpu_unavailable_reason
 
 _REASON = gpu_unavailable_reason()
 if _REASON is not None:

@@ -17,7 +17,7 @@ import pytest
 from mpi4py import MPI
 
 from mpidl.data import apply_dihedral, dihedral_codes, open_dataset
-from mpidl.layout import write_layout
+from mpidl.data.layout import write_layout
 
 pytestmark = pytest.mark.mpi
 

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpidl.backend import get_backend
+from mpidl.engine.backend import get_backend
 from mpidl.distributed import DataParallel, NonFiniteGradient, Topology
 from mpidl.distributed.balance import equal_split
 from mpidl.distributed.probe import PROBE_ROUNDS, probe_sizes
-from mpidl.models import build_model
-from mpidl.nn import SoftmaxCrossEntropy
-from mpidl.optim import SGD, Adam
+from mpidl.engine.models import build_model
+from mpidl.engine.nn import SoftmaxCrossEntropy
+from mpidl.engine.optim import SGD, Adam
 from trainer_harness import all_agree, tiny_dataset
 
 pytestmark = pytest.mark.mpi

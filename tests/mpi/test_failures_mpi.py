@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-import mpidl.checkpoint as ck
-from mpidl.checkpoint import CheckpointError, load_model
+import mpidl.app.checkpoint as ck
+from mpidl.app.checkpoint import CheckpointError, load_model
 from mpidl.data import ArrayDataset
 from mpidl.distributed import NonFiniteGradient
-from mpidl.trainer import OutputWriteError, epoch_permutation
+from mpidl.app.trainer import OutputWriteError, epoch_permutation
 from trainer_harness import make_trainer, speeds_for, tiny_dataset
 
 WORLD = MPI.COMM_WORLD
@@ -68,7 +68,7 @@ def test_a_failing_write_rescues_the_model_on_every_rank(mpi_tmp_path, monkeypat
     assert len(rescued) == 1, rescued
     kind = "the checkpoint" if what == "checkpoint" else "the final model"
     assert message == (f"cannot write {kind} to {target}: No space left on device (ENOSPC); the trained "
-                       f"model was saved to {rescued[0]} instead (mpidl.checkpoint.load_model reads it)"
+                       f"model was saved to {rescued[0]} instead (mpidl.app.checkpoint.load_model reads it)"
                        + ("" if P == 1 else " (on rank [0])"))  # rank 0 writes
     np.testing.assert_allclose(load_model(str(rescued[0])).params.data, trainer.params.data, rtol=1e-6)  # float32 on load
     WORLD.Barrier()

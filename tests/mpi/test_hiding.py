@@ -10,7 +10,7 @@ import pytest
 from mpi4py import MPI
 
 from mpidl.distributed import DataParallel, NonFiniteGradient, Topology
-from mpidl.optim import SGD, Adam
+from mpidl.engine.optim import SGD, Adam
 from test_data_parallel import B, P, RANK, UNEVEN, WORLD, make, rel_diff, tiny_model, train
 from trainer_harness import all_agree
 
@@ -144,7 +144,7 @@ def test_overlap_hook_starts_buckets_during_backward():
     """The first buckets are started by the hook, before step() is called."""
     model, dp = make(overlap=True, bucket_mb=1e-4)
     from test_data_parallel import DATA, batches
-    from mpidl.nn import SoftmaxCrossEntropy
+    from mpidl.engine.nn import SoftmaxCrossEntropy
     loss_fn = SoftmaxCrossEntropy()
     batch = batches(1)[0]
     local = dp.local_indices(batch)
@@ -173,8 +173,8 @@ def test_overlap_refuses_what_it_cannot_do():
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("kind", ["bf16", "fp16"])
 def test_compressed_hierarchical_is_close_and_halves_the_inter_bytes(kind):
-    from mpidl.backend import get_backend
-    from mpidl.models import build_model
+    from mpidl.engine.backend import get_backend
+    from mpidl.engine.models import build_model
     from test_data_parallel import DATA
     rpn = max(1, P // 2)
     results = {}

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpidl.optim import OPTIMIZERS
+from mpidl.engine.optim import OPTIMIZERS
 from test_data_parallel import P, WORLD, make, rel_diff, train
 from trainer_harness import all_agree
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpidl.checkpoint import CHECKPOINT_NAME, CheckpointError
+from mpidl.app.checkpoint import CHECKPOINT_NAME, CheckpointError
 from mpidl.distributed import Topology
 from trainer_harness import all_agree, make_trainer, speeds_for
 

@@ -1,4 +1,4 @@
-"""Build and run a :class:`mpidl.trainer.Trainer` on any communicator, for the MPI tests.
+"""Build and run a :class:`mpidl.app.trainer.Trainer` on any communicator, for the MPI tests.
 
 The same function runs the distributed job (``comm=MPI.COMM_WORLD``) and its single-rank
 reference (``comm=MPI.COMM_SELF``), so the two differ only in the world they see.
@@ -9,13 +9,13 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from mpidl.backend import get_backend
-from mpidl.config import parse_config
+from mpidl.engine.backend import get_backend
+from mpidl.app.config import parse_config
 from mpidl.data import ArrayDataset
 from mpidl.distributed.topology import Topology
-from mpidl.log import Printer
-from mpidl.models import build_model
-from mpidl.trainer import Trainer
+from mpidl.app.log import Printer
+from mpidl.engine.models import build_model
+from mpidl.app.trainer import Trainer
 
 
 def tiny_dataset(n: int = 50, seed: int = 0, shape=(5, 5, 5), classes: int = 3) -> ArrayDataset:

@@ -1,0 +1,569 @@
+"""The classification loop, written on the public distributed API (:class:`DataParallel`).
+
+It knows the layers, the data and the metrics; everything that talks MPI is behind ``self.dp``.
+One global step ``t`` (DESIGN.md):
+
+1. The global batch of step ``t`` is ``perm_e[t*B : (t+1)*B]``, with ``perm_e`` one permutation
+   of the training set per epoch, a pure function of ``(seed, epoch)``: the same samples
+   whatever the world size and the speeds.
+2. ``dp.local_indices`` gives rank ``i`` its contiguous slice of ``b_i`` samples (``b``
+   follows the ranks' speeds and sums to ``B``; a last, smaller batch is split by the same
+   proportions, possibly giving a rank 0 samples); the rank reads only those.
+3. Forward, loss (the local *mean*), backward: the model's flat gradient buffer holds ``g_i``.
+4. ``dp.step`` reduces it (balanced weighting: ``g = sum_i (b_i/B) g_i``, the exact gradient
+   of the global batch's mean loss), applies the optimizer and, for the ``node`` strategy,
+   averages the parameters between nodes every ``K'`` steps.
+
+At an epoch's end ``dp.sync()`` makes the replicas identical (and agrees on pending stop
+requests and non-finite gradients), then the test split is evaluated in shards and the epoch
+is recorded. Stops are collective by construction: ``dp.should_stop`` turns True on every
+rank after the same step.
+
+Lost ranks (``--on-failure shrink``): a :class:`~mpidl.distributed.RanksLost` from any call of
+``self.dp`` means the survivors are back at the state before global step ``dp.steps`` with the
+batch re-split over them; the loop goes on at that step's place in the epoch
+(``dp.steps - `` the epoch's first step), so the global batch is run again and the lost
+ranks' samples are computed by the survivors: none skipped, none counted twice. The learning
+rate follows ``dp.steps``; the epoch-end sync, evaluation and checkpoint run (again) on the
+survivors.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mpidl.app.checkpoint import CHECKPOINT_NAME, CheckpointError, load_checkpoint, save_checkpoint, save_model
+from mpidl.distributed import DataParallel, NonFiniteGradient, RanksLost
+from mpidl.faults import ENV, InjectedFault, fault_from_environment
+from mpidl.app.log import MetricsWriter, RankTimingLog
+from mpidl.app.metrics import classification_report, confusion_matrix
+from mpidl.app.netstat import WireCounter, per_host
+from mpidl.engine.nn import SoftmaxCrossEntropy
+from mpidl.engine.optim import build_optimizer, make_schedule
+from mpidl.app.outputs import cause, rescue_model
+
+EVAL_BATCH = 512
+#: samples the speed probe cycles through (at most the training set)
+PROBE_SAMPLES = 64
+#: the loop's ``min_local_batch``: :meth:`Trainer.compute` handles an empty local batch (a
+#: zero gradient), so the split may be the cost model's min-max optimum and ``B < P`` fits
+MIN_LOCAL_BATCH = 0
+#: ``--sync-every epoch``: K' = the steps of one epoch (eDNNcomm's default)
+SYNC_EVERY_EPOCH = "epoch"
+
+
+class OutputWriteError(RuntimeError):
+    """A checkpoint or the final model could not be written (disk full, quota, a file system
+    gone); raised on every rank alike. The message names the path, the cause and where the
+    trained model was rescued to (:func:`mpidl.app.outputs.rescue_model`)."""
+
+
+#: the options that shape the trajectory of a run whatever the world size: a resumed run
+#: must have the checkpoint's (``--epochs`` and ``--max-steps`` may grow, to train longer)
+RESUME_OPTIONS = ("seed", "batch_size", "drop_last", "optimizer", "lr", "momentum", "nesterov",
+                  "weight_decay", "schedule", "warmup_steps", "augment", "weighting", "dtype")
+
+
+def data_identity(train_set, test_set) -> dict:
+    """What a checkpoint records of its data, compared at every resume: the sample counts,
+    the classes and a content fingerprint. A layout file's fingerprint is the one stored at
+    conversion (:func:`mpidl.data.layout.fingerprint`); for a file without one, a hash of its
+    labels and stored statistics; for in-memory data, a hash of the samples and labels."""
+    import hashlib  # noqa: PLC0415
+
+    from mpidl.data.layout import stored_fingerprint  # noqa: PLC0415
+
+    identity = {"train": int(train_set.num_samples), "test": int(test_set.num_samples),
+                "classes": list(train_set.class_names)}
+    path = getattr(train_set, "path", None)
+    stored = stored_fingerprint(path) if path else None
+    if stored is None:
+        digest = hashlib.sha256()
+        for dataset in (train_set, test_set):
+            digest.update(np.ascontiguousarray(dataset.labels, dtype="<i8").tobytes())
+            if path:
+                digest.update(np.asarray(dataset.meta["mean"], "<f8").tobytes())
+                digest.update(np.asarray(dataset.meta["std"], "<f8").tobytes())
+            elif hasattr(dataset, "_x"):
+                digest.update(np.ascontiguousarray(dataset._x, dtype="<f4").tobytes())
+        stored = ("labels+stats:" if path else "arrays:") + digest.hexdigest()
+    identity["fingerprint"] = stored
+    return identity
+
+
+@dataclass
+class EpochTotals:
+    """This rank's loss and sample totals of one epoch."""
+
+    loss_sum: float = 0.0
+    samples: int = 0
+    steps: int = 0
+    start: float = field(default_factory=time.perf_counter)
+    #: the last step's (loss sum, samples), taken back when a lost rank makes it run again
+    last: tuple = (0.0, 0)
+
+    def take_back_last(self) -> None:
+        self.loss_sum -= self.last[0]
+        self.samples -= self.last[1]
+        self.steps -= 1
+        self.last = (0.0, 0)
+
+
+def epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
+    """The order of the training set in ``epoch``: identical on every rank and every world size."""
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+def steps_per_epoch(num_samples: int, batch_size: int, drop_last: bool) -> int:
+    """Global steps of one epoch: ``ceil(N / B)``, or ``floor(N / B)`` with ``drop_last``."""
+    return num_samples // batch_size if drop_last else math.ceil(num_samples / batch_size)
+
+
+class Trainer:
+    """Runs the epochs of one job. Build it on every rank with the same configuration
+    (construction is collective: it builds the :class:`DataParallel`).
+
+    ``handle_sigterm=True`` (the command line) installs the SIGTERM handler first, so that a
+    signal that arrives while the ranks warm up and measure their speeds is not lost."""
+
+    def __init__(self, cfg, model, train_set, test_set, printer, topology=None, handle_sigterm=False):
+        self._signalled = False
+        if handle_sigterm:
+            self.install_signal_handler()
+        self.cfg = cfg
+        self.model = model
+        self.params = model.params
+        self.backend = model.backend
+        self.train_set = train_set
+        self.test_set = test_set
+        self.printer = printer
+        self.loss_fn = SoftmaxCrossEntropy()
+        self.optimizer = build_optimizer(
+            cfg.optimizer, self.params, lr=cfg.lr, momentum=cfg.momentum,
+            weight_decay=cfg.weight_decay, nesterov=cfg.nesterov,
+        )
+        if test_set.num_samples == 0:
+            raise ValueError("the test split is empty (0 samples): there is nothing to evaluate on")
+        self.steps_per_epoch = steps_per_epoch(train_set.num_samples, cfg.batch_size, cfg.drop_last)
+        if self.steps_per_epoch == 0:
+            raise ValueError(f"--drop-last with --batch-size {cfg.batch_size} > "
+                             f"{train_set.num_samples} training samples leaves no step")
+        total = cfg.epochs * self.steps_per_epoch
+        self.total_steps = min(total, cfg.max_steps) if cfg.max_steps else total
+        self.schedule = make_schedule(cfg.schedule, cfg.lr, self.total_steps, warmup_steps=cfg.warmup_steps)
+        self._probe_samples = np.arange(min(PROBE_SAMPLES, train_set.num_samples))
+        #: K' of the node strategy: ``--sync-every``, with ``epoch`` resolved to the steps per epoch
+        self.sync_every = self.steps_per_epoch if cfg.sync_every == SYNC_EVERY_EPOCH else cfg.sync_every
+        speeds = "equal" if cfg.balance == "none" else (cfg.speed_list or "auto")
+        self.dp = DataParallel(
+            model, self.optimizer, batch_size=cfg.batch_size, topology=topology,
+            strategy=cfg.strategy, sync_every=self.sync_every, weighting=cfg.weighting,
+            speeds=speeds, probe=self._probe, balance_threshold=cfg.balance_threshold,
+            min_local_batch=MIN_LOCAL_BATCH,
+            rebalance_every=cfg.rebalance_every if cfg.rebalance else None,
+            sync_optimizer_state=cfg.sync_optimizer_state,
+            on_nan=cfg.on_nan, check_replicas=cfg.check_replicas,
+            emulate_slowdown=cfg.slowdown_list or 1.0, emulate_clock=cfg.emulate_clock,
+            emulate_link=cfg.emulate_link,
+            intra=cfg.intra, overlap=cfg.overlap, bucket_mb=cfg.bucket_mb,
+            compress=cfg.compress, sync_overlap=cfg.sync_overlap, on_failure=cfg.on_failure,
+        )
+        if self._signalled:
+            self.dp.request_stop()
+        self.rank = self.dp.rank
+        #: this rank's rank at start-up (``self.rank`` changes when ranks are lost)
+        self.startup_rank = self.dp.rank
+        #: the tests' injected fault (mpidl/faults.py), or None
+        self.fault = fault_from_environment(self.dp.size)
+        self.start_epoch = 0
+        self.start_step_in_epoch = 0
+        #: (path, message) of the first failed metrics or timing write on this rank
+        self._log_failure = None
+        self.metrics = MetricsWriter(cfg.metrics, self.rank, append=cfg.resume)
+        self.timing = RankTimingLog(cfg.timing_dir, self.rank, append=cfg.resume)
+
+    @property
+    def global_step(self) -> int:
+        """Global steps done (restored on resume)."""
+        return self.dp.steps
+
+    def install_signal_handler(self) -> None:
+        """SIGTERM (what Slurm sends before the time limit) or SIGUSR1: finish the current
+        step, stop with every rank after the same step, checkpoint, exit 0.
+
+        The handler only sets a flag (``dp.request_stop``): Python runs it between bytecodes,
+        never inside an MPI call. One rank receiving the signal is enough: the flag travels
+        with the next step's message. MPICH's ``mpiexec`` (hydra) forwards a SIGTERM it
+        receives to every rank; Slurm signals every task of the step itself. Open MPI's
+        ``mpiexec`` (prterun) treats SIGTERM as "abort the job" (it kills the ranks about a
+        second later and exits 1), but forwards SIGUSR1, which both launchers and ``srun`` pass on:
+        that is the signal to send to a launcher (``#SBATCH --signal=B:USR1@120``).
+
+        SIGINT (Ctrl-C) is the same stop request the first time; the handler then gives
+        SIGINT back its default action, so that a second one ends this rank at once (the
+        kernel's, even inside an MPI call) and the launcher ends the others."""
+
+        def on_term(signum, frame):
+            if signum == signal.SIGINT:
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+            if getattr(self, "dp", None) is None:
+                self._signalled = True  # still building: passed on once the dp exists
+            else:
+                self.dp.request_stop()
+
+        signal.signal(signal.SIGTERM, on_term)
+        signal.signal(signal.SIGUSR1, on_term)
+        signal.signal(signal.SIGINT, on_term)
+
+    # ------------------------------------------------------------------ one step
+    def compute(self, indices: np.ndarray) -> float:
+        """Forward + backward on this rank's samples; returns the local mean loss.
+
+        With no samples the gradient is zero: the rank still joins every collective."""
+        if len(indices) == 0:
+            self.params.grad.fill(0)
+            return 0.0
+        x, y = self.train_set.read(indices)
+        logits = self.model.forward(self.backend.asarray(x))
+        loss = self.loss_fn.forward(logits, y)  # host labels: checked without a device sync
+        self.model.backward(self.loss_fn.backward())
+        return float(loss)
+
+    def _probe(self, n: int) -> None:
+        """One forward + backward on ``n`` training samples (for the speed probe)."""
+        self.compute(np.resize(self._probe_samples, n))
+
+    def train_step(self, local: np.ndarray, totals: EpochTotals) -> None:
+        """One global step on this rank (every rank calls it for every step)."""
+        step = self.dp.steps
+        fault = self.fault.at(self.startup_rank, step) if self.fault is not None else None
+        if fault == "kill":  # a lost rank, at a known step (--on-failure shrink)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if fault == "raise":
+            raise InjectedFault(f"injected fault on rank {self.rank} at step {step} ({ENV})")
+        if fault == "term":
+            os.kill(os.getpid(), signal.SIGTERM)  # the real handler, at a known step
+        self.optimizer.lr = self.schedule(step)
+        loss = self.compute(local)
+        if fault == "nan":  # a poisoned local gradient, to test the collective decision
+            self.params.grad[0] = float("nan")
+        try:
+            self.dp.step(len(local))
+        except NonFiniteGradient as exc:
+            raise self._explain_nonfinite(exc, local) from None
+        self.report_skips(step)
+        if self.dp.last_rebalance is not None:
+            change = self.dp.last_rebalance
+            self.log(self.metrics, {"event": "rebalance", **change})
+            self.printer.info(f"  rebalance after step {change['step']}: batch sizes {change['old']} -> "
+                              f"{change['new']} (predicted step {1e3 * change['predicted_old_s']:.3g} -> "
+                              f"{1e3 * change['predicted_new_s']:.3g} ms)")
+        totals.loss_sum += loss * len(local)
+        totals.samples += len(local)
+        totals.steps += 1
+        totals.last = (loss * len(local), len(local))
+        if self._failure_record is not None and self._failure_record["recovery_s"] is not None:
+            self._write_failure()
+
+    def report_skips(self, step: int | None = None) -> None:
+        """Rank 0 warns and records (a metrics ``skip`` event) a step skipped on its node,
+        at that ``step``, and one skipped on another node once the ranks agree on it at a
+        parameter sync (node strategy; ``step`` None: after :meth:`DataParallel.sync`)."""
+        if step is not None and self.dp.last_step_skipped:
+            self.printer.warning(f"non-finite gradient at step {step}: step skipped (--on-nan skip)")
+            self.log(self.metrics, {"event": "skip", "step": step})
+        if self.dp.skip_agreed:
+            self.printer.warning(f"non-finite gradient on a node since the previous parameter sync (agreed at "
+                                 f"the sync after {self.dp.steps} steps): that node skipped its step (--on-nan skip)")
+            self.log(self.metrics, {"event": "skip", "agreed_at_step": self.dp.steps})
+
+    def _explain_nonfinite(self, exc: NonFiniteGradient, local: np.ndarray) -> NonFiniteGradient:
+        """Collective (every rank raises at the same step): when the step's samples hold
+        NaN or Inf, say that the data are the cause, naming the first such sample."""
+        bad = []
+        if len(local):
+            x, _ = self.train_set.read(local)
+            finite = np.isfinite(x.reshape(len(local), -1)).all(axis=1)
+            bad = [int(i) for i in np.asarray(local)[~finite]]
+        found = sorted(i for part in self.dp.all_gather_object(bad) for i in part)
+        if not found:
+            return exc
+        name = getattr(self.train_set, "name", "the training data")
+        return NonFiniteGradient(
+            f"non-finite (NaN/Inf) reduced gradient at step {self.dp.steps}, caused by the data: "
+            f"{len(found)} sample(s) of this step's batch hold NaN or Inf values, the first is "
+            f"sample {found[0]} of {name} (fix or convert the data again; python -m "
+            "mpidl.data_tools info FILE finds them all)")
+
+    # ------------------------------------------------------------------ lost ranks
+    _failure_record = None
+
+    def ranks_lost(self, lost: RanksLost) -> None:
+        """After a shrink (``--on-failure shrink``): the survivors' rank 0 takes over the log
+        and the metrics, says what happened; the record goes to the metrics once the next
+        step is done (with ``recovery_s``, failure to that step)."""
+        if self._failure_record is not None:
+            self._write_failure()
+        self.rank = self.dp.rank
+        self.printer.rank = self.dp.rank
+        if self.rank == 0 and self.metrics.file is None and self.cfg.metrics:
+            self.metrics = MetricsWriter(self.cfg.metrics, 0, append=True)
+        self.printer.warning(f"{lost}")
+        self._failure_record = lost.event
+
+    def _write_failure(self) -> None:
+        record, self._failure_record = self._failure_record, None
+        self.log(self.metrics, record)
+        if record["recovery_s"] is not None:
+            self.printer.info(f"  recovered: step {record['step'] + 1} done {record['recovery_s']:.3f} s "
+                              f"after the failure was seen (shrink {record['shrink_s']:.3f} s)")
+
+    # ------------------------------------------------------------------ epochs
+    def evaluate(self) -> dict:
+        """OA, AA and kappa on the test split: each rank scores a contiguous shard, and the
+        confusion matrices (which add up) are summed over the ranks."""
+        self.model.eval()
+        k = self.model.num_classes
+        lo, hi = self.dp.shard(self.test_set.num_samples)
+        cm = np.zeros((k, k), dtype=np.int64)
+        for start in range(lo, hi, EVAL_BATCH):
+            x, y = self.test_set.read(np.arange(start, min(start + EVAL_BATCH, hi)))
+            logits = self.model.forward(self.backend.asarray(x))
+            cm += confusion_matrix(y, self.backend.to_host(logits.argmax(axis=1)), k)
+        self.dp.sum(cm)
+        self.model.train()
+        return classification_report(cm)
+
+    def end_epoch(self, epoch: int, totals: EpochTotals) -> dict:
+        """Epoch-end record (collective): timings, loss, evaluation."""
+        wall = time.perf_counter() - totals.start
+        timing = self.dp.timings()
+        per_rank = self.dp.all_gather_object((totals.loss_sum, totals.samples))
+        samples = sum(n for _, n in per_rank)
+        report = self.evaluate()
+        record = {
+            "event": "epoch", "epoch": epoch + 1, "step": self.dp.steps,
+            "loss": sum(loss for loss, _ in per_rank) / max(samples, 1),
+            "oa": report["oa"], "aa": report["aa"], "kappa": report["kappa"],
+            "lr": float(self.optimizer.lr), "time_s": wall,
+            "samples_per_s": samples / wall if wall > 0 else 0.0,
+            "strategy": self.cfg.strategy, "weighting": self.cfg.weighting,
+            "batch_sizes": list(self.dp.batch_sizes), "samples": [n for _, n in per_rank],
+            "speeds": list(self.dp.speeds),
+            "costs": [[c.a, c.c] for c in self.dp.costs], "predicted_step_s": self.dp.predicted_step_s,
+            "comp_s": timing["comp_s"], "comm_s": timing["comm_s"], "idle_s": timing["idle_s"],
+            "comm": self.dp.counters,
+            "wire": per_host(self.dp.all_gather_object(self.wire.since())),
+        }
+        self.log(self.metrics, record)
+        r = self.rank
+        self.log(self.timing, {"event": "epoch", "epoch": epoch + 1, "rank": r, "comp_s": timing["comp_s"][r],
+                           "comm_s": timing["comm_s"][r], "idle_s": timing["idle_s"][r],
+                           "samples": totals.samples, "step_comp_s": timing["step_comp_s"]})
+        self.print_epoch(record)
+        self.stop_on_log_failure()
+        return record
+
+    def log(self, writer, record: dict) -> None:
+        """``writer.write(record)`` (the metrics or the timing log); a failed write (a full
+        disk) is kept for :meth:`stop_on_log_failure`, and that writer writes nothing more."""
+        try:
+            writer.write(record)
+        except OSError as exc:
+            if self._log_failure is None:
+                self._log_failure = (writer.path, str(exc))
+
+    def stop_on_log_failure(self) -> None:
+        """Collective: when a metrics or timing write failed on any rank, every rank stops
+        with the same :class:`OutputWriteError`, which names the file, the cause and where
+        the trained model is now: ``--save`` (rank 0 writes it now), else a rescue place
+        (:func:`mpidl.app.outputs.rescue_model`, as for a failed final write)."""
+        failures = [f for f in self.dp.all_gather_object(self._log_failure) if f is not None]
+        if not failures:
+            return
+        path, text = failures[0]
+        what = "the metrics" if path == self.cfg.metrics else "the timing log"
+        message = None
+        if self.rank == 0:
+            stopped = f"training stopped after step {self.dp.steps}"
+            if self.cfg.save:
+                try:
+                    save_model(self.cfg.save, self.model)
+                    message = (f"cannot write {what} to {path}: {cause(OSError(text))}; {stopped}, the trained "
+                               f"model was saved to {self.cfg.save}")
+                except OSError as exc:
+                    message = (f"cannot write {what} to {path}: {cause(OSError(text))}; {stopped}; "
+                               + rescue_model(save_model, self.model, self.cfg.save, exc, "the final model"))
+            else:
+                message = f"{rescue_model(save_model, self.model, path, OSError(text), what)}; {stopped}"
+        raise OutputWriteError(self.dp.all_gather_object(message)[0])
+
+    def print_epoch(self, r: dict) -> None:
+        total = max(r["time_s"], 1e-12)
+        comp = max(r["comp_s"])
+        self.printer.info(
+            f"epoch {r['epoch']:3d}/{self.cfg.epochs}  loss {r['loss']:.4f}  OA {100 * r['oa']:6.2f}%  "
+            f"AA {100 * r['aa']:6.2f}%  kappa {r['kappa']:.4f}  {r['samples_per_s']:8.0f} samples/s  "
+            f"{r['time_s']:6.2f} s (comp {100 * comp / total:3.0f}%, comm+idle {100 * (1 - comp / total):3.0f}%)"
+        )
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_meta(self, epoch_done: int, step_in_epoch: int) -> dict:
+        """The loop's attributes of ``checkpoint.h5`` (see :mod:`mpidl.app.checkpoint`)."""
+        return {
+            "epoch": epoch_done, "step_in_epoch": step_in_epoch, "config": self.cfg.to_dict(),
+            "model": self.model.name, "build_args": self.model.build_args,
+            "num_train_samples": int(self.train_set.num_samples),
+            "data": self.data_identity,
+        }
+
+    def save_checkpoint(self, epoch_done: int, step_in_epoch: int) -> None:
+        """Collective. ``step_in_epoch > 0`` is a stop inside epoch ``epoch_done``: it is
+        saved before the epoch-end sync, which an uninterrupted run would not do at that step,
+        so the resumed run continues exactly."""
+        folder = self.cfg.checkpoint
+        self._agreed_write(lambda: save_checkpoint(folder, self.dp, self.checkpoint_meta(epoch_done, step_in_epoch)),
+                           os.path.join(folder, CHECKPOINT_NAME), "the checkpoint")
+        self.printer.info(f"  checkpoint: {self.cfg.checkpoint} (epoch {epoch_done}, step {self.dp.steps})")
+
+    def _agreed_write(self, write, path: str, what: str) -> None:
+        """Run ``write()`` on every rank (rank 0 writes; the others may take part in a
+        gather), then agree: when it failed, rank 0 rescues the model and every rank raises
+        the same :class:`OutputWriteError`, so the trained state is never thrown away."""
+        problem = None
+        try:
+            write()
+        except OSError as exc:
+            problem = rescue_model(save_model, self.model, path, exc, what)
+        problem = self.dp.agree_on_error(problem)
+        if problem is not None:
+            raise OutputWriteError(problem)
+
+    @property
+    def data_identity(self) -> dict:
+        if getattr(self, "_data_identity", None) is None:
+            self._data_identity = data_identity(self.train_set, self.test_set)
+        return self._data_identity
+
+    def resume(self) -> None:
+        """Continue from ``--checkpoint DIR`` (collective); a bad checkpoint raises the same
+        :class:`CheckpointError` on every rank before any state is changed."""
+        meta = load_checkpoint(self.cfg.checkpoint, self.dp, self._check_resumable)
+        self.start_epoch, self.start_step_in_epoch = meta["epoch"], meta["step_in_epoch"]
+        self.printer.info(f"resumed from {self.cfg.checkpoint}: epoch {meta['epoch']}, step {self.dp.steps}")
+
+    def _check_resumable(self, meta: dict, path: str) -> None:
+        old_cfg = meta.get("config", {})
+        new_cfg = self.cfg.to_dict()
+        differ = [k for k in RESUME_OPTIONS if k in old_cfg and old_cfg[k] != new_cfg.get(k)]
+        if differ:
+            def options(cfg):
+                return " ".join(f"--{k.replace('_', '-')} {cfg.get(k)}" for k in differ)
+            raise CheckpointError(f"--resume: {path} was written with {options(old_cfg)}; this run "
+                                  f"has {options(new_cfg)}: the resumed run would not continue the "
+                                  "same training (start a new run in another --checkpoint folder)")
+        if meta["build_args"] != self.model.build_args or meta.get("model") != self.model.name:
+            raise CheckpointError(
+                f"--resume: {path} holds model {meta.get('model')} {meta['build_args']}, "
+                f"but this run builds {self.model.name} {self.model.build_args}")
+        old_data, new_data = meta.get("data"), self.data_identity
+        if old_data is not None and old_data != new_data:
+            changed = ", ".join(f"{k} {old_data.get(k)} -> {new_data.get(k)}" for k in new_data
+                                if old_data.get(k) != new_data.get(k))
+            raise CheckpointError(f"--resume: {path} was written on other data ({changed}); "
+                                  "resume with the data it was trained on, or start a new run")
+        if meta["step_in_epoch"] > 0:
+            old = meta.get("config", {}).get("batch_size"), meta.get("num_train_samples")
+            new = self.cfg.batch_size, self.train_set.num_samples
+            if old != new:
+                raise CheckpointError(
+                    f"--resume: {path} was taken inside an epoch with --batch-size {old[0]} and "
+                    f"{old[1]} training samples; this run has --batch-size {new[0]} and {new[1]}: "
+                    "the rest of the epoch would differ")
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> dict:
+        """Train; returns the final record (also written as the metrics ``end`` event)."""
+        cfg = self.cfg
+        dp = self.dp
+        t_start = time.perf_counter()
+        stopped = "completed"
+        last = None
+        epoch = self.start_epoch
+        for epoch in range(self.start_epoch, cfg.epochs):
+            perm = epoch_permutation(cfg.seed, epoch, self.train_set.num_samples)
+            self.train_set.set_epoch(epoch)  # augmentation draws are a function of (seed, epoch, index)
+            dp.reset_counters()  # the metrics report traffic and time per epoch
+            self.wire = WireCounter()  # and the kernel's bytes on the wire (mpidl/app/netstat.py)
+            totals = EpochTotals()
+            first = self.start_step_in_epoch if epoch == self.start_epoch else 0
+            last_print = time.perf_counter()
+            epoch_first_step = dp.steps - first  # the global step of this epoch's first batch
+            totals_first = first
+            while True:  # once, or again from dp.steps after ranks were lost (--on-failure shrink)
+                try:
+                    step_in_epoch = first
+                    for step_in_epoch in range(first, self.steps_per_epoch):
+                        if dp.steps >= self.total_steps:
+                            stopped = "max_steps"
+                            break
+                        batch = perm[step_in_epoch * cfg.batch_size:(step_in_epoch + 1) * cfg.batch_size]
+                        self.train_step(dp.local_indices(batch), totals)
+                        if dp.should_stop:
+                            stopped = "signal"
+                            step_in_epoch += 1
+                            break
+                        if time.perf_counter() - last_print > cfg.progress_every_s:
+                            last_print = time.perf_counter()
+                            self.printer.info(f"  epoch {epoch + 1} step {step_in_epoch + 1}/{self.steps_per_epoch}")
+                    else:
+                        step_in_epoch = self.steps_per_epoch
+                    finished_epoch = step_in_epoch >= self.steps_per_epoch
+                    epochs_done = epoch + 1 if finished_epoch else epoch
+                    saved = bool(cfg.checkpoint) and stopped != "completed" and not finished_epoch
+                    if saved:
+                        self.save_checkpoint(epochs_done, step_in_epoch)
+                    dp.sync()  # replicas identical for evaluation; pending stops and NaNs agreed
+                    self.report_skips()
+                    if stopped == "completed" and dp.should_stop:
+                        stopped = "signal"
+                    if totals.steps:  # the same on every rank: they step together
+                        last = self.end_epoch(epoch, totals)
+                    if cfg.checkpoint and not saved and (
+                            stopped != "completed" or epochs_done % cfg.checkpoint_every == 0 or epochs_done == cfg.epochs):
+                        self.save_checkpoint(epochs_done, 0)
+                    break
+                except RanksLost as lost:
+                    if lost.step < epoch_first_step:
+                        raise
+                    self.ranks_lost(lost)
+                    if totals.steps > dp.steps - epoch_first_step - totals_first:
+                        totals.take_back_last()
+                    first = dp.steps - epoch_first_step
+            if stopped != "completed":
+                break
+        if last is None:
+            last = {k: v for k, v in self.evaluate().items() if k in ("oa", "aa", "kappa")}
+        if cfg.save:
+            self._agreed_write(lambda: save_model(cfg.save, self.model) if self.rank == 0 else None,
+                               cfg.save, "the final model")
+        end = {
+            "event": "end", "epochs": last.get("epoch", epoch), "step": dp.steps,
+            "oa": last["oa"], "aa": last["aa"], "kappa": last["kappa"],
+            "time_s": time.perf_counter() - t_start, "stopped": stopped,
+        }
+        if self._failure_record is not None:
+            self._write_failure()
+        end["failures"] = len(dp.failures)
+        self.log(self.metrics, end)
+        self.stop_on_log_failure()
+        self.metrics.close()
+        self.timing.close()
+        dp.close()  # frees the node-shared window (intra='shm'); the model stays usable
+        return end

@@ -1,0 +1,23 @@
+"""This rank's compute clock: the time from taking a local batch to handing its gradient over."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+
+class ComputeClock:
+    """:meth:`start`, then :meth:`stop` returns the seconds since (after ``synchronize()``,
+    which waits for a device to finish its queued work)."""
+
+    def __init__(self, synchronize: Callable[[], None] | None = None):
+        self.synchronize = synchronize
+        self.start()
+
+    def start(self) -> None:
+        self._mark = time.perf_counter()
+
+    def stop(self) -> float:
+        if self.synchronize is not None:
+            self.synchronize()
+        return time.perf_counter() - self._mark

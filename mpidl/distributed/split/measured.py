@@ -1,0 +1,148 @@
+"""The measured split (HDP): every rank's cost ``t_i(b) = a_i + c_i b`` fitted from timed passes
+of the real model, the split minimizing the slowest rank's step, and the re-fit from the
+steps themselves that may move it while training (the math: :mod:`.balance`)."""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from numbers import Integral, Real
+
+from mpidl.distributed.clock import ComputeClock
+from mpidl.distributed.split import balance, probe as speed_probe
+from mpidl.distributed.split.base import Split, check_batch_fits
+
+__all__ = ["MeasuredSplit", "RECENT_STEPS"]
+
+#: steps whose compute times a re-fit may use (a bound on memory, not a tuning knob)
+RECENT_STEPS = 1024
+
+
+class MeasuredSplit(Split):
+    """The split of ``batch_size`` over the ranks of ``topology`` from measured cost models.
+
+    Parameters
+    ----------
+    topology : Topology
+    batch_size : int
+        ``B``, the global batch.
+    probe : callable(n)
+        One forward + backward of the real model on ``n`` samples, no communication, leaving
+        the model as it found it. Run once untimed on every rank first (the Numba JIT compiles
+        then, one rank per node writing the on-disk cache), then timed
+        (:mod:`.probe`).
+    clock : ComputeClock, optional
+        Times the passes (an EMULATED slow clock stretches them like the steps).
+    threshold : float in [0, 1)
+        The predicted gain (a fraction of the step) an uneven split must bring over the equal
+        one, and a re-split over the current one; the margin is ``max(threshold, noise)``.
+    min_local_batch : int >= 0
+        Samples every rank gets at least of a full global batch.
+    rebalance_every : int, optional
+        Every ``rebalance_every`` steps, re-fit the cost models from the ranks' own steps and
+        re-split when the gain is confirmed (:meth:`rebalance`).
+
+    Construction is collective (it measures). An uneven first split is measured twice before
+    it is taken: a rank descheduled by another process during its probe passes looks slow in
+    all of them alike, so their spread does not reveal it; a rank that is really slower is
+    slower the second time too. The split then follows the two fits averaged.
+    """
+
+    source = "measured"
+
+    def __init__(self, topology, batch_size: int, probe, clock: ComputeClock | None = None, *,
+                 threshold: float = 0.05, min_local_batch: int = 1, rebalance_every: int | None = None):
+        check_batch_fits(batch_size, min_local_batch, topology.size)
+        if isinstance(threshold, bool) or not isinstance(threshold, Real) or not 0 <= threshold < 1:
+            raise ValueError(f"balance_threshold must be a number in [0, 1), got {threshold!r}")
+        if rebalance_every is not None and (isinstance(rebalance_every, bool) or not isinstance(
+                rebalance_every, Integral) or rebalance_every < 1):
+            raise ValueError(f"rebalance_every must be an integer >= 1 or None, got {rebalance_every!r}")
+        self.topology = topology
+        self.batch_size = batch_size
+        self.threshold = float(threshold)
+        self.min_local_batch = min_local_batch
+        self.rebalance_every = rebalance_every
+        self.clock = clock if clock is not None else ComputeClock()
+        #: (samples, seconds) of this rank's steps since the last re-fit, and the period before
+        self._recent: deque = deque(maxlen=RECENT_STEPS)
+        self._previous_period: list = []
+        self._resplit_proposed = False
+        speed_probe.warm_up(topology, probe, batch_size)
+        self.costs, self.noise, self.batch_sizes = self._first_split(probe)
+
+    def _choose(self, costs, noise) -> list[int]:
+        return balance.choose_split(costs, self.batch_size, self.threshold, minimum=self.min_local_batch,
+                                    noise=noise)[0]
+
+    def _first_split(self, probe):
+        measure = lambda: speed_probe.measure_costs(self.topology, probe, self.clock, self.batch_size)  # noqa: E731
+        costs, noise = measure()
+        sizes = self._choose(costs, noise)
+        equal = balance.equal_split(self.batch_size, self.topology.size)
+        if sizes == equal:
+            return costs, noise, sizes
+        again, noise_again = measure()
+        if self._choose(again, noise_again) == equal:
+            return again, noise_again, equal
+        costs = [balance.RankCost(0.5 * (x.a + y.a), 0.5 * (x.c + y.c)) for x, y in zip(costs, again)]
+        noise = max(noise, noise_again)
+        return costs, noise, self._choose(costs, noise)
+
+    def observe(self, count: int, seconds: float) -> None:
+        self._recent.append((int(count), seconds))
+
+    def after_step(self, steps: int) -> dict | None:
+        self.last_change = None
+        if self.rebalance_every is None or steps % self.rebalance_every != 0:
+            return None
+        return self.rebalance(steps)
+
+    def rebalance(self, steps: int = 0) -> dict | None:
+        """Re-fit every rank's cost model from its own steps and re-split when that is
+        predicted to be faster than the current split by more than the margin (collective;
+        every rank computes the same split from the same gathered numbers). Returns the
+        change (``step``, ``old``, ``new``, predictions, costs) when the split moved, else None.
+
+        Each rank re-fits from the steps since the last call and the ones of the call before
+        (:func:`~.balance.refit_cost`): when its batch sizes span at least half of the
+        largest, their medians separate ``a_i`` from ``c_i``; otherwise the model keeps its
+        shape and is scaled through the window's steps. A gain must pass the margin in two
+        consecutive calls, or twice the margin in one (:func:`~.balance.confirm_resplit`):
+        no move on one noisy period."""
+        rank = self.topology.rank
+        window = list(self._previous_period) + list(self._recent)
+        self._previous_period = list(self._recent)
+        self._recent.clear()
+        cost = balance.refit_cost(self.costs[rank], [b for b, _ in window], [t for _, t in window])
+        current = [t for b, t in window if b == self.batch_sizes[rank] and b > 0]
+        spread = balance.timing_noise(current) if current else 0.0
+        gathered = self.topology.world.allgather((cost.a, cost.c, spread))
+        self.costs = [balance.RankCost(a, c) for a, c, _ in gathered]
+        self.noise = statistics.median(s for _, _, s in gathered)
+        old = list(self.batch_sizes)
+        best = balance.solve_split(self.costs, self.batch_size, self.min_local_batch)
+        predicted_old, predicted = balance.step_time(self.costs, old), balance.step_time(self.costs, best)
+        gain = 1.0 - predicted / predicted_old if predicted_old > 0 else 0.0
+        margin = max(self.threshold, self.noise)
+        taken = best != old and balance.confirm_resplit(gain, margin, self._resplit_proposed)
+        self._resplit_proposed = best != old and gain > margin and not taken
+        if not taken:
+            return None
+        self.batch_sizes = best
+        self.last_change = {"step": steps, "old": old, "new": best, "predicted_old_s": predicted_old,
+                            "predicted_new_s": predicted, "gain": gain, "margin": margin,
+                            "costs": [[c.a, c.c] for c in self.costs], "noise": self.noise}
+        return self.last_change
+
+    def describe(self) -> str:
+        """One line for the log: how ``B`` is split, each rank's model and predicted time."""
+        times = [cost.time(b) for cost, b in zip(self.costs, self.batch_sizes)]
+        equal = balance.step_time(self.costs, balance.equal_split(self.batch_size, self.topology.size))
+        a = ", ".join(f"{cost.a * 1e3:.3g}" for cost in self.costs)
+        c = ", ".join(f"{cost.c * 1e3:.3g}" for cost in self.costs)
+        t = ", ".join(f"{x * 1e3:.3g}" for x in times)
+        return (f"split (measured cost t_i(b) = a_i + c_i b; a [{a}] ms, c [{c}] ms/sample): "
+                f"batch sizes {self.batch_sizes}, predicted step [{t}] ms (equal split "
+                f"{equal * 1e3:.3g} ms; kept unless {100 * max(self.threshold, self.noise):.3g} % "
+                f"faster: threshold {100 * self.threshold:g} %, measurement noise {100 * self.noise:.3g} %)")

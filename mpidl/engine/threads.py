@@ -1,0 +1,372 @@
+"""The thread policy: how many threads each process of mpidl uses, and how they wait.
+
+mpidl applies it itself, wherever it runs (the CLI, the Python API, the tests, the
+benchmarks), from one place: building a network's parameter buffer
+(:class:`mpidl.engine.params.FlatParameters`, which every training path builds before its first
+step: a named model, the GAN's two networks, a user's own network) calls :func:`apply`, which
+decides the policy once and sets the thread counts and the wait policies; later calls do
+nothing. Everything else reads what it decided (:func:`gemm_threads`, :func:`threads_per_stack`,
+:func:`one_blas_thread`), and those apply it first when a kernel runs with no network built (a
+kernel on its own, in a test or a benchmark). A user's explicit environment settings always
+win.
+
+Three thread pools share the cores: OpenBLAS's (the GEMMs), OpenMP's (Numba's
+``parallel=True`` kernels run on Numba's ``omp`` threading layer, i.e. libgomp) and mpidl's own
+Python threads (:mod:`mpidl.engine.blas`). Left at their defaults they fight: each runs one thread per
+core, and both OpenBLAS and libgomp keep their idle workers spinning after a call (OpenBLAS
+for about 0.1 s, libgomp for its ``GOMP_SPINCOUNT`` before it sleeps), so the next kernel of
+the other pool finds the cores taken. The spinning is the cost, not the counts: each pool's
+idle workers must sleep (measurements: benchmarks/results/thread_policy.md).
+
+The policy
+----------
+* ``T`` threads per process: ``OMP_NUM_THREADS`` if set, else the usable cores
+  (``sched_getaffinity``) divided by the processes on this machine, as the launcher says
+  (:func:`launcher_local_size`: ``MPI_LOCALNRANKS`` of MPICH's and Intel MPI's ``mpiexec``,
+  ``OMPI_COMM_WORLD_LOCAL_SIZE`` of Open MPI's, the step's tasks on this node of ``srun``);
+  1 when no launcher says (one process). At least 1. The launcher's count, not the
+  shared-memory communicator's size: it is known before MPI starts, without a collective, so
+  the policy is decided once, before the first kernel, whether a ``DataParallel`` is ever built.
+* OpenMP workers wait passively (``OMP_WAIT_POLICY=PASSIVE``, set by :func:`apply` unless
+  already set; libgomp reads it when Numba first starts a parallel kernel, which is later).
+* Numba's kernels run on ``T`` threads (``numba.set_num_threads``), unless
+  ``NUMBA_NUM_THREADS`` is set, which then decides.
+* BLAS runs ``T`` threads for each large product, and its idle workers sleep as soon as a call
+  ends: mpidl sets ``OPENBLAS_THREAD_TIMEOUT=4`` (unless set) and, because OpenBLAS read its
+  environment when it loaded (with NumPy, usually before mpidl), has each loaded OpenBLAS
+  re-read it and restart its pool (:func:`_openblas_workers_sleep`; the counts are set at run
+  time with ``threadpoolctl``, which finds the OpenBLAS or MKL that NumPy and SciPy loaded,
+  whatever its symbol names). Inside the Numba kernels that call BLAS from their own parallel
+  threads (convolutions, the LSTM) and for stacks of small products (attention's per-head
+  products, which :mod:`mpidl.engine.blas` shares among ``T`` Python threads), BLAS runs one thread
+  for the call (:func:`one_blas_thread`).
+* Where the workers cannot be made to sleep (MKL, an OpenMP build of OpenBLAS, an OpenBLAS
+  without those symbols), BLAS runs one thread per call and :mod:`mpidl.engine.blas` splits each
+  large product into ``T`` shares on its own Python threads: no BLAS worker exists to spin.
+  When the user sets ``OPENBLAS_NUM_THREADS`` or ``MKL_NUM_THREADS``, BLAS keeps that count and
+  mpidl does not split single products; :func:`one_blas_thread` still applies.
+
+Why BLAS's own threads rather than mpidl's split: two threads of one process calling
+a one-thread OpenBLAS each run slower than one BLAS call on two threads (the measurements are
+in benchmarks/results/thread_policy.md). Re-reading the environment and restarting the pool go
+through ``ctypes``: OpenBLAS exports both (``openblas_read_env``, ``blas_thread_shutdown_``, the latter what it
+runs itself before a ``fork``) but documents neither, so the result is checked and the
+fallback above taken when it does not hold. :func:`apply` must run when no other thread is inside
+a BLAS call (mpidl calls it before the first step).
+* Every loaded OpenBLAS (NumPy's, and SciPy's, which Numba's ``np.dot`` calls) runs one
+  multithreaded ``sgemm`` and ``dgemm`` once (:func:`_prime_openblas`), whatever ``T``: a
+  one-thread product with a long inner dimension is 2-3x slower in a process whose OpenBLAS
+  never ran a multithreaded one of that precision, and a process running one thread never
+  does (``OMP_NUM_THREADS=1``, or as many ranks as cores), nor does SciPy's OpenBLAS in any
+  process (mpidl calls it with one thread). The counts in force are not changed; where
+  the idle workers cannot be made to sleep (below), nothing is primed, as they would spin.
+* glibc's ``malloc`` keeps freed memory in the process (:func:`set_malloc_policy`, on the first
+  :func:`apply`), unless ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_`` is set. Not a thread
+  setting, but the same kind of process-wide choice that decides a step's speed, so it lives
+  here. It goes through ``ctypes`` because no library exposes ``mallopt``.
+
+:func:`describe` says what was applied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+
+__all__ = ["apply", "describe", "gemm_threads", "one_blas_thread", "threads_per_process", "threads_per_stack",
+           "set_wait_policy"]
+
+#: Environment variables naming the processes a launcher put on this machine: MPICH's (and
+#: Intel MPI's) ``mpiexec``, Open MPI's; ``SLURM_NTASKS_PER_NODE`` is Slurm's
+#: ``--ntasks-per-node`` (read after the step's own layout, :func:`slurm_step_local_size`).
+LAUNCHER_LOCAL_SIZE = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")
+SLURM_LOCAL_SIZE = "SLURM_NTASKS_PER_NODE"
+#: A user's BLAS thread count: BLAS keeps it, and mpidl does not split products.
+BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+_state: dict = {"applied": None, "gemm_threads": 1, "stack_threads": 1, "blas_threads": 1,
+               "malloc_policy": False, "blas_controller": None, "openblas_sleeps": None,
+               "openblas_primed": None}
+
+
+def set_wait_policy() -> None:
+    """``OMP_WAIT_POLICY=PASSIVE`` unless the user set it (must precede libgomp's loading)."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+#: glibc's ``mallopt`` parameters (malloc.h) and the values mpidl sets: keep freed blocks of up
+#: to 256 MiB in the heap and never trim it below 1 GiB of free top memory.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MALLOC_POLICY = {_M_MMAP_THRESHOLD: 256 << 20, _M_TRIM_THRESHOLD: 1 << 30}
+_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+
+
+def set_malloc_policy() -> bool:
+    """Make glibc's ``malloc`` keep freed array memory in the process instead of returning it to
+    the OS; returns whether the policy was set (not on another C library, or when the user set
+    either ``MALLOC_*_THRESHOLD_`` variable, which then stand).
+
+    Why: a training step allocates and frees many arrays of a few MiB (layer outputs and
+    gradients). By default glibc serves such a block with ``mmap`` and ``munmap``s it on free, or
+    trims the heap top, so the next step's array of the same size starts as fresh pages: a page
+    fault per 4 KiB on first touch, inside kernels that would otherwise run at memory speed.
+    The peak resident size does not grow: the same blocks are reused step after step.
+    """
+    if any(name in os.environ for name in _MALLOC_ENV):
+        return False
+    try:
+        import ctypes  # noqa: PLC0415
+
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (macOS, musl without mallopt)
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    _state["malloc_policy"] = all(mallopt(parameter, value) == 1 for parameter, value in _MALLOC_POLICY.items())
+    return _state["malloc_policy"]
+
+
+def _positive_int(value) -> int | None:
+    try:
+        number = int(str(value).strip().split(",")[0])
+    except (TypeError, ValueError):
+        return None
+    return number if number >= 1 else None
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def slurm_step_local_size(environ=os.environ) -> int | None:
+    """The tasks ``srun`` started on this node: entry ``SLURM_NODEID`` of
+    ``SLURM_STEP_TASKS_PER_NODE`` (e.g. ``"4(x2),3"`` = 4, 4, 3 for nodes 0, 1, 2); None
+    outside an ``srun`` step or when the two do not fit together."""
+    layout, node = environ.get("SLURM_STEP_TASKS_PER_NODE"), environ.get("SLURM_NODEID", "").strip()
+    if not layout or not node.isdigit():
+        return None
+    node = int(node)
+    counts: list[int] = []
+    for group in layout.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", group.strip())
+        if match is None:
+            return None
+        counts += [int(match[1])] * int(match[2] or 1)
+    return counts[node] if node < len(counts) and counts[node] >= 1 else None
+
+
+def launcher_local_size() -> int:
+    """Processes on this machine as the launcher's environment says (1 when it says nothing):
+    ``MPI_LOCALNRANKS``, else ``OMPI_COMM_WORLD_LOCAL_SIZE``, else :func:`slurm_step_local_size`,
+    else ``SLURM_NTASKS_PER_NODE``."""
+    for name in LAUNCHER_LOCAL_SIZE:
+        size = _positive_int(os.environ.get(name))
+        if size is not None:
+            return size
+    size = slurm_step_local_size()
+    if size is None:  # "8(x4)": 8 on each of 4 nodes
+        size = _positive_int(os.environ.get(SLURM_LOCAL_SIZE, "").partition("(")[0])
+    return size if size is not None else 1
+
+
+def threads_per_process(ranks_per_machine: int | None = None) -> int:
+    """``T``: ``OMP_NUM_THREADS`` if set, else ``max(1, cores // ranks_per_machine)``
+    (default: :func:`launcher_local_size`)."""
+    explicit = _positive_int(os.environ.get("OMP_NUM_THREADS"))
+    if explicit is not None:
+        return explicit
+    ranks = ranks_per_machine if ranks_per_machine else launcher_local_size()
+    return max(1, usable_cores() // max(1, int(ranks)))
+
+
+def apply() -> dict:
+    """Decide and apply the policy, once per process; a later call does nothing. Returns
+    :func:`describe`.
+
+    Called when a network's parameter buffer is built (:class:`mpidl.engine.params.FlatParameters`),
+    and by the readers below when a kernel runs before any network exists."""
+    if _state["applied"] is not None:
+        return describe()
+    threads = threads_per_process()
+    set_wait_policy()
+    set_malloc_policy()
+    import numba  # noqa: PLC0415 - imports NumPy; kept out of ``import mpidl``
+    from threadpoolctl import threadpool_limits  # noqa: PLC0415
+
+    if "NUMBA_NUM_THREADS" not in os.environ:
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    if _user_sets_blas_threads():
+        _state["gemm_threads"], _state["blas_threads"] = 1, None
+    else:
+        try:  # Numba's kernels load SciPy's own OpenBLAS (for np.dot in jitted code): limit it too
+            import scipy.linalg  # noqa: PLC0415,F401
+        except ImportError:
+            pass
+        if threads > 1 and _openblas_workers_sleep():
+            threadpool_limits(limits=threads, user_api="blas")
+            _state["gemm_threads"], _state["blas_threads"] = 1, threads
+        else:
+            threadpool_limits(limits=1, user_api="blas")
+            _state["gemm_threads"], _state["blas_threads"] = threads, 1
+    if _state["openblas_primed"] is None:
+        # Only where the workers the primer starts go to sleep right after (else they spin).
+        _state["openblas_primed"] = _prime_openblas() if _openblas_workers_sleep() else []
+    _state["applied"] = _state["stack_threads"] = threads
+    return describe()
+
+
+#: The product each OpenBLAS runs once on PRIME_THREADS threads (n x n times n x n, about a
+#: millisecond): large enough that OpenBLAS gives it more than one thread.
+PRIME_SIZE, PRIME_THREADS = 256, 2
+
+
+def _prime_openblas() -> list[str]:
+    """Run one ``PRIME_THREADS``-thread ``sgemm`` and ``dgemm`` on every loaded OpenBLAS, the
+    thread counts restored after; returns the libraries' file names.
+
+    Why: a one-thread product with a long inner dimension runs several times slower in a
+    process whose OpenBLAS never ran a multithreaded product of that precision, and each
+    library (NumPy's, and SciPy's behind Numba's ``np.dot``) needs its own call
+    (benchmarks/results/thread_policy.md). A library that is not OpenBLAS is left alone.
+    """
+    import numpy as np  # noqa: PLC0415
+    from threadpoolctl import threadpool_info, threadpool_limits  # noqa: PLC0415
+
+    try:
+        import scipy.linalg.blas as scipy_blas  # noqa: PLC0415 - the OpenBLAS of Numba's np.dot
+    except ImportError:
+        scipy_blas = None
+    names = [pool["filepath"].rsplit("/", 1)[-1] for pool in threadpool_info()
+             if pool.get("user_api") == "blas" and pool.get("internal_api") == "openblas"]
+    if not names:
+        return []
+    with threadpool_limits(limits=PRIME_THREADS, user_api="blas"):
+        for dtype, gemm in ((np.float32, "sgemm"), (np.float64, "dgemm")):
+            a = np.ones((PRIME_SIZE, PRIME_SIZE), dtype=dtype)
+            np.matmul(a, a)  # NumPy's OpenBLAS
+            if scipy_blas is not None:
+                getattr(scipy_blas, gemm)(1.0, a, a)  # SciPy's
+    return names
+
+
+#: OpenBLAS's ``OPENBLAS_THREAD_TIMEOUT``: its idle workers spin ``2^4`` cycles (the least it
+#: takes), then sleep until the next call. Its default, 28, spins them about 0.1 s.
+OPENBLAS_TIMEOUT = 4
+
+
+def _openblas_workers_sleep() -> bool:
+    """Make every loaded BLAS's idle workers sleep right after a call; whether that worked.
+
+    OpenBLAS reads ``OPENBLAS_THREAD_TIMEOUT`` when it loads, usually with NumPy, before mpidl
+    is imported. So the variable is set (unless the user set it), then each OpenBLAS re-reads its
+    environment (``openblas_read_env``) and stops its thread pool (``blas_thread_shutdown_``,
+    what OpenBLAS itself does before a ``fork``); its next multithreaded call starts the pool
+    again, with the timeout. Both are exported by every OpenBLAS 0.3 but are not a documented
+    interface, so the result is checked (``openblas_thread_timeout``); anything else (MKL, an
+    OpenMP build of OpenBLAS, a missing symbol) returns False and BLAS runs one thread.
+    """
+    if _state["openblas_sleeps"] is not None:
+        return _state["openblas_sleeps"]
+    import ctypes  # noqa: PLC0415
+
+    from threadpoolctl import threadpool_info  # noqa: PLC0415
+
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", str(OPENBLAS_TIMEOUT))
+    wanted = _positive_int(os.environ["OPENBLAS_THREAD_TIMEOUT"])
+    pools = [pool for pool in threadpool_info() if pool.get("user_api") == "blas"]
+    sleeps = bool(pools) and wanted is not None
+    for pool in pools:
+        if pool.get("internal_api") != "openblas" or pool.get("threading_layer") != "pthreads":
+            sleeps = False
+            break
+        try:
+            library = ctypes.CDLL(pool["filepath"])
+            read_env, shutdown, timeout = (library.openblas_read_env, library.blas_thread_shutdown_,
+                                           library.openblas_thread_timeout)
+        except (OSError, AttributeError):
+            sleeps = False
+            break
+        timeout.restype = ctypes.c_int
+        read_env()
+        shutdown()
+        sleeps = sleeps and timeout() == wanted
+    _state["openblas_sleeps"] = sleeps
+    return sleeps
+
+
+def _decided() -> dict:
+    """The policy's state, applied first if no network was built yet (a kernel on its own)."""
+    if _state["applied"] is None:
+        apply()
+    return _state
+
+
+def gemm_threads() -> int:
+    """How many Python threads :mod:`mpidl.engine.blas` splits a product between."""
+    return _decided()["gemm_threads"]
+
+
+def threads_per_stack() -> int:
+    """How many Python threads :func:`mpidl.engine.blas.batched_matmul` gives a stack of small
+    products (``T``; each product runs one BLAS thread)."""
+    return _decided()["stack_threads"]
+
+
+def _user_sets_blas_threads() -> bool:
+    return any(name in os.environ for name in BLAS_THREAD_VARIABLES)
+
+
+def one_blas_thread():
+    """A context in which BLAS runs one thread: for a Numba kernel that calls BLAS (``np.dot``)
+    from its parallel threads, where a multithreaded BLAS oversubscribes the cores and OpenBLAS,
+    called inside an OpenMP region, warns that it may hang; and for a stack of products too
+    small for BLAS's threads (:func:`mpidl.engine.blas.batched_matmul`). When BLAS already runs one
+    thread this does nothing; else every BLAS library's count is set to 1 for the context and
+    restored after (through ``threadpoolctl``'s controllers of the loaded libraries, kept from
+    the first call)."""
+    if _decided()["blas_threads"] == 1:
+        return contextlib.nullcontext()
+    if _state["blas_controller"] is None:
+        import scipy.linalg.cython_blas  # noqa: PLC0415,F401 - loads the BLAS Numba's np.dot calls
+        from threadpoolctl import ThreadpoolController  # noqa: PLC0415
+
+        _state["blas_controller"] = [lib for lib in ThreadpoolController().lib_controllers if lib.user_api == "blas"]
+    return _blas_threads(_state["blas_controller"], 1)
+
+
+@contextlib.contextmanager
+def _blas_threads(libraries, count: int):
+    before = [library.get_num_threads() for library in libraries]
+    for library in libraries:
+        library.set_num_threads(count)
+    try:
+        yield
+    finally:
+        for library, threads in zip(libraries, before):
+            library.set_num_threads(threads)
+
+
+def describe() -> dict:
+    """The thread counts in force: ``threads`` (T), ``numba``, ``gemm_threads``, ``blas``
+    (per library), ``blas_workers_sleep`` (whether OpenBLAS's idle workers sleep right after a
+    call; None until it was needed), ``omp_wait_policy``, ``openblas_primed`` (the OpenBLAS
+    libraries :func:`_prime_openblas` primed; None before :func:`apply`); and ``malloc_policy``
+    (whether :func:`set_malloc_policy` set glibc's thresholds)."""
+    from threadpoolctl import threadpool_info  # noqa: PLC0415
+
+    info: dict = {"threads": _state["applied"], "gemm_threads": _state["gemm_threads"],
+                  "blas_workers_sleep": _state["openblas_sleeps"],
+                  "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                  "malloc_policy": _state["malloc_policy"], "openblas_primed": _state["openblas_primed"]}
+    try:
+        import numba  # noqa: PLC0415
+
+        info["numba"] = numba.get_num_threads()
+    except ImportError:
+        info["numba"] = None
+    info["blas"] = {pool["filepath"].rsplit("/", 1)[-1]: pool["num_threads"]
+                    for pool in threadpool_info() if pool.get("user_api") == "blas"}
+    return info
