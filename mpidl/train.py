@@ -35,6 +35,13 @@ import sys
 
 
 def main(argv=None) -> int:
+    import os
+
+    # Open MPI 5's osc/ucx answers the query of every new one-sided window with an error line
+    # on each rank where UCX has no RMA transport (a container, TCP only), and is then not used;
+    # the only window here is the node-shared one (--intra shm), which is osc/sm's. Set before
+    # MPI starts (mpi4py initialises it on import), unless the user chose the osc components.
+    os.environ.setdefault("OMPI_MCA_osc", "^ucx")
     from mpidl.app.checkpoint import CheckpointError
     from mpidl.app.config import ConfigError, parse_config
     from mpidl.distributed import NonFiniteGradient, Topology
@@ -43,12 +50,15 @@ def main(argv=None) -> int:
                                           world)
     from mpidl.app.log import Printer
 
+    from mpidl.engine import threads
+
     rank, size = world()
     # An unexpected exception anywhere (a bug, not a bad input) must not leave ranks hanging:
     # from the first collective on (a rank lost at start-up fails it on the others).
     sys.excepthook = abort_on_uncaught_exception
-    # The rank among the ranks on this machine picks the GPU. (The thread policy is applied
-    # when the model's parameter buffer is built, for the ranks the launcher put here.)
+    # The thread policy (BLAS and Numba threads for the ranks the launcher put on this
+    # machine); the rank among the ranks on this machine picks the GPU.
+    threads.apply()
     local_rank, _ = machine_rank_and_size()
 
     # ---- set-up: every rank validates the same things, then the ranks agree
@@ -119,7 +129,7 @@ def main(argv=None) -> int:
         f"done: {end['stopped']} after {end['step']} steps in {end['time_s']:.1f} s; "
         f"test OA {100 * end['oa']:.2f}%  AA {100 * end['aa']:.2f}%  kappa {end['kappa']:.4f}"
     )
-    if trainer.dp.shrunk:
+    if getattr(trainer.dp, "shrunk", False):
         trainer.dp.leave(0)  # MPI_Finalize may wait for the lost ranks (docs/failures.md)
     return 0
 
@@ -184,16 +194,18 @@ def _build(cfg, local_rank: int = 0):
 
 
 def _print_header(printer, cfg, model, train_set, desc, trainer) -> None:
-    dp = trainer.dp
-    printer.info(f"mpidl: {dp.describe()}")
+    dp, topo = trainer.dp, trainer.dp.topology
+    printer.info(f"mpidl: {topo.size} rank(s) on {topo.num_nodes} node(s) {topo.node_sizes}; "
+                 f"{dp.exchange.describe()}; {cfg.weighting} weighting")
     printer.info(f"data: {desc}: {train_set.num_samples} train / {trainer.test_set.num_samples} test samples of "
                  f"shape {tuple(train_set.sample_shape)}, {train_set.num_classes} classes")
     printer.info(f"model: {model.name}, {model.params.size} parameters ({cfg.dtype}, {cfg.device}); "
                  f"optimizer {cfg.optimizer} lr {cfg.lr} ({cfg.schedule}); global batch {cfg.batch_size}, "
                  f"{trainer.steps_per_epoch} steps/epoch")
-    printer.info(dp.describe_split())
-    if dp.failure_note:
-        (printer.info if dp.on_failure == "shrink" else printer.warning)(dp.failure_note)
+    printer.info(dp.split.describe())
+    note = getattr(dp, "failure_note", None)
+    if note:
+        (printer.info if dp.on_failure == "shrink" else printer.warning)(note)
     if cfg.slowdown_list:
         printer.info(f"EMULATION: compute slowdown per rank {cfg.slowdown_list} "
                      f"(multiplying each compute's {cfg.emulate_clock} time)")

@@ -15,18 +15,23 @@ import re
 import sys
 from dataclasses import asdict, dataclass, field, fields
 
+from mpidl import settings
 from mpidl.engine.backend import DEVICES, DTYPES
-from mpidl.distributed import ON_NAN
-from mpidl.distributed.recovery import ON_FAILURE, check_on_failure
-from mpidl.distributed.balance import parse_speeds
-from mpidl.distributed.compress import COMPRESSIONS
-from mpidl.distributed.exchange import BUCKET_MB, OptionError, check_options
-from mpidl.distributed.hdp import check_split_fits
+from mpidl.distributed.build import BUCKET_MB, ON_FAILURE, OptionError, check_options
+from mpidl.distributed.data_parallel import ON_NAN
 from mpidl.distributed.emulation import EMULATION_CLOCKS, parse_link, parse_slowdowns
+from mpidl.distributed.extras.compress import COMPRESSIONS
+from mpidl.distributed.split import check_batch_fits
+from mpidl.distributed.split.balance import parse_speeds
 from mpidl.app.log import LEVELS
 from mpidl.engine.models import MODELS
 from mpidl.engine.optim import OPTIMIZERS, SCHEDULES
-from mpidl.app.trainer import MIN_LOCAL_BATCH, SYNC_EVERY_EPOCH
+
+#: the loop's ``min_local_batch``: the trainer handles an empty local batch (a zero gradient),
+#: so the split may be the cost model's min-max optimum and ``B < P`` fits
+MIN_LOCAL_BATCH = 0
+#: ``--sync-every epoch``: K' = the steps of one epoch (eDNNcomm's default)
+SYNC_EVERY_EPOCH = "epoch"
 
 # The allowed names are read, when a configuration is validated, from the registries of the
 # modules that own them (models.MODELS, optim.OPTIMIZERS, ...), so a new model, optimizer or
@@ -136,14 +141,7 @@ class Config:
         # then it stands for a K' larger than any sync_overlap (check_sync_every_epoch checks
         # the resolved value).
         self._check_exchange(self.sync_every if self.sync_every != SYNC_EVERY_EPOCH else sys.maxsize)
-        emulated = self.ranks_per_node is not None or bool(os.environ.get("MPIDL_RANKS_PER_NODE", "").strip())
         _choice("--on-failure", self.on_failure, ON_FAILURE)
-        try:
-            check_on_failure(self.on_failure, intra=self.intra, overlap=self.overlap, compress=self.compress,
-                             sync_overlap=self.sync_overlap, emulated_nodes=emulated)
-        except ValueError as exc:
-            raise ConfigError(f"--on-failure: {exc}".replace("on_failure='shrink'", "shrink")
-                              .replace("intra='shm'", "--intra shm")) from None
         _choice("--balance", self.balance, BALANCES)
         if self.rebalance and self.balance == "none":
             raise ConfigError("--balance none keeps the equal split, and --rebalance would re-split it "
@@ -162,10 +160,11 @@ class Config:
             _positive_int("--max-steps", self.max_steps)
         if self.ranks_per_node is not None:
             _positive_int("--ranks-per-node", self.ranks_per_node)
-        elif os.environ.get("MPIDL_RANKS_PER_NODE", "").strip():
-            env = os.environ["MPIDL_RANKS_PER_NODE"].strip()
-            if not env.isdigit() or int(env) < 1:
-                raise ConfigError(f"MPIDL_RANKS_PER_NODE must be an integer >= 1, got {env!r}")
+        else:
+            try:
+                settings.SETTINGS.ranks_per_node
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         if self.warmup_steps < 0:
             raise ConfigError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         if not (math.isfinite(self.lr) and self.lr > 0):
@@ -180,8 +179,8 @@ class Config:
             raise ConfigError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         if not self.progress_every_s > 0:
             raise ConfigError(f"--progress-every must be > 0 seconds, got {self.progress_every_s}")
-        try:  # the split's one rule (mpidl/distributed/hdp.py) with the trainer's minimum
-            check_split_fits(self.batch_size, MIN_LOCAL_BATCH, world_size)
+        try:  # the split's one rule (mpidl/distributed/split) with the trainer's minimum
+            check_batch_fits(self.batch_size, MIN_LOCAL_BATCH, world_size)
         except ValueError as exc:
             raise ConfigError(f"--batch-size: {exc}") from None
         # The list options are parsed by the distributed package's own parsers (one parser
@@ -212,13 +211,18 @@ class Config:
                 raise ConfigError(f"{exc} (--sync-every epoch is K'={steps_per_epoch} here)") from None
 
     def _check_exchange(self, sync_every: int) -> None:
-        try:  # the exchange's own rules (mpidl/distributed/exchange.py), named by their option
+        """The distributed options' own rules (:func:`mpidl.distributed.build.check_options`),
+        each error named by its option."""
+        emulated = self.ranks_per_node is not None or settings.SETTINGS.raw["MPIDL_RANKS_PER_NODE"].strip() != ""
+        try:
             check_options(strategy=self.strategy, weighting=self.weighting, sync_every=sync_every,
-                          intra=self.intra, overlap=self.overlap, bucket_mb=self.bucket_mb,
-                          compress=self.compress, sync_overlap=self.sync_overlap,
-                          host_memory=self.device == "cpu", optimizer=OPTIMIZERS.get(self.optimizer))
+                          on_nan=self.on_nan, intra=self.intra, overlap=self.overlap, bucket_mb=self.bucket_mb,
+                          compress=self.compress, sync_overlap=self.sync_overlap, on_failure=self.on_failure,
+                          host_memory=self.device == "cpu", optimizer=OPTIMIZERS.get(self.optimizer),
+                          emulated_nodes=emulated)
         except OptionError as exc:
-            raise ConfigError(f"--{exc.option.replace('_', '-')}: {exc}") from None
+            message = str(exc).replace("on_failure='shrink'", "shrink").replace("intra='shm'", "--intra shm")
+            raise ConfigError(f"--{exc.option.replace('_', '-')}: {message}") from None
 
     def to_dict(self) -> dict:
         """The user-facing options (JSON-serializable), for metrics, checkpoints and saved models."""

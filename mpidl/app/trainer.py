@@ -1,7 +1,7 @@
 """The classification loop, written on the public distributed API (:class:`DataParallel`).
 
 It knows the layers, the data and the metrics; everything that talks MPI is behind ``self.dp``.
-One global step ``t`` (DESIGN.md):
+One global step ``t`` (docs/design.md):
 
 1. The global batch of step ``t`` is ``perm_e[t*B : (t+1)*B]``, with ``perm_e`` one permutation
    of the training set per epoch, a pure function of ``(seed, epoch)``: the same samples
@@ -19,13 +19,12 @@ requests and non-finite gradients), then the test split is evaluated in shards a
 is recorded. Stops are collective by construction: ``dp.should_stop`` turns True on every
 rank after the same step.
 
-Lost ranks (``--on-failure shrink``): a :class:`~mpidl.distributed.RanksLost` from any call of
-``self.dp`` means the survivors are back at the state before global step ``dp.steps`` with the
-batch re-split over them; the loop goes on at that step's place in the epoch
-(``dp.steps - `` the epoch's first step), so the global batch is run again and the lost
-ranks' samples are computed by the survivors: none skipped, none counted twice. The learning
-rate follows ``dp.steps``; the epoch-end sync, evaluation and checkpoint run (again) on the
-survivors.
+Lost ranks (``--on-failure shrink``): an epoch is one stretch of
+:func:`~mpidl.distributed.elastic.loop.run_surviving`. When ranks are lost, the survivors are
+back at the state before some global step with the batch re-split over them, and the epoch
+runs again from that step: the survivors compute the lost ranks' samples, none skipped, none
+counted twice (each step's loss is kept by its global step). The learning rate follows
+``dp.steps``; the epoch-end sync, evaluation and checkpoint run (again) on the survivors.
 """
 
 from __future__ import annotations
@@ -39,8 +38,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mpidl.app.checkpoint import CHECKPOINT_NAME, CheckpointError, load_checkpoint, save_checkpoint, save_model
-from mpidl.distributed import DataParallel, NonFiniteGradient, RanksLost
-from mpidl.faults import ENV, InjectedFault, fault_from_environment
+from mpidl.app.config import MIN_LOCAL_BATCH, SYNC_EVERY_EPOCH
+from mpidl.distributed import NonFiniteGradient, data_parallel
+from mpidl.distributed.debug import check_replicas
+from mpidl.distributed.elastic.loop import run_surviving
 from mpidl.app.log import MetricsWriter, RankTimingLog
 from mpidl.app.metrics import classification_report, confusion_matrix
 from mpidl.app.netstat import WireCounter, per_host
@@ -51,11 +52,6 @@ from mpidl.app.outputs import cause, rescue_model
 EVAL_BATCH = 512
 #: samples the speed probe cycles through (at most the training set)
 PROBE_SAMPLES = 64
-#: the loop's ``min_local_batch``: :meth:`Trainer.compute` handles an empty local batch (a
-#: zero gradient), so the split may be the cost model's min-max optimum and ``B < P`` fits
-MIN_LOCAL_BATCH = 0
-#: ``--sync-every epoch``: K' = the steps of one epoch (eDNNcomm's default)
-SYNC_EVERY_EPOCH = "epoch"
 
 
 class OutputWriteError(RuntimeError):
@@ -99,20 +95,26 @@ def data_identity(train_set, test_set) -> dict:
 
 @dataclass
 class EpochTotals:
-    """This rank's loss and sample totals of one epoch."""
+    """This rank's loss and samples of one epoch, by global step (a step run again after lost
+    ranks replaces its entry)."""
 
-    loss_sum: float = 0.0
-    samples: int = 0
-    steps: int = 0
+    by_step: dict = field(default_factory=dict)
     start: float = field(default_factory=time.perf_counter)
-    #: the last step's (loss sum, samples), taken back when a lost rank makes it run again
-    last: tuple = (0.0, 0)
 
-    def take_back_last(self) -> None:
-        self.loss_sum -= self.last[0]
-        self.samples -= self.last[1]
-        self.steps -= 1
-        self.last = (0.0, 0)
+    def add(self, step: int, loss: float, samples: int) -> None:
+        self.by_step[step] = (loss * samples, samples)
+
+    @property
+    def loss_sum(self) -> float:
+        return sum(loss for loss, _ in self.by_step.values())
+
+    @property
+    def samples(self) -> int:
+        return sum(n for _, n in self.by_step.values())
+
+    @property
+    def steps(self) -> int:
+        return len(self.by_step)
 
 
 def epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
@@ -161,26 +163,23 @@ class Trainer:
         #: K' of the node strategy: ``--sync-every``, with ``epoch`` resolved to the steps per epoch
         self.sync_every = self.steps_per_epoch if cfg.sync_every == SYNC_EVERY_EPOCH else cfg.sync_every
         speeds = "equal" if cfg.balance == "none" else (cfg.speed_list or "auto")
-        self.dp = DataParallel(
+        self.dp = data_parallel(
             model, self.optimizer, batch_size=cfg.batch_size, topology=topology,
             strategy=cfg.strategy, sync_every=self.sync_every, weighting=cfg.weighting,
-            speeds=speeds, probe=self._probe, balance_threshold=cfg.balance_threshold,
-            min_local_batch=MIN_LOCAL_BATCH,
-            rebalance_every=cfg.rebalance_every if cfg.rebalance else None,
-            sync_optimizer_state=cfg.sync_optimizer_state,
-            on_nan=cfg.on_nan, check_replicas=cfg.check_replicas,
-            emulate_slowdown=cfg.slowdown_list or 1.0, emulate_clock=cfg.emulate_clock,
-            emulate_link=cfg.emulate_link,
-            intra=cfg.intra, overlap=cfg.overlap, bucket_mb=cfg.bucket_mb,
-            compress=cfg.compress, sync_overlap=cfg.sync_overlap, on_failure=cfg.on_failure,
+            sync_optimizer_state=cfg.sync_optimizer_state, speeds=speeds, probe=self._probe,
+            balance_threshold=cfg.balance_threshold, min_local_batch=MIN_LOCAL_BATCH,
+            rebalance_every=cfg.rebalance_every if cfg.rebalance else None, on_nan=cfg.on_nan,
+            intra=cfg.intra, overlap=cfg.overlap, bucket_mb=cfg.bucket_mb, compress=cfg.compress,
+            sync_overlap=cfg.sync_overlap, emulate_slowdown=cfg.slowdown_list or 1.0,
+            emulate_clock=cfg.emulate_clock, emulate_link=cfg.emulate_link, on_failure=cfg.on_failure,
         )
         if self._signalled:
             self.dp.request_stop()
         self.rank = self.dp.rank
         #: this rank's rank at start-up (``self.rank`` changes when ranks are lost)
         self.startup_rank = self.dp.rank
-        #: the tests' injected fault (mpidl/faults.py), or None
-        self.fault = fault_from_environment(self.dp.size)
+        #: failure records (``dp.failures``) already written to the metrics
+        self._failures_written = 0
         self.start_epoch = 0
         self.start_step_in_epoch = 0
         #: (path, message) of the first failed metrics or timing write on this rank
@@ -239,37 +238,26 @@ class Trainer:
         """One forward + backward on ``n`` training samples (for the speed probe)."""
         self.compute(np.resize(self._probe_samples, n))
 
-    def train_step(self, local: np.ndarray, totals: EpochTotals) -> None:
-        """One global step on this rank (every rank calls it for every step)."""
+    def train_step(self, local: np.ndarray) -> float:
+        """One global step on this rank (every rank calls it for every step); returns the
+        local mean loss."""
         step = self.dp.steps
-        fault = self.fault.at(self.startup_rank, step) if self.fault is not None else None
-        if fault == "kill":  # a lost rank, at a known step (--on-failure shrink)
-            os.kill(os.getpid(), signal.SIGKILL)
-        if fault == "raise":
-            raise InjectedFault(f"injected fault on rank {self.rank} at step {step} ({ENV})")
-        if fault == "term":
-            os.kill(os.getpid(), signal.SIGTERM)  # the real handler, at a known step
         self.optimizer.lr = self.schedule(step)
         loss = self.compute(local)
-        if fault == "nan":  # a poisoned local gradient, to test the collective decision
-            self.params.grad[0] = float("nan")
         try:
-            self.dp.step(len(local))
+            synced = self.dp.step(len(local))
         except NonFiniteGradient as exc:
             raise self._explain_nonfinite(exc, local) from None
+        if self.cfg.check_replicas and (self.dp.exchange.exact or synced):
+            check_replicas(self.dp)
         self.report_skips(step)
-        if self.dp.last_rebalance is not None:
-            change = self.dp.last_rebalance
+        change = self.dp.split.last_change
+        if change is not None:
             self.log(self.metrics, {"event": "rebalance", **change})
             self.printer.info(f"  rebalance after step {change['step']}: batch sizes {change['old']} -> "
                               f"{change['new']} (predicted step {1e3 * change['predicted_old_s']:.3g} -> "
                               f"{1e3 * change['predicted_new_s']:.3g} ms)")
-        totals.loss_sum += loss * len(local)
-        totals.samples += len(local)
-        totals.steps += 1
-        totals.last = (loss * len(local), len(local))
-        if self._failure_record is not None and self._failure_record["recovery_s"] is not None:
-            self._write_failure()
+        return loss
 
     def report_skips(self, step: int | None = None) -> None:
         """Rank 0 warns and records (a metrics ``skip`` event) a step skipped on its node,
@@ -302,27 +290,27 @@ class Trainer:
             "mpidl.data_tools info FILE finds them all)")
 
     # ------------------------------------------------------------------ lost ranks
-    _failure_record = None
-
-    def ranks_lost(self, lost: RanksLost) -> None:
+    def ranks_lost(self, lost) -> None:
         """After a shrink (``--on-failure shrink``): the survivors' rank 0 takes over the log
-        and the metrics, says what happened; the record goes to the metrics once the next
-        step is done (with ``recovery_s``, failure to that step)."""
-        if self._failure_record is not None:
-            self._write_failure()
+        and the metrics, and says what happened."""
         self.rank = self.dp.rank
         self.printer.rank = self.dp.rank
         if self.rank == 0 and self.metrics.file is None and self.cfg.metrics:
             self.metrics = MetricsWriter(self.cfg.metrics, 0, append=True)
         self.printer.warning(f"{lost}")
-        self._failure_record = lost.event
 
-    def _write_failure(self) -> None:
-        record, self._failure_record = self._failure_record, None
-        self.log(self.metrics, record)
-        if record["recovery_s"] is not None:
-            self.printer.info(f"  recovered: step {record['step'] + 1} done {record['recovery_s']:.3f} s "
-                              f"after the failure was seen (shrink {record['shrink_s']:.3f} s)")
+    def write_failures(self) -> None:
+        """The failure records of ``dp.failures`` not written yet (each with ``recovery_s``,
+        failure to the next completed step, once that step is done)."""
+        failures = getattr(self.dp, "failures", [])
+        for record in failures[self._failures_written:]:
+            if record.get("recovery_s") is None and record is failures[-1] and self.dp.steps <= record["step"]:
+                break  # its next step is not done yet
+            self.log(self.metrics, record)
+            self._failures_written += 1
+            if record.get("recovery_s") is not None:
+                self.printer.info(f"  recovered: step {record['step'] + 1} done {record['recovery_s']:.3f} s "
+                                  f"after the failure was seen (shrink {record['shrink_s']:.3f} s)")
 
     # ------------------------------------------------------------------ epochs
     def evaluate(self) -> dict:
@@ -355,12 +343,13 @@ class Trainer:
             "samples_per_s": samples / wall if wall > 0 else 0.0,
             "strategy": self.cfg.strategy, "weighting": self.cfg.weighting,
             "batch_sizes": list(self.dp.batch_sizes), "samples": [n for _, n in per_rank],
-            "speeds": list(self.dp.speeds),
-            "costs": [[c.a, c.c] for c in self.dp.costs], "predicted_step_s": self.dp.predicted_step_s,
+            "speeds": list(self.dp.split.speeds), "costs": [[c.a, c.c] for c in self.dp.split.costs],
+            "predicted_step_s": self.dp.split.predicted_step_s,
             "comp_s": timing["comp_s"], "comm_s": timing["comm_s"], "idle_s": timing["idle_s"],
             "comm": self.dp.counters,
             "wire": per_host(self.dp.all_gather_object(self.wire.since())),
         }
+        self.write_failures()
         self.log(self.metrics, record)
         r = self.rank
         self.log(self.timing, {"event": "epoch", "epoch": epoch + 1, "rank": r, "comp_s": timing["comp_s"][r],
@@ -490,62 +479,18 @@ class Trainer:
     # ------------------------------------------------------------------ the run
     def run(self) -> dict:
         """Train; returns the final record (also written as the metrics ``end`` event)."""
-        cfg = self.cfg
-        dp = self.dp
+        cfg, dp = self.cfg, self.dp
         t_start = time.perf_counter()
-        stopped = "completed"
-        last = None
-        epoch = self.start_epoch
+        stopped, last, epoch = "completed", None, self.start_epoch
         for epoch in range(self.start_epoch, cfg.epochs):
-            perm = epoch_permutation(cfg.seed, epoch, self.train_set.num_samples)
-            self.train_set.set_epoch(epoch)  # augmentation draws are a function of (seed, epoch, index)
+            first = self.start_step_in_epoch if epoch == self.start_epoch else 0
+            epoch_first_step = dp.steps - first  # the global step of this epoch's first batch
+            totals = EpochTotals()
             dp.reset_counters()  # the metrics report traffic and time per epoch
             self.wire = WireCounter()  # and the kernel's bytes on the wire (mpidl/app/netstat.py)
-            totals = EpochTotals()
-            first = self.start_step_in_epoch if epoch == self.start_epoch else 0
-            last_print = time.perf_counter()
-            epoch_first_step = dp.steps - first  # the global step of this epoch's first batch
-            totals_first = first
-            while True:  # once, or again from dp.steps after ranks were lost (--on-failure shrink)
-                try:
-                    step_in_epoch = first
-                    for step_in_epoch in range(first, self.steps_per_epoch):
-                        if dp.steps >= self.total_steps:
-                            stopped = "max_steps"
-                            break
-                        batch = perm[step_in_epoch * cfg.batch_size:(step_in_epoch + 1) * cfg.batch_size]
-                        self.train_step(dp.local_indices(batch), totals)
-                        if dp.should_stop:
-                            stopped = "signal"
-                            step_in_epoch += 1
-                            break
-                        if time.perf_counter() - last_print > cfg.progress_every_s:
-                            last_print = time.perf_counter()
-                            self.printer.info(f"  epoch {epoch + 1} step {step_in_epoch + 1}/{self.steps_per_epoch}")
-                    else:
-                        step_in_epoch = self.steps_per_epoch
-                    finished_epoch = step_in_epoch >= self.steps_per_epoch
-                    epochs_done = epoch + 1 if finished_epoch else epoch
-                    saved = bool(cfg.checkpoint) and stopped != "completed" and not finished_epoch
-                    if saved:
-                        self.save_checkpoint(epochs_done, step_in_epoch)
-                    dp.sync()  # replicas identical for evaluation; pending stops and NaNs agreed
-                    self.report_skips()
-                    if stopped == "completed" and dp.should_stop:
-                        stopped = "signal"
-                    if totals.steps:  # the same on every rank: they step together
-                        last = self.end_epoch(epoch, totals)
-                    if cfg.checkpoint and not saved and (
-                            stopped != "completed" or epochs_done % cfg.checkpoint_every == 0 or epochs_done == cfg.epochs):
-                        self.save_checkpoint(epochs_done, 0)
-                    break
-                except RanksLost as lost:
-                    if lost.step < epoch_first_step:
-                        raise
-                    self.ranks_lost(lost)
-                    if totals.steps > dp.steps - epoch_first_step - totals_first:
-                        totals.take_back_last()
-                    first = dp.steps - epoch_first_step
+            stopped, record = run_surviving(
+                dp, lambda step: self.run_epoch(epoch, step - epoch_first_step, totals), self.ranks_lost)
+            last = record or last
             if stopped != "completed":
                 break
         if last is None:
@@ -553,17 +498,55 @@ class Trainer:
         if cfg.save:
             self._agreed_write(lambda: save_model(cfg.save, self.model) if self.rank == 0 else None,
                                cfg.save, "the final model")
-        end = {
-            "event": "end", "epochs": last.get("epoch", epoch), "step": dp.steps,
-            "oa": last["oa"], "aa": last["aa"], "kappa": last["kappa"],
-            "time_s": time.perf_counter() - t_start, "stopped": stopped,
-        }
-        if self._failure_record is not None:
-            self._write_failure()
-        end["failures"] = len(dp.failures)
+        end = {"event": "end", "epochs": last.get("epoch", epoch), "step": dp.steps, "oa": last["oa"],
+               "aa": last["aa"], "kappa": last["kappa"], "time_s": time.perf_counter() - t_start,
+               "stopped": stopped}
+        self.write_failures()
+        end["failures"] = len(getattr(dp, "failures", []))
         self.log(self.metrics, end)
         self.stop_on_log_failure()
         self.metrics.close()
         self.timing.close()
-        dp.close()  # frees the node-shared window (intra='shm'); the model stays usable
+        dp.close()  # frees what the exchange holds (the node-shared window); the model stays usable
         return end
+
+    def run_epoch(self, epoch: int, first: int, totals: EpochTotals) -> tuple[str, dict | None]:
+        """Steps ``first ..`` of ``epoch``, then the epoch-end sync, evaluation and checkpoint
+        (collective); returns why it stopped ("completed", "signal", "max_steps") and the epoch
+        record (None when no step was run)."""
+        cfg, dp = self.cfg, self.dp
+        perm = epoch_permutation(cfg.seed, epoch, self.train_set.num_samples)
+        self.train_set.set_epoch(epoch)  # augmentation draws are a function of (seed, epoch, index)
+        stopped, last_print = "completed", time.perf_counter()
+        step_in_epoch = first
+        for step_in_epoch in range(first, self.steps_per_epoch):
+            if dp.steps >= self.total_steps:
+                stopped = "max_steps"
+                break
+            batch = perm[step_in_epoch * cfg.batch_size:(step_in_epoch + 1) * cfg.batch_size]
+            local = dp.local_indices(batch)
+            step = dp.steps
+            totals.add(step, self.train_step(local), len(local))
+            if dp.should_stop:
+                stopped = "signal"
+                step_in_epoch += 1
+                break
+            if time.perf_counter() - last_print > cfg.progress_every_s:
+                last_print = time.perf_counter()
+                self.printer.info(f"  epoch {epoch + 1} step {step_in_epoch + 1}/{self.steps_per_epoch}")
+        else:
+            step_in_epoch = self.steps_per_epoch
+        finished = step_in_epoch >= self.steps_per_epoch
+        epochs_done = epoch + 1 if finished else epoch
+        saved = bool(cfg.checkpoint) and stopped != "completed" and not finished
+        if saved:
+            self.save_checkpoint(epochs_done, step_in_epoch)
+        dp.sync()  # replicas identical for evaluation; pending stops and NaNs agreed
+        self.report_skips()
+        if stopped == "completed" and dp.should_stop:
+            stopped = "signal"
+        record = self.end_epoch(epoch, totals) if totals.steps else None  # alike: the ranks step together
+        if cfg.checkpoint and not saved and (
+                stopped != "completed" or epochs_done % cfg.checkpoint_every == 0 or epochs_done == cfg.epochs):
+            self.save_checkpoint(epochs_done, 0)
+        return stopped, record

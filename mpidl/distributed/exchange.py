@@ -78,6 +78,7 @@ class Exchange:
         self.topology = topology
         self.traffic = Traffic()
         self._wrap = wrap
+        self._wrapped: list = []
         self.control = Channel("control", topology.world, self.traffic)
         self.stages: list[Stage] = []
 
@@ -86,7 +87,12 @@ class Exchange:
         channel -> channel given at construction: compression, an EMULATED link), which the
         strategies never need to know about."""
         channel = Channel(level, comm, self.traffic)
-        return self._wrap(channel) if self._wrap is not None else channel
+        if self._wrap is not None:
+            wrapped = self._wrap(channel)
+            if wrapped is not channel:
+                self._wrapped.append(wrapped)
+            channel = wrapped
+        return channel
 
     @property
     def group_size(self) -> int:
@@ -94,7 +100,9 @@ class Exchange:
         return self.topology.size
 
     def describe(self) -> str:
-        return f"strategy {self.name}"
+        """The strategy, and what its channels were wrapped in, for the log."""
+        extras = dict.fromkeys(w.describe() for w in self._wrapped if w.size > 1)
+        return "; ".join([f"strategy {self.name}", *extras])
 
     # ------------------------------------------------------------------ the interface
     def reduce(self, message) -> bool:

@@ -70,7 +70,7 @@ class Node(Exchange):
         return self.topology.local_size
 
     def describe(self) -> str:
-        return f"strategy node (K'={self.sync_every})"
+        return super().describe().replace("strategy node", f"strategy node (K'={self.sync_every})", 1)
 
     def reduce(self, message) -> bool:
         finite = super().reduce(message)

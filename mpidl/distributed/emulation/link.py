@@ -94,6 +94,9 @@ class EmulatedLink:
     def __getattr__(self, name):  # level, comm, traffic, size, is_root, communicators
         return getattr(self.channel, name)
 
+    def describe(self) -> str:
+        return self.link.describe()
+
     def _sleep(self, seconds: float) -> None:
         if seconds > 0 and self.channel.size > 1:
             time.sleep(seconds)
