@@ -1,7 +1,8 @@
-"""Fault injection for the tests: not a user option.
+"""Fault injection for the tests (the product knows nothing of it).
 
-``MPIDL_INJECT_FAULT=RANK:STEP[:KIND]`` in the environment of ``python -m mpidl.train`` makes
-rank ``RANK``, at global step ``STEP``, raise :class:`InjectedFault` (``raise``, the default),
+``MPIDL_INJECT_FAULT=RANK:STEP[:KIND]`` in the environment of ``python tests/faulty_train.py``
+(the command line of ``python -m mpidl.train`` with :func:`inject` applied) makes rank
+``RANK``, at global step ``STEP``, raise :class:`InjectedFault` (``raise``, the default),
 put NaN into its local gradient (``nan``: the collective non-finite decision), send itself
 SIGTERM (``term``: the real signal handler at a known step), or SIGKILL (``kill``: a lost
 rank, for ``--on-failure shrink``).
@@ -13,12 +14,13 @@ failure on one rank ends, or stops, every rank alike.
 from __future__ import annotations
 
 import os
+import signal
 from dataclasses import dataclass
 
 ENV = "MPIDL_INJECT_FAULT"
 KINDS = ("raise", "nan", "term", "kill")
 
-__all__ = ["ENV", "KINDS", "Fault", "InjectedFault", "parse_fault", "fault_from_environment"]
+__all__ = ["ENV", "KINDS", "Fault", "InjectedFault", "parse_fault", "fault_from_environment", "inject"]
 
 
 class InjectedFault(RuntimeError):
@@ -67,3 +69,38 @@ def fault_from_environment(world_size: int) -> Fault | Faults | None:
         return None
     faults = [parse_fault(part.strip(), world_size) for part in text.split(",")]
     return faults[0] if len(faults) == 1 else Faults(tuple(faults))
+
+
+def inject(trainer_class, faults) -> None:
+    """Make ``trainer_class.train_step`` inject ``faults`` (a :class:`Fault`, :class:`Faults` or
+    None) on the rank it names (its rank at start-up) before the step ``dp.steps``: ``kill``
+    SIGKILLs the process, ``raise`` raises :class:`InjectedFault`, ``term`` sends it SIGTERM
+    (the real handler), ``nan`` poisons its local gradient after the backward."""
+    if faults is None:
+        return
+    step_once = trainer_class.train_step
+    compute = trainer_class.compute
+
+    def train_step(self, local):
+        kind = faults.at(self.startup_rank, self.dp.steps)
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if kind == "raise":
+            raise InjectedFault(f"injected fault on rank {self.rank} at step {self.dp.steps} ({ENV})")
+        if kind == "term":
+            os.kill(os.getpid(), signal.SIGTERM)
+        if kind != "nan":
+            return step_once(self, local)
+
+        def poisoned(self_, indices):
+            loss = compute(self_, indices)
+            self_.params.grad[0] = float("nan")
+            return loss
+
+        self.compute = poisoned.__get__(self)
+        try:
+            return step_once(self, local)
+        finally:
+            del self.compute
+
+    trainer_class.train_step = train_step
