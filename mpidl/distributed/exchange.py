@@ -20,6 +20,7 @@ so one process computes bit for bit what a plain loop computes.
 The interface (one instance per topology and options; every call collective)::
 
     reduce(message)                        -> finite?      every step, after backward
+                                                           (the stages, then reduced())
     after_step(steps, params, state, flags) -> flags | None after the optimizer: node's K' sync
     synchronize(params, state, flags)      -> flags        make every replica identical now
     state() / load_state(dict)                             what a checkpoint or a rollback keeps
@@ -109,13 +110,19 @@ class Exchange:
         """The weighted SUM of the step group, in place (see the module docstring); returns
         whether the reduced gradient is finite, the same answer on every rank of the group."""
         check_message(message)
-        grad = message[:COUNT]
         if self.group_size > 1:
             weight = float(message[COUNT])
             if weight != 1:
-                grad *= weight
+                message[:COUNT] *= weight
             for stage in self.stages:
                 stage.channel.run(stage.op, message)
+        return self.reduced(message)
+
+    def reduced(self, message) -> bool:
+        """After the SUM (the stages, blocking or bucket by bucket): divide by the summed
+        weight; returns whether the gradient is finite. A group of one rank divides nothing."""
+        grad = message[:COUNT]
+        if self.group_size > 1:
             total = float(message[COUNT])
             if total == 0 and self.exact:
                 raise ValueError("no rank computed a sample this step (every count was 0)")

@@ -72,10 +72,9 @@ class Node(Exchange):
     def describe(self) -> str:
         return super().describe().replace("strategy node", f"strategy node (K'={self.sync_every})", 1)
 
-    def reduce(self, message) -> bool:
-        finite = super().reduce(message)
+    def reduced(self, message) -> bool:
         self.weight_since_sync += float(message[COUNT])
-        return finite
+        return super().reduced(message)
 
     def after_step(self, steps, params_data, state_buffers, flags):
         self.steps_since_sync += 1
