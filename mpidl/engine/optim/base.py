@@ -76,6 +76,31 @@ def _check_betas(betas) -> tuple[float, float]:
 
 
 # --------------------------------------------------------------------------------------
+# the moving averages every rule is written with (in place, no temporary of their own)
+# --------------------------------------------------------------------------------------
+
+
+def ema_(avg, x, beta: float) -> None:
+    """``avg <- beta * avg + (1 - beta) * x`` in place: an exponential moving average.
+
+    Applied as ``avg <- x + beta * (avg - x)``, the same value up to the last bit, with no
+    temporary, so ``x`` may occupy the scratch buffer; ``x`` is only read.
+    """
+    avg -= x
+    avg *= beta
+    avg += x
+
+
+def ema_square_(avg, x, beta: float, tmp) -> None:
+    """``avg <- beta * avg + (1 - beta) * x^2`` in place; ``tmp`` (overwritten; it may be ``x``
+    itself, when ``x`` is not needed afterwards) holds ``(1 - beta) * x^2``."""
+    get_array_module(x).multiply(x, x, out=tmp)
+    tmp *= 1.0 - beta
+    avg *= beta
+    avg += tmp
+
+
+# --------------------------------------------------------------------------------------
 # the base class, and the Adam family's constructor
 # --------------------------------------------------------------------------------------
 

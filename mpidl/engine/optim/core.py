@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from mpidl.engine.backend import get_array_module
-from mpidl.engine.optim.base import MomentEstimates, Optimizer, _check_number
+from mpidl.engine.optim.base import MomentEstimates, Optimizer, _check_number, ema_, ema_square_
 
 
 class SGD(Optimizer):
@@ -137,16 +137,9 @@ class Adam(MomentEstimates):
             g = self._l2_gradient(p, grad, scratch, self.weight_decay)  # grad, or scratch
 
         m, v = self.exp_avg, self.exp_avg_sq
-        # m = beta1*m + (1-beta1)*g, written as m = g + beta1*(m - g): the same value, but it
-        # needs no temporary while g may itself occupy the scratch buffer.
-        m -= g
-        m *= beta1
-        m += g
+        ema_(m, g, beta1)
         # g is not needed after this point, so the scratch buffer can hold (1-beta2)*g^2.
-        xp.multiply(g, g, out=scratch)
-        scratch *= 1.0 - beta2
-        v *= beta2
-        v += scratch
+        ema_square_(v, g, beta2, scratch)
 
         bias_correction1 = 1.0 - beta1 ** t
         bias_correction2 = 1.0 - beta2 ** t

@@ -8,7 +8,7 @@ import math
 from typing import Any
 
 from mpidl.engine.backend import get_array_module
-from mpidl.engine.optim.base import MomentEstimates, Optimizer, _check_number
+from mpidl.engine.optim.base import MomentEstimates, Optimizer, _check_number, ema_, ema_square_
 
 
 class RMSprop(Optimizer):
@@ -69,15 +69,10 @@ class RMSprop(Optimizer):
         xp = get_array_module(p)
         g = self._l2_gradient(p, grad, self._scratch2, self.weight_decay)  # grad, or scratch2
         alpha, v = self.alpha, self.square_avg
-        xp.multiply(g, g, out=scratch)
-        scratch *= 1.0 - alpha
-        v *= alpha
-        v += scratch
+        ema_square_(v, g, alpha, scratch)        # v
         if self.centered:
             gbar = self.grad_avg
-            gbar -= g                # gbar = g + alpha * (gbar - g), no temporary
-            gbar *= alpha
-            gbar += g
+            ema_(gbar, g, alpha)                 # gbar
             xp.multiply(gbar, gbar, out=scratch)
             xp.subtract(v, scratch, out=scratch)
             xp.sqrt(scratch, out=scratch)
@@ -211,13 +206,8 @@ class RAdam(MomentEstimates):
         t = self.step_count
         g = self._l2_gradient(p, grad, scratch, self.weight_decay)
         m, v = self.exp_avg, self.exp_avg_sq
-        m -= g
-        m *= beta1
-        m += g
-        xp.multiply(g, g, out=scratch)   # g is not needed after this point
-        scratch *= 1.0 - beta2
-        v *= beta2
-        v += scratch
+        ema_(m, g, beta1)
+        ema_square_(v, g, beta2, scratch)   # g is not needed after this point
         bias_correction1 = 1.0 - beta1 ** t
         rect = self.rectification(t)
         if rect is None:
@@ -297,13 +287,8 @@ class NAdam(MomentEstimates):
         else:
             xp.copyto(g, grad)
         m, v = self.exp_avg, self.exp_avg_sq
-        m -= g
-        m *= beta1
-        m += g
-        xp.multiply(g, g, out=scratch)
-        scratch *= 1.0 - beta2
-        v *= beta2
-        v += scratch
+        ema_(m, g, beta1)
+        ema_square_(v, g, beta2, scratch)
         mu, mu_next = self.mu(t), self.mu(t + 1)
         product = self.mu_product(t)
         xp.sqrt(v, out=scratch)
@@ -363,9 +348,7 @@ class Adamax(MomentEstimates):
         beta1, beta2 = self.betas
         g = self._l2_gradient(p, grad, scratch, self.weight_decay)
         m, u = self.exp_avg, self.exp_inf
-        m -= g
-        m *= beta1
-        m += g
+        ema_(m, g, beta1)
         xp.abs(g, out=scratch)           # g is not needed after this point
         scratch += self.eps
         u *= beta2
@@ -424,20 +407,14 @@ class Adadelta(Optimizer):
         rho, v, a = self.rho, self.square_avg, self.acc_delta
         g = self._l2_gradient(p, grad, scratch, self.weight_decay)   # grad, or scratch
         dx = self._scratch2
-        xp.multiply(g, g, out=dx)
-        dx *= 1.0 - rho
-        v *= rho
-        v += dx
+        ema_square_(v, g, rho, dx)            # v
         xp.add(a, self.eps, out=dx)
         xp.sqrt(dx, out=dx)
         dx *= g                               # g (maybe in scratch) is last read here
         xp.add(v, self.eps, out=scratch)
         xp.sqrt(scratch, out=scratch)
         dx /= scratch                         # dx
-        xp.multiply(dx, dx, out=scratch)
-        scratch *= 1.0 - rho
-        a *= rho
-        a += scratch
+        ema_square_(a, dx, rho, scratch)      # a
         dx *= self.lr
         p -= dx
 
@@ -493,13 +470,8 @@ class LAMB(MomentEstimates):
         beta1, beta2 = self.betas
         t = self.step_count
         m, v = self.exp_avg, self.exp_avg_sq
-        m -= grad
-        m *= beta1
-        m += grad
-        xp.multiply(grad, grad, out=scratch)
-        scratch *= 1.0 - beta2
-        v *= beta2
-        v += scratch
+        ema_(m, grad, beta1)
+        ema_square_(v, grad, beta2, scratch)
         xp.sqrt(v, out=scratch)
         scratch /= math.sqrt(1.0 - beta2 ** t)
         scratch += self.eps
