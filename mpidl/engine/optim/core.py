@@ -34,6 +34,11 @@ class SGD(Optimizer):
         d   = g + mu * b_t    if nesterov
               b_t             otherwise              (d = g when mu = 0)
         p  <- p - lr * d
+
+    ``_update`` is these lines, in place: ``g`` is ``grad`` itself or formed in the scratch
+    buffer, and Nesterov's ``lr * d`` is subtracted a term at a time, so no second temporary
+    is needed. With dampening, ``(1 - tau) g`` may overwrite ``g`` in the scratch buffer: only
+    Nesterov reads ``g`` again, and it needs ``tau = 0``.
     """
 
     name = "sgd"
@@ -56,35 +61,22 @@ class SGD(Optimizer):
 
     def _update(self, p, grad, scratch) -> None:
         xp = get_array_module(p)
-        g = self._l2_gradient(p, grad, scratch, self.weight_decay)  # grad, or scratch
-        if self.momentum == 0:
-            xp.multiply(g, self.lr, out=scratch)
-            p -= scratch
+        lr, mu, tau = self.lr, self.momentum, self.dampening
+        g = self._l2_gradient(p, grad, scratch, self.weight_decay)  # g = grad + lambda p
+        if mu == 0:
+            p -= xp.multiply(g, lr, out=scratch)                    # p <- p - lr g
             return
-
-        buf = self.momentum_buffer
+        b = self.momentum_buffer
         if self.step_count == 1:
-            xp.copyto(buf, g)
+            xp.copyto(b, g)                                         # b_1 = g
+        else:                                                       # b_t = mu b_{t-1} + (1 - tau) g
+            b *= mu
+            b += g if tau == 0 else xp.multiply(g, 1.0 - tau, out=scratch)
+        if self.nesterov:                                           # p <- p - lr (g + mu b_t)
+            p -= xp.multiply(g, lr, out=scratch)
+            p -= xp.multiply(b, lr * mu, out=scratch)
         else:
-            buf *= self.momentum
-            if self.dampening != 0:
-                # Overwriting g (possibly scratch itself) is safe: Nesterov, the only rule
-                # that reads g again below, is refused with dampening.
-                xp.multiply(g, 1.0 - self.dampening, out=scratch)
-                buf += scratch
-            else:
-                buf += g
-
-        if self.nesterov:
-            # d = g + mu * b needs g and b side by side, i.e. a second temporary; applying the
-            # two terms one after the other gives the same p with no extra buffer.
-            xp.multiply(g, self.lr, out=scratch)
-            p -= scratch
-            xp.multiply(buf, self.lr * self.momentum, out=scratch)
-            p -= scratch
-        else:
-            xp.multiply(buf, self.lr, out=scratch)
-            p -= scratch
+            p -= xp.multiply(b, lr, out=scratch)                    # p <- p - lr b_t
 
     def __repr__(self) -> str:
         return (f"SGD(lr={self.lr:g}, momentum={self.momentum:g}, dampening={self.dampening:g}, "
@@ -113,7 +105,9 @@ class Adam(MomentEstimates):
         p  <- p - lr / (1 - beta1^t) * m_t / (sqrt(v_t) / sqrt(1 - beta2^t) + eps)
 
     The factors ``1 - beta^t`` undo the bias of the zero-initialised moments (at t = 1,
-    ``m_1 / (1 - beta1) = g`` exactly).
+    ``m_1 / (1 - beta1) = g`` exactly). ``_update`` is these lines, in place: ``g``, then
+    ``(1 - beta2) g^2``, then the denominator ``d`` and the step take turns in the one scratch
+    buffer.
     """
 
     name = "adam"
@@ -127,28 +121,22 @@ class Adam(MomentEstimates):
 
     def _update(self, p, grad, scratch) -> None:
         xp = get_array_module(p)
-        beta1, beta2 = self.betas
-        t = self.step_count
-        if self.decoupled_weight_decay:
-            if self.weight_decay != 0:
-                p *= 1.0 - self.lr * self.weight_decay
-            g = grad
-        else:
-            g = self._l2_gradient(p, grad, scratch, self.weight_decay)  # grad, or scratch
-
+        (beta1, beta2), t, lr = self.betas, self.step_count, self.lr
         m, v = self.exp_avg, self.exp_avg_sq
-        ema_(m, g, beta1)
-        # g is not needed after this point, so the scratch buffer can hold (1-beta2)*g^2.
-        ema_square_(v, g, beta2, scratch)
-
-        bias_correction1 = 1.0 - beta1 ** t
-        bias_correction2 = 1.0 - beta2 ** t
-        xp.sqrt(v, out=scratch)
-        scratch /= math.sqrt(bias_correction2)
-        scratch += self.eps                      # denominator
-        xp.divide(m, scratch, out=scratch)
-        scratch *= self.lr / bias_correction1
-        p -= scratch
+        if self.decoupled_weight_decay:                   # AdamW: p <- p - lr lambda p, g = grad
+            if self.weight_decay != 0:
+                p *= 1.0 - lr * self.weight_decay
+            g = grad
+        else:                                             # Adam: g = grad + lambda p
+            g = self._l2_gradient(p, grad, scratch, self.weight_decay)
+        ema_(m, g, beta1)                                 # m_t = beta1 m_{t-1} + (1 - beta1) g
+        ema_square_(v, g, beta2, scratch)                 # v_t = beta2 v_{t-1} + (1 - beta2) g^2
+        d = xp.sqrt(v, out=scratch)                       # d = sqrt(v_t) / sqrt(1 - beta2^t) + eps
+        d /= math.sqrt(1.0 - beta2 ** t)
+        d += self.eps
+        step = xp.divide(m, d, out=scratch)               # p <- p - lr / (1 - beta1^t) * m_t / d
+        step *= lr / (1.0 - beta1 ** t)
+        p -= step
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(lr={self.lr:g}, betas=({self.betas[0]:g}, {self.betas[1]:g}), "
