@@ -1,15 +1,17 @@
-"""The optimizer base class on the model's flat buffers, the Adam family's shared constructor,
-and the argument checks every optimizer and schedule uses.
+"""The optimizer base class on the model's flat buffers, and what the rules share: the
+argument checks (the schedules use them too), the in-place moving averages and the Adam
+family's constructor.
 
 :class:`Optimizer` owns what every rule shares: the flat buffers ``params.data`` /
 ``params.grad`` (P,), the learning rate ``lr``, the step count ``t``, the one scratch buffer,
-and the state as named flat buffers (:meth:`~Optimizer.named_state`,
-:meth:`~Optimizer.state_buffers`, the host state dict). A rule adds its state buffers in
-``__init__`` and its update in ``_update``.
+the state as named flat buffers (:meth:`~Optimizer.named_state`,
+:meth:`~Optimizer.state_buffers`, the host state dict) and one ``repr``. A rule adds its
+state buffers in ``__init__`` and its update in ``_update``.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
@@ -105,6 +107,16 @@ def ema_square_(avg, x, beta: float, tmp) -> None:
 # --------------------------------------------------------------------------------------
 
 
+def _format(value: Any) -> str:
+    """A hyperparameter as :meth:`Optimizer.__repr__` shows it: a number as ``:g``, a pair as
+    ``(a, b)``, a flag as ``True`` / ``False``."""
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, tuple):
+        return "(" + ", ".join(_format(v) for v in value) + ")"
+    return f"{value:g}"
+
+
 class Optimizer:
     """Base class: the flat buffers, the learning rate, the step count and the state.
 
@@ -118,7 +130,8 @@ class Optimizer:
         does so before each step); it must then be >= 0.
 
     Subclasses set ``name``, allocate their state buffers in ``__init__`` and implement
-    :meth:`_update` and :meth:`named_state`.
+    :meth:`_update` and :meth:`named_state`. They keep each constructor argument in the
+    attribute of the same name, which is what :meth:`__repr__` shows.
     """
 
     name: str = "optimizer"
@@ -171,6 +184,13 @@ class Optimizer:
         xp.multiply(p, weight_decay, out=scratch)
         scratch += grad
         return scratch
+
+    def __repr__(self) -> str:
+        """``Name(lr=..., ...)``: the constructor's arguments after ``params``, in their order,
+        read back from the attributes of the same names (numbers as ``:g``)."""
+        names = list(inspect.signature(type(self).__init__).parameters)[2:]  # after self, params
+        arguments = ", ".join(f"{name}={_format(getattr(self, name))}" for name in names)
+        return f"{type(self).__name__}({arguments})"
 
     # -- state --------------------------------------------------------------------------
 

@@ -78,10 +78,6 @@ class SGD(Optimizer):
         else:
             p -= xp.multiply(b, lr, out=scratch)                    # p <- p - lr b_t
 
-    def __repr__(self) -> str:
-        return (f"SGD(lr={self.lr:g}, momentum={self.momentum:g}, dampening={self.dampening:g}, "
-                f"nesterov={self.nesterov}, weight_decay={self.weight_decay:g})")
-
 
 class Adam(MomentEstimates):
     """Adam with bias correction and L2 weight decay added to the gradient, with the
@@ -137,10 +133,6 @@ class Adam(MomentEstimates):
         step = xp.divide(m, d, out=scratch)               # p <- p - lr / (1 - beta1^t) * m_t / d
         step *= lr / (1.0 - beta1 ** t)
         p -= step
-
-    def __repr__(self) -> str:
-        return (f"{type(self).__name__}(lr={self.lr:g}, betas=({self.betas[0]:g}, {self.betas[1]:g}), "
-                f"eps={self.eps:g}, weight_decay={self.weight_decay:g})")
 
 
 class AdamW(Adam):

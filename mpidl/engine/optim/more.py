@@ -89,10 +89,6 @@ class RMSprop(Optimizer):
             scratch *= self.lr
         p -= scratch
 
-    def __repr__(self) -> str:
-        return (f"RMSprop(lr={self.lr:g}, alpha={self.alpha:g}, eps={self.eps:g}, "
-                f"weight_decay={self.weight_decay:g}, momentum={self.momentum:g}, centered={self.centered})")
-
 
 class Adagrad(Optimizer):
     """Adagrad (Duchi et al., 2011), with the semantics of ``torch.optim.Adagrad``.
@@ -147,10 +143,6 @@ class Adagrad(Optimizer):
         xp.divide(g, scratch, out=scratch)
         scratch *= clr
         p -= scratch
-
-    def __repr__(self) -> str:
-        return (f"Adagrad(lr={self.lr:g}, lr_decay={self.lr_decay:g}, weight_decay={self.weight_decay:g}, "
-                f"initial_accumulator_value={self.initial_accumulator_value:g}, eps={self.eps:g})")
 
 
 class RAdam(MomentEstimates):
@@ -218,10 +210,6 @@ class RAdam(MomentEstimates):
             xp.divide(m, scratch, out=scratch)
             scratch *= self.lr * rect * math.sqrt(1.0 - beta2 ** t) / bias_correction1
         p -= scratch
-
-    def __repr__(self) -> str:
-        return (f"RAdam(lr={self.lr:g}, betas=({self.betas[0]:g}, {self.betas[1]:g}), "
-                f"eps={self.eps:g}, weight_decay={self.weight_decay:g})")
 
 
 class NAdam(MomentEstimates):
@@ -307,10 +295,6 @@ class NAdam(MomentEstimates):
             g *= c1
         p -= g
 
-    def __repr__(self) -> str:
-        return (f"NAdam(lr={self.lr:g}, betas=({self.betas[0]:g}, {self.betas[1]:g}), eps={self.eps:g}, "
-                f"weight_decay={self.weight_decay:g}, momentum_decay={self.momentum_decay:g})")
-
 
 class Adamax(MomentEstimates):
     """Adamax, Adam with the infinity norm (Kingma & Ba, 2015, section 7.1), with the
@@ -356,10 +340,6 @@ class Adamax(MomentEstimates):
         xp.divide(m, u, out=scratch)
         scratch *= self.lr / (1.0 - beta1 ** self.step_count)
         p -= scratch
-
-    def __repr__(self) -> str:
-        return (f"Adamax(lr={self.lr:g}, betas=({self.betas[0]:g}, {self.betas[1]:g}), "
-                f"eps={self.eps:g}, weight_decay={self.weight_decay:g})")
 
 
 class Adadelta(Optimizer):
@@ -417,10 +397,6 @@ class Adadelta(Optimizer):
         ema_square_(a, dx, rho, scratch)      # a
         dx *= self.lr
         p -= dx
-
-    def __repr__(self) -> str:
-        return (f"Adadelta(lr={self.lr:g}, rho={self.rho:g}, eps={self.eps:g}, "
-                f"weight_decay={self.weight_decay:g})")
 
 
 class LAMB(MomentEstimates):
@@ -492,7 +468,3 @@ class LAMB(MomentEstimates):
                 w *= 1.0 - step * wd
             a *= step
             w -= a
-
-    def __repr__(self) -> str:
-        return (f"LAMB(lr={self.lr:g}, betas=({self.betas[0]:g}, {self.betas[1]:g}), "
-                f"eps={self.eps:g}, weight_decay={self.weight_decay:g})")
