@@ -10,7 +10,8 @@ buffers of the same size, which a reducer can average with one collective each
 The package, in reading order:
 
 * :mod:`~mpidl.engine.optim.base`: :class:`Optimizer` (the buffers, ``lr``, the step count,
-  the state), the Adam family's shared constructor and the argument checks;
+  the state, the one ``repr``), the in-place moving averages the rules are written with,
+  :class:`MomentEstimates` (the Adam family's constructor) and the argument checks;
 * :mod:`~mpidl.engine.optim.core`: SGD, Adam and AdamW;
 * :mod:`~mpidl.engine.optim.more`: RMSprop, Adagrad, RAdam, NAdam, Adamax, Adadelta, LAMB;
 * :mod:`~mpidl.engine.optim.schedules`: the learning-rate schedules;
@@ -26,8 +27,9 @@ consequences of having a single scratch buffer are visible in the code:
 * the weight-decayed gradient ``g = grad + wd * p`` is formed in the scratch buffer, never in
   ``params.grad``, so the reduced gradient stays inspectable after the step;
 * a few updates are written in an algebraically equal form that needs no second temporary
-  (Adam's first moment as ``m = g + beta1 * (m - g)``, Nesterov's step as two subtractions).
-  They round differently from the textbook form only in the last bit.
+  (every moving average ``m = beta1 * m + (1 - beta1) * g`` as ``m = g + beta1 * (m - g)``,
+  :func:`~mpidl.engine.optim.base.ema_`; Nesterov's step as two subtractions). They round
+  differently from the textbook form only in the last bit.
 
 Some rules need g, a moment and a denominator at once (RMSprop and Adagrad with weight
 decay, NAdam, Adadelta): those allocate a second scratch buffer, also in ``__init__``.
@@ -41,13 +43,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpidl.engine.optim.base import Optimizer
+from mpidl.engine.optim.base import MomentEstimates, Optimizer
 from mpidl.engine.optim.core import SGD, Adam, AdamW
 from mpidl.engine.optim.more import LAMB, Adadelta, Adagrad, Adamax, NAdam, RAdam, RMSprop
 from mpidl.engine.optim.schedules import SCHEDULES, Schedule, make_schedule
 
 __all__ = [
     "Optimizer",
+    "MomentEstimates",
     "SGD",
     "Adam",
     "AdamW",
