@@ -138,7 +138,7 @@ class Optimizer:
     #: True when the update of element ``j`` reads and writes only element ``j`` of the
     #: parameters, the gradient and every state buffer (SGD, Adam): then the optimizer over
     #: a slice ``[lo, hi)`` of them (views) updates that slice alone, as the node-shared
-    #: buffers need (:mod:`mpidl.distributed.shm`). Layer-wise rules (norms over a tensor)
+    #: buffers need (:mod:`mpidl.distributed.extras.shm`). Layer-wise rules (norms over a tensor)
     #: leave it False.
     elementwise: bool = False
 

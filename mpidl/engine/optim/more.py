@@ -69,10 +69,10 @@ class RMSprop(Optimizer):
         xp = get_array_module(p)
         g = self._l2_gradient(p, grad, self._scratch2, self.weight_decay)  # grad, or scratch2
         alpha, v = self.alpha, self.square_avg
-        ema_square_(v, g, alpha, scratch)        # v
+        ema_square_(v, g, alpha, scratch)        # v_t = alpha v_{t-1} + (1 - alpha) g^2
         if self.centered:
             gbar = self.grad_avg
-            ema_(gbar, g, alpha)                 # gbar
+            ema_(gbar, g, alpha)                 # gbar_t = alpha gbar_{t-1} + (1 - alpha) g
             xp.multiply(gbar, gbar, out=scratch)
             xp.subtract(v, scratch, out=scratch)
             xp.sqrt(scratch, out=scratch)
@@ -387,14 +387,14 @@ class Adadelta(Optimizer):
         rho, v, a = self.rho, self.square_avg, self.acc_delta
         g = self._l2_gradient(p, grad, scratch, self.weight_decay)   # grad, or scratch
         dx = self._scratch2
-        ema_square_(v, g, rho, dx)            # v
+        ema_square_(v, g, rho, dx)            # v_t = rho v_{t-1} + (1 - rho) g^2
         xp.add(a, self.eps, out=dx)
         xp.sqrt(dx, out=dx)
         dx *= g                               # g (maybe in scratch) is last read here
         xp.add(v, self.eps, out=scratch)
         xp.sqrt(scratch, out=scratch)
         dx /= scratch                         # dx
-        ema_square_(a, dx, rho, scratch)      # a
+        ema_square_(a, dx, rho, scratch)      # a_t = rho a_{t-1} + (1 - rho) dx^2
         dx *= self.lr
         p -= dx
 
