@@ -46,7 +46,7 @@ STEP = [
     ("mpidl/distributed/reducer_base.py", "the exchange interface: the weighted sum, the flags, the finiteness check, the update"),
     ("mpidl/distributed/message.py", "the message: the gradient and its count, stop and non-finite slots"),
     ("mpidl/distributed/flat.py", "the flat strategy: one `Allreduce`"),
-    ("mpidl/engine/optim.py", "SGD (and the other rules) on the flat buffers"),
+    ("mpidl/engine/optim/core.py", "`SGD`: its equations as a few in-place operations on the flat buffers (called by `Optimizer.step` in `base.py`; the other rules in `more.py`)"),
 ]
 
 #: the custom loop's ``dp.step`` (README) under ``strategy="node"``, SGD: from the call to the
@@ -57,7 +57,7 @@ NODE_STEP = [
     ("mpidl/distributed/reducer_base.py", "`reduce`: the flags, the weighted sum, the finiteness check; `update`"),
     ("mpidl/distributed/message.py", "the message's slots"),
     ("mpidl/distributed/node.py", "the node strategy: the node-local weighted `Allreduce`; every K' steps `after_step` averages the parameters between nodes"),
-    ("mpidl/engine/optim.py", "SGD on the flat buffers"),
+    ("mpidl/engine/optim/core.py", "SGD on the flat buffers"),
 ]
 
 #: page, its markers, its table, the prefix of its links (relative to the page)
