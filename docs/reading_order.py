@@ -5,6 +5,12 @@ docs/tour.md also has the custom loop's ``dp.step`` under the node strategy.
     python docs/reading_order.py            # print the tables (Markdown)
     python docs/reading_order.py --write    # replace the tables between their markers
     python docs/reading_order.py --check    # exit 1 if a table's counts are off by more than 10 %
+    mpiexec -n 2 python docs/reading_order.py --write   # measured with 2 ranks (rank 0 writes)
+
+The column "run" is measured, not estimated: the distinct lines of each file that execute
+during one steady-state step of the job (``sys.settrace`` from ``dp.local_indices`` to the
+end of ``Trainer.train_step`` of step 3, on one process, the default job), so a reader knows
+which part of a file is the step and which is set-up, options and error paths.
 
 Edit ``STEP`` / ``NODE_STEP`` when the code moves; the counts come from the files themselves.
 """
@@ -23,14 +29,14 @@ TOLERANCE = 0.10
 
 #: (file, what a reader finds there), in the order one CLI step of the default job reaches
 #: them (hsicnn on the built-in scene, strategy flat, balanced weighting, SGD with momentum,
-#: no emulation, on_failure='restart'): first the set-up that builds the exchange, then the
-#: step itself. ``elastic.py`` (a base class of DataParallel) is not listed: under 'restart'
-#: its hooks in the step return at their first test.
+#: speeds auto, no emulation, on_failure='restart'): first the set-up that composes the
+#: DataParallel, then the step itself (the files whose lines run in one step).
 STEP = [
-    ("mpidl/train.py", "set-up: the command line: options in, `Trainer` built, `run()`"),
+    ("mpidl/train.py", "set-up: the command line: options in, the thread policy, `Trainer` built, `run()`"),
     ("mpidl/app/config.py", "set-up: every option validated once, before any MPI call"),
-    ("mpidl/distributed/exchange.py", "set-up: `check_options` (what works with what) and `build_exchange`: the strategy and its variants"),
-    ("mpidl/distributed/reducers.py", "set-up: the strategy's own rules and `make_reducer`: the strategy by name"),
+    ("mpidl/distributed/build.py", "set-up: `check_options` (what works with what) and `data_parallel`: the parts composed"),
+    ("mpidl/distributed/split/measured.py", "set-up: the measured split: probe, fit `a_i + c_i b`, choose"),
+    ("mpidl/distributed/split/balance.py", "the HDP math: cost fit, min-max split (water-filling + repair)"),
     ("mpidl/app/trainer.py", "the loop: epoch order, one step, evaluation, checkpoints"),
     ("mpidl/data/__init__.py", "this rank's slice of the global batch, read from HDF5 or memory"),
     ("mpidl/engine/models.py", "`hsicnn`: the layers of the default model"),
@@ -39,29 +45,32 @@ STEP = [
     ("mpidl/engine/nn/conv.py", "`Conv2d`: im2col + one GEMM, or Winograd"),
     ("mpidl/engine/nn/winograd.py", "Winograd's filter transform; the rest is one kernel call"),
     ("kernels/__init__.py", "the kernels' one dispatch and argument checks"),
-    ("kernels/winograd_reference.py", "the Winograd convolution in NumPy: the definition"),
+    ("kernels/winograd_cpu.py", "the Winograd convolution's Numba kernels (what runs; its NumPy definition is winograd_reference.py)"),
+    ("mpidl/engine/blas.py", "the GEMM calls of the layers"),
     ("mpidl/engine/nn/loss.py", "softmax cross-entropy, fused"),
-    ("mpidl/distributed/data_parallel.py", "`DataParallel.local_indices` and `step`: one path over the exchange (its base `elastic.py` acts only with `on_failure='shrink'`)"),
-    ("mpidl/distributed/hdp.py", "the split `local_indices` takes its slice from; the plain compute clock `step` stops"),
-    ("mpidl/distributed/reducer_base.py", "the exchange interface: the weighted sum, the flags, the finiteness check, the update"),
-    ("mpidl/distributed/message.py", "the message: the gradient and its count, stop and non-finite slots"),
-    ("mpidl/distributed/flat.py", "the flat strategy: one `Allreduce`"),
-    ("mpidl/engine/optim/core.py", "`SGD`: its equations as a few in-place operations on the flat buffers (called by `Optimizer.step` in `base.py`; the other rules in `more.py`)"),
-]
-
-#: the custom loop's ``dp.step`` (README) under ``strategy="node"``, SGD: from the call to the
-#: update and the K' parameter sync.
-NODE_STEP = [
-    ("mpidl/distributed/data_parallel.py", "`DataParallel.step`: the clock, the exchange's four calls, the agreed flags"),
-    ("mpidl/distributed/hdp.py", "the plain compute clock `step` stops (and the split of `local_indices`)"),
-    ("mpidl/distributed/reducer_base.py", "`reduce`: the flags, the weighted sum, the finiteness check; `update`"),
-    ("mpidl/distributed/message.py", "the message's slots"),
-    ("mpidl/distributed/node.py", "the node strategy: the node-local weighted `Allreduce`; every K' steps `after_step` averages the parameters between nodes"),
+    ("mpidl/distributed/data_parallel.py", "`DataParallel.local_indices` and `step`: weight, reduce, update, after_step"),
+    ("mpidl/distributed/split/base.py", "the split `local_indices` takes its slice from"),
+    ("mpidl/distributed/exchange.py", "the exchange interface: the weighted SUM by stages, the division, the finiteness"),
+    ("mpidl/distributed/message.py", "the message: the gradient, its weight, the stop and non-finite slots"),
+    ("mpidl/distributed/flat.py", "the flat strategy: one `Allreduce` stage"),
+    ("mpidl/distributed/channel.py", "the counted collective the stage runs"),
     ("mpidl/engine/optim/core.py", "SGD on the flat buffers"),
 ]
 
-#: page, its markers, its table, the prefix of its links (relative to the page)
-TABLES = [(README, START, END, STEP, ""), (TOUR, NODE_START, NODE_END, NODE_STEP, "../")]
+#: the custom loop's ``dp.step`` (README) under the node strategy, SGD: from the call to the
+#: update and the K' parameter sync.
+NODE_STEP = [
+    ("mpidl/distributed/data_parallel.py", "`DataParallel.step`: the weight, `reduce`, the update, `after_step`, the agreed flags"),
+    ("mpidl/distributed/exchange.py", "`reduce`: the weighted SUM by stages, `reduced`: the division and the finiteness"),
+    ("mpidl/distributed/message.py", "the message's slots"),
+    ("mpidl/distributed/node.py", "the node strategy: the node-local `Allreduce` stage; every K' steps `after_step` averages the parameters between nodes"),
+    ("mpidl/distributed/channel.py", "the counted collectives"),
+    ("mpidl/engine/optim/core.py", "SGD on the flat buffers"),
+]
+
+#: page, its markers, its table, the prefix of its links (relative to the page), whether its
+#: "run" column is measured (the default job's step; the node table is read, not measured)
+TABLES = [(README, START, END, STEP, "", True), (TOUR, NODE_START, NODE_END, NODE_STEP, "../", False)]
 
 
 def line_count(path: str) -> int:
@@ -69,18 +78,67 @@ def line_count(path: str) -> int:
         return sum(1 for _ in f)
 
 
-def table(step=None, prefix: str = "") -> str:
+def lines_run_in_one_step(argv=("--epochs", "1", "--max-steps", "3", "--quiet"), step: int = 2) -> dict[str, int]:
+    """``{repository path: distinct lines executed}`` during global step ``step`` of
+    ``python -m mpidl.train ARGV`` run in this process (see the module docstring)."""
+    import os  # noqa: PLC0415
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from mpidl import train  # noqa: PLC0415
+    from mpidl.app.trainer import Trainer  # noqa: PLC0415
+    from mpidl.distributed.data_parallel import DataParallel  # noqa: PLC0415
+
+    seen: set = set()
+    tracing = [False]
+
+    def tracer(frame, event, arg):
+        if tracing[0] and event == "line":
+            seen.add((frame.f_code.co_filename, frame.f_lineno))
+        return tracer
+
+    local_indices, train_step = DataParallel.local_indices, Trainer.train_step
+
+    def traced_indices(self, batch):
+        if self.steps == step:
+            tracing[0] = True
+            sys.settrace(tracer)
+        return local_indices(self, batch)
+
+    def traced_step(self, local):
+        try:
+            return train_step(self, local)
+        finally:
+            if tracing[0]:
+                sys.settrace(None)
+                tracing[0] = False
+
+    DataParallel.local_indices, Trainer.train_step = traced_indices, traced_step
+    try:
+        train.main(list(argv))
+    finally:
+        DataParallel.local_indices, Trainer.train_step = local_indices, train_step
+    counts: dict[str, int] = {}
+    for filename, _ in seen:
+        path = Path(filename).resolve()
+        if ROOT in path.parents:
+            key = str(path.relative_to(ROOT))
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def table(step=None, prefix: str = "", run: dict | None = None) -> str:
     step = STEP if step is None else step
     missing = [path for path, _ in step if not (ROOT / path).is_file()]
     if missing:
         raise SystemExit(f"reading_order: no such file(s): {', '.join(missing)}; edit STEP in {__file__}")
-    rows = ["| # | file | lines | what |", "| --- | --- | ---: | --- |"]
-    total = 0
+    rows = ["| # | file | lines | run | what |", "| --- | --- | ---: | ---: | --- |"]
+    total = total_run = 0
     for i, (path, what) in enumerate(step, 1):
         n = line_count(path)
-        total += n
-        rows.append(f"| {i} | [`{path}`]({prefix}{path}) | {n} | {what} |")
-    rows.append(f"| | **total** | **{total}** | |")
+        r = (run or {}).get(path, 0)
+        total, total_run = total + n, total_run + r
+        rows.append(f"| {i} | [`{path}`]({prefix}{path}) | {n} | {r if run is not None else ''} | {what} |")
+    rows.append(f"| | **total** | **{total}** | {f'**{total_run}**' if run is not None else ''} | |")
     return "\n".join(rows)
 
 
@@ -116,7 +174,13 @@ def main(argv=None) -> int:
     mode.add_argument("--check", action="store_true", help="exit 1 if a table is stale")
     args = parser.parse_args(argv)
     problems = []
-    for page, start, end, step, prefix in TABLES:
+    run = None if args.check else lines_run_in_one_step()
+    if not args.check:
+        from mpi4py import MPI  # noqa: PLC0415 - measured under mpiexec: rank 0 writes
+
+        if MPI.COMM_WORLD.Get_rank() != 0:
+            return 0
+    for page, start, end, step, prefix, measured in TABLES:
         text = page.read_text(encoding="utf-8")
         name = page.relative_to(ROOT)
         if args.check:
@@ -124,9 +188,9 @@ def main(argv=None) -> int:
         elif args.write:
             head, rest = text.split(start, 1)
             tail = rest.split(end, 1)[1]
-            page.write_text(f"{head}{start}\n{table(step, prefix)}\n{end}{tail}", encoding="utf-8")
+            page.write_text(f"{head}{start}\n{table(step, prefix, run if measured else None)}\n{end}{tail}", encoding="utf-8")
         else:
-            print(f"{name}:\n{table(step, prefix)}\n")
+            print(f"{name}:\n{table(step, prefix, run if measured else None)}\n")
     for p in problems:
         print(f"reading_order: {p}", file=sys.stderr)
     return 1 if problems else 0
