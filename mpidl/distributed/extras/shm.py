@@ -279,7 +279,7 @@ class SharedWindow(ExchangeWrapper):
         slots, self.theta, state, tails, self.flags, self.synced = parts
         self.slots = slots.reshape(self.ranks, width)
         self.tails = tails.reshape(self.ranks, SLOTS)
-        self.state = [state[k * size:(k + 1) * size] for k in range(len(states))]
+        self.state_views = [state[k * size:(k + 1) * size] for k in range(len(states))]
         self.lo = self.local_rank * size // self.ranks
         self.hi = (self.local_rank + 1) * size // self.ranks
         self.size = size
@@ -290,12 +290,12 @@ class SharedWindow(ExchangeWrapper):
         # its current message.
         first = self.local_rank == 0
         params.rebind(self.theta if first else np.empty_like(self.theta), self.slots[self.local_rank])
-        move_state(optimizer, self.state if first else [np.empty_like(s) for s in self.state])
+        move_state(optimizer, self.state_views if first else [np.empty_like(s) for s in self.state_views])
         self.barrier()
         if not first:
             params.rebind(self.theta, self.slots[self.local_rank], copy=False)
             params.message[...] = 0
-            move_state(optimizer, self.state, copy=False)
+            move_state(optimizer, self.state_views, copy=False)
         #: what DataParallel steps: the optimizer over this rank's slice (views of theta, the
         #: state and the reduced gradient, its own scratch: an elementwise update of a slice
         #: is that slice of the whole update), the whole optimizer for everything else
@@ -418,7 +418,7 @@ class SharedWindow(ExchangeWrapper):
         """The node strategy's sync in the window: the leader sends ``[v_n theta_n | v_n s_n
         ... | v_n | stop | nonfinite]`` from the window to the leaders' SUM and writes ``sum /
         sum v_n`` back; the node reads it after one barrier. Returns the world's flag sums."""
-        buffers = [self.theta, *self.state] if self.sync_optimizer_state else [self.theta]
+        buffers = [self.theta, *self.state_views] if self.sync_optimizer_state else [self.theta]
         size = self.size
         with timed(self.traffic):
             if self.topology.is_leader:
@@ -454,7 +454,7 @@ class SharedWindow(ExchangeWrapper):
         ``params``, ``state``, and each rank's private ``scratch`` (summed over the node)."""
         item = self.window.dtype.itemsize
         return {"slots": self.slots.nbytes, "params": self.theta.nbytes,
-                "state": sum(s.nbytes for s in self.state),
+                "state": sum(s.nbytes for s in self.state_views),
                 "scratch": self.ranks * (self.hi - self.lo + 1) * item}
 
     # ------------------------------------------------------------------ end
@@ -466,11 +466,11 @@ class SharedWindow(ExchangeWrapper):
             return
         self.barrier()  # every rank's last writes are in
         self.params.rebind(np.array(self.theta), np.array(self.slots[self.local_rank]), copy=False)
-        move_state(self.whole_optimizer, [np.array(s) for s in self.state], copy=False)
+        move_state(self.whole_optimizer, [np.array(s) for s in self.state_views], copy=False)
         self.optimizer._part = None
         self.barrier()  # every rank has copied before the memory goes
         self.slots = self.theta = self.flags = self.tails = self.synced = self.window = None
-        self.state = []
+        self.state_views = []
         self.win.Unlock_all()
         self.win.Free()
         self.inner.close()
