@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from mpidl.distributed import DataParallel
+from mpidl.distributed import data_parallel
 from mpidl.distributed.launch import abort_on_uncaught_exception
 from mpidl.engine.models import build_model
 from mpidl.engine.nn import SoftmaxCrossEntropy
@@ -29,7 +29,7 @@ def main(mode: str, stamp: str) -> None:
     sys.excepthook = abort_on_uncaught_exception
     model = build_model("hsicnn", (4, 5, 5), 3, seed=0, channels=(4, 4), hidden=8)
     kwargs = {"intra": "shm"} if mode.startswith("shm") else {"overlap": True, "bucket_mb": 1e-4}
-    dp = DataParallel(model, SGD(model.params, lr=0.1), batch_size=4, **kwargs)
+    dp = data_parallel(model, SGD(model.params, lr=0.1), batch_size=4, **kwargs)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((4, 4, 5, 5)).astype(np.float32)
     y = rng.integers(0, 3, 4)

@@ -1,15 +1,22 @@
-"""The serial parts of hiding the communication: slice optimizers (intra='shm'), rebinding the
-flat buffers, the bucket plan, the backward hook, the link timeline, 16-bit compression with
-error feedback, and the configuration options."""
+"""The serial parts of hiding the communication: slice optimizers and the optimizer the core
+steps (intra='shm'), rebinding the flat buffers, the bucket plan, the backward hook, which
+backward is a step's (overlap), the link timeline, 16-bit compression with error feedback,
+and every rule of the extras' options with its message (no MPI)."""
+
+import re
 
 import numpy as np
 import pytest
 
 from mpidl.app.config import ConfigError, parse_config
-from mpidl.distributed.compress import Compressor, from_bf16, to_bf16
+from mpidl.distributed.build import OptionError, check_options
 from mpidl.distributed.emulation import LinkModel, LinkTimeline
-from mpidl.distributed.overlap import MIN_BUCKETS, Bucket, bucket_bytes, plan_buckets
-from mpidl.distributed.shm import move_state, slice_optimizer
+from mpidl.distributed.exchange import reset_slots
+from mpidl.distributed.extras import ExchangeWrapper, shm, sync_overlap
+from mpidl.distributed.extras.compress import Compressor, from_bf16, to_bf16
+from mpidl.distributed.extras.overlap import MIN_BUCKETS, Bucket, _armed, _disarm, bucket_bytes, plan_buckets
+from mpidl.distributed.extras.shm import _SliceStepping, move_state, slice_optimizer
+from mpidl.distributed.message import COUNT, NONFINITE
 from mpidl.engine.nn import Linear, ReLU, Sequential
 from mpidl.engine.optim import SGD, Adam, AdamW
 from mpidl.engine.params import FlatParameters, Parameter, uniform
@@ -148,20 +155,94 @@ def test_error_feedback_keeps_the_sum_of_exchanges(kind):
     assert np.max(np.abs(sent - true)) <= 1.1 * largest * 2 ** -8
 
 
+@pytest.mark.parametrize("kind", ["bf16", "fp16"])
+def test_error_feedback_is_exact_per_exchange(kind):
+    """What one exchange sends plus the new residual is, bit for bit, its input plus the old
+    residual: D(q_t) + e_t == x_t + e_{t-1} in float32 (the rounding error of a 16-bit
+    rounding of a float32 is itself a float32)."""
+    comp = Compressor(kind)
+    rng = np.random.default_rng(1)
+    message = np.zeros(503, np.float32)
+    for _ in range(20):
+        message[:500] = rng.standard_normal(500).astype(np.float32) * np.float32(3e-3)
+        old = comp.residuals.get(500, np.zeros(500, np.float32)).copy()
+        packed = comp.packed(message, 500)
+        out = message.copy()
+        comp.unpack_sum([packed], out)
+        assert np.array_equal(out[:500] + comp.residuals[500], message[:500] + old)
+
+
+class LayerWise(SGD):
+    """A stand-in for a layer-wise rule (LARS-like): not elementwise."""
+    elementwise = False
+
+
+#: every rule of the extras, through build.check_options: the option named, the whole message
+RULES = [
+    ({"compress": "int8"}, "compress", "compress must be one of none, bf16, fp16, got 'int8'"),
+    ({"compress": "bf16"}, "compress",
+     "compress acts on the leaders' gradient exchange of strategy hierarchical, not flat"),
+    ({"compress": "fp16", "strategy": "node"}, "compress",
+     "compress acts on the leaders' gradient exchange of strategy hierarchical, not node"),
+    ({"compress": "bf16", "strategy": "hierarchical", "overlap": True}, "compress",
+     "compress acts on the blocking exchange (not with overlap)"),
+    ({"sync_overlap": -1, "strategy": "node"}, "sync_overlap", "sync_overlap must be an integer >= 0, got -1"),
+    ({"sync_overlap": True, "strategy": "node"}, "sync_overlap", "sync_overlap must be an integer >= 0, got True"),
+    ({"sync_overlap": 1, "strategy": "hierarchical"}, "sync_overlap", "sync_overlap applies to strategy='node'"),
+    ({"sync_overlap": 3, "strategy": "node", "sync_every": 3}, "sync_overlap",
+     "sync_overlap must be an integer in [0, sync_every=3), got 3"),
+    ({"sync_overlap": 1, "strategy": "node", "intra": "shm"}, "sync_overlap", "sync_overlap works with intra='mpi'"),
+    ({"overlap": True, "intra": "shm"}, "overlap",
+     "overlap works with intra='mpi' (the shared window is reduced in place)"),
+    ({"overlap": True, "host_memory": False}, "overlap",
+     "overlap needs the CPU backend (host buffers for non-blocking MPI)"),
+    ({"overlap": True, "model": FlatParameters([("w", Parameter((2,), uniform(1.0)))], seed=0)}, "overlap",
+     "overlap needs a Model whose net is a Sequential (its backward hook starts the buckets)"),
+    ({"intra": "shm", "host_memory": False}, "intra", "intra='shm' shares host memory: it needs the CPU backend"),
+    ({"intra": "shm", "optimizer": LayerWise}, "intra",
+     "intra='shm' needs an elementwise optimizer (sgd, adam, adamw): each rank updates its slice of the "
+     "shared parameters alone; LayerWise is not elementwise, use intra='mpi'"),
+]
+
+
+@pytest.mark.parametrize("options, option, message", RULES, ids=[f"{r[1]}-{i}" for i, r in enumerate(RULES)])
+def test_every_rule_of_the_extras_names_its_option(options, option, message):
+    with pytest.raises(OptionError, match=re.escape(message)) as info:
+        check_options(**options)
+    assert info.value.option == option and str(info.value) == message
+
+
+def test_rules_only_reachable_in_their_own_module():
+    """sync_overlap's compress rule is behind compress's own (which refuses node first)."""
+    with pytest.raises(ValueError, match=re.escape("sync_overlap works with the uncompressed sync (no compress)")):
+        sync_overlap.check_options(1, "node", 50, "mpi", "bf16")
+    with pytest.raises(ValueError, match="elementwise"):
+        shm.check_shared_supported(Flat(3, 0), LayerWise(Flat(3, 0), 0.1))
+
+
+@pytest.mark.parametrize("options", [
+    {"strategy": "node", "overlap": True}, {"strategy": "hierarchical", "overlap": True},
+    {"strategy": "node", "intra": "shm", "optimizer": Adam}, {"strategy": "hierarchical", "intra": "shm",
+                                                               "compress": "bf16", "optimizer": SGD},
+    {"strategy": "node", "sync_overlap": 2, "sync_every": 3, "overlap": True},
+])
+def test_what_the_extras_combine_with(options):
+    check_options(**options)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--intra", "tcp"], "--intra"),
-    (["--overlap", "--strategy", "node"], "--overlap: overlap works with strategy"),
     (["--overlap", "--intra", "shm"], "--overlap: overlap works with intra='mpi'"),
     (["--overlap", "--device", "gpu"], "--overlap: overlap needs the CPU backend"),
-    (["--intra", "shm", "--device", "gpu"], "--intra: intra='shm' shares host memory"),
+    (["--intra", "shm", "--device", "gpu"], "--intra: --intra shm shares host memory"),
     (["--bucket-mb", "0"], "--bucket-mb"),
     (["--compress", "int8"], "--compress"),
-    (["--compress", "bf16"], "--compress: compress acts on the inter-node exchange"),
+    (["--compress", "bf16"], "--compress: compress acts on the leaders' gradient exchange of strategy hierarchical"),
+    (["--compress", "bf16", "--strategy", "node"], "--compress: .* not node"),
     (["--compress", "bf16", "--strategy", "hierarchical", "--overlap"], "not with overlap"),
     (["--sync-overlap", "--strategy", "flat"], "--sync-overlap: sync_overlap applies to strategy='node'"),
     (["--sync-overlap", "60", "--strategy", "node"], r"--sync-overlap: .*in \[0, sync_every=50\)"),
     (["--sync-overlap", "--strategy", "node", "--intra", "shm"], "--sync-overlap: sync_overlap works with intra='mpi'"),
-    (["--sync-overlap", "--strategy", "node", "--compress", "bf16"], "uncompressed"),
 ])
 def test_hiding_options_are_validated(argv, message):
     with pytest.raises(ConfigError, match=message):
@@ -171,7 +252,57 @@ def test_hiding_options_are_validated(argv, message):
 def test_hiding_options_parse():
     cfg = parse_config(["--strategy", "node", "--sync-overlap"], world_size=2)
     assert cfg.sync_overlap == 1
-    cfg = parse_config(["--strategy", "node", "--compress", "bf16"], world_size=2)
-    assert cfg.compress == "bf16"
+    cfg = parse_config(["--strategy", "node", "--overlap"], world_size=2)
+    assert cfg.overlap
     cfg = parse_config(["--intra", "shm", "--strategy", "hierarchical", "--compress", "fp16"], world_size=2)
-    assert cfg.intra == "shm" and cfg.sync_overlap == 0
+    assert cfg.intra == "shm" and cfg.sync_overlap == 0 and cfg.compress == "fp16"
+
+
+# ------------------------------------------------------------------ the optimizer DataParallel steps (shm)
+def test_the_slice_stepping_optimizer_reads_the_whole_optimizers_lr_and_state():
+    shared = Flat(10, 2)
+    whole = SGD(shared, 0.1, momentum=0.9)
+    reference = SGD(Flat(10, 2), 0.1, momentum=0.9)
+    stepping = _SliceStepping(whole, slice_optimizer(whole, 3, 8, shared.grad))
+    assert stepping.params is whole.params and stepping.state_buffers()[0] is whole.state_buffers()[0]
+    for lr in (0.1, 0.0, 0.05):
+        whole.lr = reference.lr = lr  # a schedule sets the optimizer it built
+        stepping.step()
+        reference.step()
+    assert stepping.step_count == whole.step_count == 3 and stepping.lr == 0.05
+    assert np.array_equal(shared.data[3:8], reference.params.data[3:8])
+    assert np.array_equal(shared.data[:3], Flat(10, 2).data[:3])  # the other ranks' slices
+    stepping.lr = 0.2
+    assert whole.lr == 0.2
+    stepping._part = None  # after the window's close: the whole optimizer again
+    stepping.step()
+    assert whole.step_count == 4 and not np.array_equal(shared.data[:3], Flat(10, 2).data[:3])
+
+
+def test_an_exchange_wrapper_reads_through_and_keeps_its_own():
+    class Inner:
+        name, exact, steps_since_sync = "node", False, 7
+
+        def describe(self):
+            return "strategy node"
+
+    wrapper = ExchangeWrapper(Inner())
+    wrapper.steps_since_sync = 0
+    assert (wrapper.name, wrapper.exact, wrapper.describe()) == ("node", False, "strategy node")
+    assert wrapper.steps_since_sync == 0 and wrapper.inner.steps_since_sync == 7
+    with pytest.raises(AttributeError):
+        wrapper.no_such_attribute
+
+
+# ------------------------------------------------------------------ which backward is a step's (overlap)
+def test_a_reduced_message_disarms_the_hooks_until_local_indices_clears_its_slots():
+    """overlap's hooks start buckets only after DataParallel.local_indices() (reset_slots)
+    wrote +0.0 into the nonfinite slot; -0.0 after a reduce reads as 0 everywhere else."""
+    message = np.zeros(10)
+    _disarm(message)
+    assert not _armed(message) and message[NONFINITE] == 0 and message.sum() == 0
+    reset_slots(message, stop=False)  # what local_indices() does
+    assert _armed(message)
+    message[COUNT], message[NONFINITE] = 4.0, 2.0  # some rank's gradient was not finite
+    _disarm(message)
+    assert not _armed(message) and message[NONFINITE] == 2.0

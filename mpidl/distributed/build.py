@@ -17,11 +17,12 @@ between their options; the core and the three strategies never name the extras::
 ==================  =====================================================================
 option              works with
 ==================  =====================================================================
-``compress``        ``hierarchical`` (its leaders' gradient exchange), blocking (no
-                    ``overlap``)
-``sync_overlap``    ``node``, ``intra='mpi'``; ``< sync_every``
-``overlap``         ``intra='mpi'``, the CPU backend, a Model whose ``net`` is a Sequential
-``intra='shm'``     the CPU backend and an elementwise optimizer
+``compress``        ``hierarchical`` (its leaders' gradient exchange, also from the shared
+                    window), blocking (no ``overlap``)
+``sync_overlap``    ``node``, ``intra='mpi'``, no ``compress``; ``< sync_every``
+``overlap``         any strategy (its stages, bucket by bucket); ``intra='mpi'``, the CPU
+                    backend, a Model whose ``net`` is a Sequential
+``intra='shm'``     any strategy; the CPU backend and an elementwise optimizer
 ``on_failure``      'shrink': none of the above, and real (not emulated) nodes
 ==================  =====================================================================
 

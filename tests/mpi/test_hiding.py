@@ -1,92 +1,281 @@
-"""Hiding the communication: node-shared buffers (intra='shm'), bucketed overlap,
-compression and the overlapped node sync, each against the blocking replicated reference.
+"""Hiding the communication, under mpiexec: bucketed overlap, the node-shared window
+(intra='shm'), 16-bit compression and the overlapped node sync, each against the blocking,
+replicated exchange it wraps (and one process, where the strategy is exact).
 
-The same tiny float64 loops as ``test_data_parallel.py``; every rank asserts only after a
-collective agreement.
+Tiny float64 loops built with :func:`mpidl.distributed.data_parallel`; every rank asserts
+only after a collective agreement. Layouts: the launch's own nodes (one node, the
+``MPIDL_RANKS_PER_NODE`` grouping, or MPICH's ``-hosts`` split into real shared-memory
+nodes) and two emulated nodes of ``P/2`` ranks.
 """
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpidl.distributed import DataParallel, NonFiniteGradient, Topology
+from mpidl.distributed import Node, NonFiniteGradient, Topology, data_parallel
+from mpidl.distributed.checkpoint import load_state_dict, state_dict
+from mpidl.distributed.extras.sync_overlap import OverlappedSyncNode
+from mpidl.distributed.message import COUNT
+from mpidl.engine.backend import get_backend
+from mpidl.engine.models import build_model
+from mpidl.engine.nn import SoftmaxCrossEntropy
 from mpidl.engine.optim import SGD, Adam
-from test_data_parallel import B, P, RANK, UNEVEN, WORLD, make, rel_diff, tiny_model, train
-from trainer_harness import all_agree
 
 pytestmark = pytest.mark.mpi
 
+WORLD = MPI.COMM_WORLD
+P = WORLD.Get_size()
+RANK = WORLD.Get_rank()
+BACKEND = get_backend("cpu", "float64")
+SHAPE, CLASSES, N = (5, 5, 5), 3, 40
+_rng = np.random.default_rng(0)
+X = _rng.standard_normal((N, *SHAPE))
+Y = _rng.integers(0, CLASSES, N)
+B = 4 * P + 2  # uneven on purpose
+UNEVEN = [float(r + 1) for r in range(P)]
+#: the launch's own nodes, and two nodes of P/2 ranks
+LAYOUTS = [None, max(1, P // 2)]
+LAYOUT_IDS = ["launch", "2nodes"]
 
-class LayerWise(SGD):
-    """A stand-in for a layer-wise rule (LARS-like): not elementwise."""
-    elementwise = False
+
+def all_agree(ok) -> bool:
+    """True on every rank iff ``ok`` on every rank (assert after this, never before)."""
+    return bool(WORLD.allreduce(bool(ok), op=MPI.LAND))
 
 
-# ------------------------------------------------------------------ intra='shm'
-@pytest.mark.parametrize("strategy, ranks_per_node, optimizer", [
-    ("flat", None, SGD), ("hierarchical", None, SGD), ("hierarchical", None, Adam),
-    ("flat", 1, SGD), ("hierarchical", 2, Adam),
-])
-def test_shm_equals_mpi_and_one_process(strategy, ranks_per_node, optimizer):
-    model, dp = make(strategy=strategy, speeds=UNEVEN, ranks_per_node=ranks_per_node,
-                     optimizer=optimizer, intra="shm")
-    shm = train(model, dp, steps=5)
-    ref_model, ref_dp = make(strategy=strategy, speeds=UNEVEN, ranks_per_node=ranks_per_node,
-                             optimizer=optimizer)
-    mpi = train(ref_model, ref_dp, steps=5)
-    one_model, one_dp = make(comm=MPI.COMM_SELF, strategy=strategy, optimizer=optimizer)
-    one = train(one_model, one_dp, steps=5)
-    assert all_agree(WORLD, rel_diff(shm, mpi) <= 1e-12), f"{strategy}: {rel_diff(shm, mpi):.3e}"
-    assert all_agree(WORLD, rel_diff(shm, one) <= 1e-10)
-    state_shm = dp.optimizer.state_buffers()[0].copy()
-    assert all_agree(WORLD, rel_diff(state_shm, ref_dp.optimizer.state_buffers()[0]) <= 1e-12)
+def tiny_model(seed=3, backend=BACKEND):
+    return build_model("hsicnn", SHAPE, CLASSES, backend=backend, seed=seed, channels=(4, 4), hidden=8)
+
+
+def make(comm=WORLD, ranks_per_node=None, optimizer=SGD, seed=3, momentum=0.9, **kwargs):
+    model = tiny_model(seed)
+    opt = optimizer(model.params, lr=0.05, **({"momentum": momentum} if optimizer is SGD else {}))
+    kwargs.setdefault("batch_size", B)
+    return model, data_parallel(model, opt, topology=Topology.from_comm(comm, ranks_per_node=ranks_per_node),
+                                **kwargs)
+
+
+def batches(steps, seed=0):
+    """The same global batches on every rank (a pure function of the seed)."""
+    rng = np.random.default_rng(seed)
+    return [rng.permutation(N)[:B] for _ in range(steps)]
+
+
+def train(model, dp, steps, seed=0):
+    """The loop of the README: local slice, forward, backward, dp.step."""
+    loss_fn = SoftmaxCrossEntropy()
+    for batch in batches(steps, seed):
+        local = dp.local_indices(batch)
+        if len(local):
+            loss_fn.forward(model.forward(X[local]), Y[local])
+            model.backward(loss_fn.backward())
+        else:
+            model.params.grad.fill(0)
+        dp.step(len(local))
+    return model.params.data.copy()
+
+
+def rel_diff(a, b):
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))
+
+
+def live_stage_levels(exchange) -> dict:
+    """{level: stages of the exchange whose communicator has more than one rank here}."""
+    levels: dict = {}
+    for stage in exchange.stages:
+        if stage.channel.size > 1:
+            levels[stage.channel.level] = levels.get(stage.channel.level, 0) + 1
+    return levels
+
+
+STRATEGIES = [("flat", {}), ("hierarchical", {}), ("node", {"sync_every": 2}),
+              ("node", {"sync_every": 2, "sync_overlap": 1})]
+STRATEGY_IDS = ["flat", "hierarchical", "node", "node-sync_overlap"]
+
+
+# ------------------------------------------------------------------ overlap
+@pytest.mark.parametrize("ranks_per_node", LAYOUTS, ids=LAYOUT_IDS)
+@pytest.mark.parametrize("strategy, options", STRATEGIES, ids=STRATEGY_IDS)
+def test_overlap_equals_the_blocking_exchange(strategy, options, ranks_per_node):
+    kwargs = dict(strategy=strategy, speeds=UNEVEN, ranks_per_node=ranks_per_node, **options)
+    model, dp = make(overlap=True, bucket_mb=1e-4, **kwargs)
+    overlapped = train(model, dp, steps=4)
+    ref_model, ref_dp = make(**kwargs)
+    blocking = train(ref_model, ref_dp, steps=4)
+    err = rel_diff(overlapped, blocking)
+    assert all_agree(err <= 1e-10), f"{strategy}: {err:.3e}"
+    if dp.exchange.exact:
+        one_model, one_dp = make(comm=MPI.COMM_SELF, strategy=strategy, **options)
+        assert all_agree(rel_diff(overlapped, train(one_model, one_dp, steps=4)) <= 1e-10)
+    if P > 1:
+        # n buckets: n counted collectives per live stage and step where the blocking
+        # exchange makes one, the same bytes in all (the node syncs are the same in both)
+        n = len(dp.exchange.buckets)
+        ok = n >= 3 and f"overlap in {n} buckets" in dp.exchange.describe()
+        for level, stages in live_stage_levels(ref_dp.exchange).items():
+            got, want = dp.counters[level], ref_dp.counters[level]
+            ok = ok and got["calls"] - want["calls"] == 4 * stages * (n - 1) and got["bytes"] == want["bytes"]
+        assert all_agree(ok), (dp.counters, ref_dp.counters)
     dp.close()
-    # after close the model is private again and keeps its values
-    assert all_agree(WORLD, np.array_equal(model.params.data, shm) and dp.exchange.shared is None)
+    ref_dp.close()
+    assert all_agree(model.net.backward_hook is None)
+
+
+@pytest.mark.parametrize("strategy", ["flat", "node"])
+def test_overlap_hooks_start_the_buckets_during_backward(strategy):
+    model, dp = make(overlap=True, bucket_mb=1e-4, strategy=strategy)
+    loss_fn = SoftmaxCrossEntropy()
+    local = dp.local_indices(batches(1)[0])
+    loss_fn.forward(model.forward(X[local]), Y[local])
+    model.backward(loss_fn.backward())
+    exchanging = dp.exchange.group_size > 1  # a node of one rank exchanges nothing per step
+    started = dp.exchange.started_buckets() if exchanging else 0
+    dp.step()
+    assert all_agree(started == (len(dp.exchange.buckets) if exchanging else 0)), started
+    dp.close()
+
+
+def test_overlap_a_backward_outside_a_step_starts_nothing():
+    """The speed probe's backward, before the first step and between steps: no bucket
+    starts (the other ranks would never match it), and the steps stay exact."""
+    model, dp = make(overlap=True, bucket_mb=1e-4)
+    ref_model, ref_dp = make()
+    loss_fn = SoftmaxCrossEntropy()
+
+    def probe():
+        loss_fn.forward(model.forward(X[:3]), Y[:3])
+        model.backward(loss_fn.backward())
+        return dp.exchange.started_buckets() if P > 1 else 0
+
+    started = [probe()]
+    train(model, dp, steps=2)
+    started.append(probe())
+    got = train(model, dp, steps=2, seed=1)
+    train(ref_model, ref_dp, steps=2)
+    want = train(ref_model, ref_dp, steps=2, seed=1)
+    assert all_agree(started == [0, 0] and rel_diff(got, want) <= 1e-10), (started, rel_diff(got, want))
+    dp.close()
+
+
+def test_overlap_step_with_another_count_than_local_indices_raises():
+    """The hooks sent the gradient weighted by local_indices()'s count; step(count + 1)
+    raises after completing the collectives (the next step is fine on every rank)."""
+    model, dp = make(overlap=True, bucket_mb=1e-4)
+    loss_fn = SoftmaxCrossEntropy()
+    local = dp.local_indices(batches(1)[0])
+    loss_fn.forward(model.forward(X[local]), Y[local])
+    model.backward(loss_fn.backward())
+    message = ""
+    try:
+        dp.step(len(local) + 1)
+    except ValueError as exc:
+        message = str(exc)
+    assert all_agree(P == 1 or ("backward hooks already sent" in message and "local_indices()" in message)), message
+    train(model, dp, steps=1)
+    digests = WORLD.allgather(float(model.params.data.sum()))
+    assert all_agree(len(set(digests)) == 1)
+    dp.close()
 
 
 @pytest.mark.mpi(min_size=2)
-def test_shm_node_strategy_equals_mpi_between_and_at_syncs():
+def test_overlap_buckets_cross_the_emulated_link():
+    """The duplicates' channels are made by the exchange's channel(): the inter-node stage is
+    EMULATED like the blocking one (its modelled time booked, the result unchanged)."""
+    kwargs = dict(strategy="hierarchical", ranks_per_node=max(1, P // 2), emulate_link="2000,10")
+    model, dp = make(overlap=True, bucket_mb=1e-4, **kwargs)
+    got = train(model, dp, steps=2)
+    ref_model, ref_dp = make(**kwargs)
+    want = train(ref_model, ref_dp, steps=2)
+    inter = [s.channel for s in dp.exchange.stages if s.channel.level == "inter"]
+    emulated = all(type(c).__name__ == "EmulatedLink" for c in inter) and len(inter) == 1
+    booked = dp.exchange.traffic.emulated_seconds > 0 or not (dp.topology.is_leader and dp.topology.num_nodes > 1)
+    assert all_agree(emulated and booked and rel_diff(got, want) <= 1e-10)
+    dp.close()
+
+
+# ------------------------------------------------------------------ intra='shm'
+@pytest.mark.parametrize("ranks_per_node", LAYOUTS, ids=LAYOUT_IDS)
+@pytest.mark.parametrize("strategy, optimizer", [("flat", SGD), ("hierarchical", Adam), ("hierarchical", SGD)])
+def test_shm_equals_mpi_and_one_process(strategy, optimizer, ranks_per_node):
+    kwargs = dict(strategy=strategy, speeds=UNEVEN, ranks_per_node=ranks_per_node, optimizer=optimizer)
+    model, dp = make(intra="shm", **kwargs)
+    shm = train(model, dp, steps=5)
+    ref_model, ref_dp = make(**kwargs)
+    mpi = train(ref_model, ref_dp, steps=5)
+    one_model, one_dp = make(comm=MPI.COMM_SELF, strategy=strategy, optimizer=optimizer)
+    one = train(one_model, one_dp, steps=5)
+    assert all_agree(rel_diff(shm, mpi) <= 1e-12), f"{strategy}: {rel_diff(shm, mpi):.3e}"
+    assert all_agree(rel_diff(shm, one) <= 1e-10)
+    state_shm = dp.optimizer.state_buffers()[0].copy()
+    assert all_agree(rel_diff(state_shm, ref_dp.optimizer.state_buffers()[0]) <= 1e-12)
+    assert all_agree(dp.optimizer.step_count == 5 and dp.optimizer.params is model.params)
+    dp.close()
+    # after close the model and the optimizer are private again, with their values
+    ok = dp.exchange.window is None and np.array_equal(model.params.data, shm)
+    ok = ok and np.array_equal(dp.optimizer.state_buffers()[0], state_shm)
+    model.params.grad.fill(0.1)
+    dp.optimizer.step()  # the whole optimizer again: every parameter moves
+    ok = ok and np.all(model.params.data != shm)
+    assert all_agree(ok)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("sync_optimizer_state", [False, True])
+def test_shm_node_strategy_equals_mpi_between_and_at_syncs(sync_optimizer_state):
     kwargs = dict(strategy="node", sync_every=3, ranks_per_node=max(1, P // 2), speeds=UNEVEN,
-                  sync_optimizer_state=True)
+                  sync_optimizer_state=sync_optimizer_state)
     model, dp = make(intra="shm", **kwargs)
     ref_model, ref_dp = make(**kwargs)
-    for steps in (2, 2):  # step 2 between syncs, step 4 after the sync at step 3
-        shm = train(model, dp, steps=steps, seed=steps)
-        mpi = train(ref_model, ref_dp, steps=steps, seed=steps)
-        assert all_agree(WORLD, rel_diff(shm, mpi) <= 1e-12), f"{rel_diff(shm, mpi):.3e}"
-        assert all_agree(WORLD, rel_diff(dp.consensus(), ref_dp.consensus()) <= 1e-12)
+    for seed in (2, 4):  # step 2 between syncs, step 4 after the sync at step 3
+        shm = train(model, dp, steps=2, seed=seed)
+        mpi = train(ref_model, ref_dp, steps=2, seed=seed)
+        assert all_agree(rel_diff(shm, mpi) <= 1e-12), f"{rel_diff(shm, mpi):.3e}"
+        assert all_agree(dp.exchange.state() == ref_dp.exchange.state())
     dp.sync()
     ref_dp.sync()
-    assert all_agree(WORLD, rel_diff(model.params.data, ref_model.params.data) <= 1e-12)
+    assert all_agree(rel_diff(model.params.data, ref_model.params.data) <= 1e-12)
+    assert all_agree(rel_diff(dp.optimizer.state_buffers()[0], ref_dp.optimizer.state_buffers()[0]) <= 1e-12)
+    digests = WORLD.allgather(float(model.params.data.sum()))
+    assert all_agree(len(set(digests)) == 1)
+    assert all_agree(dp.counters["intra"]["calls"] == 0)  # the window moves no message
     dp.close()
 
 
 def test_shm_holds_one_copy_per_node():
     model, dp = make(intra="shm")
     node = dp.topology.node
+    window = dp.exchange.window
     # every rank of the node sees the same memory for the parameters
-    addresses = node.allgather(model.params.data.__array_interface__["data"][0] -
-                               dp.exchange.shared.window.__array_interface__["data"][0])
-    assert all_agree(WORLD, len(set(addresses)) == 1)
-    parts = dp.exchange.shared.resident_bytes()
+    offsets = node.allgather(model.params.data.__array_interface__["data"][0] -
+                             window.__array_interface__["data"][0])
+    assert all_agree(len(set(offsets)) == 1)
+    parts = dp.exchange.resident_bytes()
     R = node.Get_size()
-    assert all_agree(WORLD, parts["params"] == model.params.nbytes and
-                     parts["slots"] == R * model.params.message.nbytes)
+    assert all_agree(parts["params"] == model.params.nbytes and parts["slots"] == R * model.params.message.nbytes
+                     and parts["state"] == model.params.nbytes)  # SGD momentum: one buffer
     dp.close()
 
 
-def test_shm_refuses_a_layer_wise_optimizer_before_any_collective():
+def test_shm_reads_the_learning_rate_of_the_optimizer_the_schedule_sets():
+    """A trainer sets lr on the optimizer it built; the slice steps read it every step."""
     model = tiny_model()
-    with pytest.raises(ValueError, match="elementwise"):
-        DataParallel(model, LayerWise(model.params, lr=0.1), batch_size=B, intra="shm")
-    with pytest.raises(ValueError, match="intra must be"):
-        DataParallel(model, SGD(model.params, lr=0.1), batch_size=B, intra="tcp")
+    opt = SGD(model.params, lr=0.05)
+    dp = data_parallel(model, opt, batch_size=B, intra="shm")
+    opt.lr = 0.0
+    before = train(model, dp, steps=1)
+    opt.lr = 0.05
+    after = train(model, dp, steps=1)
+    assert all_agree(dp.optimizer.lr == 0.05 and not np.array_equal(before, after))
+    frozen = model.params.data.copy()
+    opt.lr = 0.0
+    assert all_agree(np.array_equal(train(model, dp, steps=1), frozen) and opt.step_count == 3)
+    dp.close()
 
 
+@pytest.mark.parametrize("ranks_per_node", LAYOUTS, ids=LAYOUT_IDS)
 @pytest.mark.parametrize("strategy", ["flat", "hierarchical"])
-def test_shm_non_finite_gradient_raises_on_every_rank(strategy):
-    model, dp = make(strategy=strategy, intra="shm")
+def test_shm_non_finite_gradient_raises_on_every_rank(strategy, ranks_per_node):
+    model, dp = make(strategy=strategy, intra="shm", ranks_per_node=ranks_per_node)
     raised = None
     for t in range(3):
         model.params.grad.fill(0.1)
@@ -101,135 +290,114 @@ def test_shm_non_finite_gradient_raises_on_every_rank(strategy):
     dp.close()
 
 
-def test_shm_state_dict_then_load_continues_exactly():
-    model, dp = make(intra="shm")
+@pytest.mark.parametrize("strategy, ranks_per_node", [("flat", None), ("node", max(1, P // 2))])
+def test_shm_state_dict_then_load_continues_exactly(strategy, ranks_per_node):
+    kwargs = dict(strategy=strategy, ranks_per_node=ranks_per_node, intra="shm", sync_every=3)
+    model, dp = make(**kwargs)
     train(model, dp, steps=2)
-    state = WORLD.bcast(dp.state_dict(), root=0)
+    state = WORLD.bcast(state_dict(dp), root=0)
     expected = train(model, dp, steps=2, seed=9)
-    model2, dp2 = make(intra="shm", seed=11)
-    dp2.load_state_dict(state)
+    model2, dp2 = make(seed=11, **kwargs)
+    load_state_dict(dp2, state)
     got = train(model2, dp2, steps=2, seed=9)
-    assert all_agree(WORLD, rel_diff(got, expected) <= 1e-12)
+    assert all_agree(rel_diff(got, expected) <= 1e-12), rel_diff(got, expected)
     dp.close()
     dp2.close()
 
 
-# ------------------------------------------------------------------ overlap
-@pytest.mark.parametrize("strategy, ranks_per_node, optimizer", [
-    ("flat", None, SGD), ("hierarchical", None, Adam), ("hierarchical", 1, SGD),
-    ("hierarchical", 2, SGD),
-])
-def test_overlap_equals_blocking_and_one_process(strategy, ranks_per_node, optimizer):
-    kwargs = dict(strategy=strategy, speeds=UNEVEN, ranks_per_node=ranks_per_node, optimizer=optimizer)
-    model, dp = make(overlap=True, bucket_mb=1e-4, **kwargs)
-    overlapped = train(model, dp, steps=4)
-    ref_model, ref_dp = make(**kwargs)
-    blocking = train(ref_model, ref_dp, steps=4)
-    one_model, one_dp = make(comm=MPI.COMM_SELF, strategy=strategy, optimizer=optimizer)
-    one = train(one_model, one_dp, steps=4)
-    assert all_agree(WORLD, rel_diff(overlapped, blocking) <= 1e-12), f"{rel_diff(overlapped, blocking):.3e}"
-    assert all_agree(WORLD, rel_diff(overlapped, one) <= 1e-10)
-    if P > 1:
-        # several buckets, each one counted collective per stage
-        n = len(dp.exchange.buckets)
-        level = "world" if strategy == "flat" else "inter" if dp.topology.is_leader and dp.topology.num_nodes > 1 else None
-        assert all_agree(WORLD, n >= 3 and (level is None or dp.counters[level]["calls"] == 4 * n))
-        assert all_agree(WORLD, sum(c["bytes"] for lv, c in dp.counters.items() if lv == (level or "x"))
-                         in (0, 4 * model.params.message.nbytes))
-    dp.close()
-    assert all_agree(WORLD, model.net.backward_hook is None)
-
-
-def test_overlap_hook_starts_buckets_during_backward():
-    """The first buckets are started by the hook, before step() is called."""
-    model, dp = make(overlap=True, bucket_mb=1e-4)
-    from test_data_parallel import DATA, batches
-    from mpidl.engine.nn import SoftmaxCrossEntropy
-    loss_fn = SoftmaxCrossEntropy()
-    batch = batches(1)[0]
-    local = dp.local_indices(batch)
-    x, y = DATA.read(local)
-    loss_fn.forward(model.forward(x), y)
-    model.backward(loss_fn.backward())
-    started = dp.exchange.started_buckets() if P > 1 else 0
-    dp.step()
-    assert all_agree(WORLD, P == 1 or started == len(dp.exchange.buckets))
-    dp.close()
-
-
-def test_overlap_refuses_what_it_cannot_do():
-    model = tiny_model()
-    opt = SGD(model.params, lr=0.1)
-    for kwargs, match in (({"strategy": "node"}, "overlap works with strategy"),
-                          ({"intra": "shm"}, "intra='mpi'"),
-                          ({"bucket_mb": 0}, "bucket_mb")):
-        with pytest.raises(ValueError, match=match):
-            DataParallel(model, opt, batch_size=B, overlap=True, **kwargs)
-    with pytest.raises(ValueError, match="Sequential"):
-        DataParallel(model.params, opt, batch_size=B, overlap=True)
-
-
 # ------------------------------------------------------------------ compression
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("intra", ["mpi", "shm"])
 @pytest.mark.parametrize("kind", ["bf16", "fp16"])
-def test_compressed_hierarchical_is_close_and_halves_the_inter_bytes(kind):
-    from mpidl.engine.backend import get_backend
-    from mpidl.engine.models import build_model
-    from test_data_parallel import DATA
+def test_compressed_hierarchical_is_close_and_halves_the_inter_bytes(kind, intra):
     rpn = max(1, P // 2)
     results = {}
     for compress in ("none", kind):
-        model = build_model("hsicnn", DATA.sample_shape, DATA.num_classes, seed=3,
-                            backend=get_backend("cpu", "float32"), channels=(4, 4), hidden=8)
-        dp = DataParallel(model, SGD(model.params, lr=0.05), batch_size=B, strategy="hierarchical",
-                          topology=Topology.from_comm(WORLD, ranks_per_node=rpn), compress=compress)
-        results[compress] = (train(model, dp, steps=3), dict(dp.counters["inter"]), model.params.message.nbytes)
-    (exact, inter0, nbytes), (packed, inter1, _) = results["none"], results[kind]
-    assert all_agree(WORLD, 0 < rel_diff(packed, exact) < 1e-2 or dp.topology.num_nodes == 1)
-    if dp.topology.is_leader and dp.topology.num_nodes > 1:
-        ok = inter0["bytes"] == 3 * nbytes and inter1["bytes"] <= 3 * (nbytes // 2 + 24)
+        model = tiny_model(backend=get_backend("cpu", "float32"))
+        dp = data_parallel(model, SGD(model.params, lr=0.05), batch_size=B, strategy="hierarchical",
+                           topology=Topology.from_comm(WORLD, ranks_per_node=rpn), compress=compress, intra=intra)
+        results[compress] = (train(model, dp, steps=3), dict(dp.counters["inter"]), model.params.message.nbytes,
+                             dp.exchange.describe())
+        dp.close()
+    (exact, inter0, nbytes, _), (packed, inter1, _, described) = results["none"], results[kind]
+    named = f"inter-node {kind}" in described or not dp.topology.is_leader
+    assert all_agree(0 < rel_diff(packed, exact) < 1e-2 and named), (rel_diff(packed, exact), described)
+    if dp.topology.is_leader:
+        n = nbytes // 4 - 3  # float32 gradients, then 3 slots
+        ok = inter0["bytes"] == 3 * nbytes and inter1["bytes"] == 3 * (2 * n + 24) and inter1["calls"] == 3
     else:
-        ok = True
-    assert all_agree(WORLD, ok), (inter0, inter1, nbytes)
+        ok = inter0["calls"] == inter1["calls"] == 0
+    assert all_agree(ok), (inter0, inter1, nbytes)
+
+
+# ------------------------------------------------------------------ the overlapped node sync
+def node_message(n, count):
+    message = np.zeros(n + 3)
+    message[COUNT] = count
+    return message
 
 
 @pytest.mark.mpi(min_size=2)
-def test_compressed_node_sync_averages_the_changes():
-    kwargs = dict(strategy="node", sync_every=2, ranks_per_node=max(1, P // 2), speeds=UNEVEN)
-    model, dp = make(compress="bf16", **kwargs)
-    ref_model, ref_dp = make(**kwargs)
-    got, want = train(model, dp, steps=4), train(ref_model, ref_dp, steps=4)
-    # the changes since the last sync are small: bf16 rounding of them is far below bf16 of theta
-    assert all_agree(WORLD, rel_diff(got, want) < 1e-3), rel_diff(got, want)
+@pytest.mark.parametrize("moved", [False, True])
+def test_sync_overlap_applies_the_average_at_its_start_plus_the_progress_since(moved):
+    """Sync started at step 2 from theta_2, applied at step 3 as avg(theta_2) + (theta_3 -
+    theta_2): the blocking sync's result when nothing moved in between."""
+    topo = Topology.from_comm(WORLD, ranks_per_node=max(1, P // 2))
+    background, blocking = OverlappedSyncNode(topo, sync_every=2, sync_overlap=1), Node(topo, sync_every=2)
+    n = 7
+    theta_node = np.arange(n) + 10.0 * (topo.node_id + 1)            # the same on a node's ranks
+    delta = (0.5 * np.arange(n) - topo.node_id) if moved else np.zeros(n)
+    theta, reference = theta_node.copy(), theta_node.copy()
+    flags = (1.0 if RANK == 0 else 0.0, 0.0)
+    for step in (1, 2):
+        for exchange in (background, blocking):
+            exchange.reduce(node_message(n, RANK + 1))
+        assert background.after_step(step, theta, [], flags) is None
+        blocking.after_step(step, reference, [], flags)
+    started = background.in_flight and np.array_equal(theta, theta_node)   # nothing applied yet
+    theta += delta
+    background.reduce(node_message(n, RANK + 1))
+    sums = background.after_step(3, theta, [], (0.0, 0.0))
+    expected = reference + delta
+    ok = started and not background.in_flight and sums == (1.0, 0.0)
+    ok = ok and rel_diff(theta, expected) <= 1e-15 * (1 + 100 * moved)
+    # counters: the leaders' one background allreduce of [v_n theta | v_n | flags]; within the
+    # node 3 per-step allreduces and the one broadcast of the result
+    counts = background.traffic.counts
+    inter_ok = counts["inter"] == ({"calls": 1, "bytes": (n + 3) * 8} if topo.is_leader else {"calls": 0, "bytes": 0})
+    intra_ok = counts["intra"]["calls"] == (4 if topo.local_size > 1 else 0)
+    assert all_agree(ok and inter_ok and intra_ok), (theta, expected, counts)
+    background.close()
+    blocking.close()
+    topo.free()
 
 
-# ------------------------------------------------------------------ overlapped node sync
 @pytest.mark.mpi(min_size=2)
 def test_sync_overlap_equals_blocking_when_nothing_moved_meanwhile():
-    rpn = max(1, P // 2)
     out = []
     for delay in (0, 1):
-        model = tiny_model()
-        dp = DataParallel(model, SGD(model.params, lr=0.05), batch_size=B, strategy="node",
-                          sync_every=3, speeds=UNEVEN, sync_overlap=delay,
-                          topology=Topology.from_comm(WORLD, ranks_per_node=rpn))
-        train(model, dp, steps=3)          # the sync starts (or happens) at step 3
+        model, dp = make(strategy="node", sync_every=3, speeds=UNEVEN, sync_overlap=delay,
+                         ranks_per_node=max(1, P // 2), momentum=0.0)
+        train(model, dp, steps=3)            # the sync starts (or happens) at step 3
+        in_flight = getattr(dp.exchange, "in_flight", False)
         model.params.grad.fill(0.0)
-        dp.step(2)                          # step 4 moves nothing; the overlapped sync lands
+        dp.step(2)                           # step 4 moves nothing; the overlapped sync lands
         out.append(model.params.data.copy())
-        assert all_agree(WORLD, dp.reducer._async is None)
-    assert all_agree(WORLD, rel_diff(out[1], out[0]) <= 1e-12), rel_diff(out[1], out[0])
+        assert all_agree(in_flight == bool(delay) and not getattr(dp.exchange, "in_flight", False))
+        dp.close()
+    assert all_agree(rel_diff(out[1], out[0]) <= 1e-12), rel_diff(out[1], out[0])
 
 
 @pytest.mark.mpi(min_size=2)
-def test_sync_overlap_applies_the_average_plus_local_progress():
-    rpn = max(1, P // 2)
-    kwargs = dict(strategy="node", sync_every=3, ranks_per_node=rpn, speeds=UNEVEN)
-    model, dp = make(sync_overlap=2, **kwargs)
+def test_sync_overlap_lands_later_and_sync_makes_the_replicas_identical():
+    model, dp = make(strategy="node", sync_every=3, speeds=UNEVEN, sync_overlap=2, ranks_per_node=max(1, P // 2))
     train(model, dp, steps=4)  # started at 3, not applied yet
-    assert all_agree(WORLD, dp.reducer._async is not None)
+    pending = dp.exchange.in_flight
     train(model, dp, steps=1, seed=5)  # applied at 5
-    assert all_agree(WORLD, dp.reducer._async is None)
-    dp.sync()
-    digest = model.params.data.sum()
-    assert all_agree(WORLD, len(set(WORLD.allgather(float(digest)))) == 1)
+    assert all_agree(pending and not dp.exchange.in_flight)
+    assert all_agree("sync applied 2 step(s) after it starts" in dp.exchange.describe())
+    train(model, dp, steps=1, seed=6)  # started again at 6
+    dp.sync()                          # applies it, then averages
+    digests = WORLD.allgather(float(model.params.data.sum()))
+    assert all_agree(not dp.exchange.in_flight and len(set(digests)) == 1)
+    dp.close()

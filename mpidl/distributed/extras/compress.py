@@ -138,5 +138,10 @@ class Compressed:
     def run(self, op: str, array) -> None:
         getattr(self, op)(array)
 
+    def start(self, op: str, array):
+        """Not compressed: refused rather than sent in full (``check_options`` keeps
+        compression away from the non-blocking exchanges)."""
+        raise ValueError("compress acts on the blocking exchange (not with overlap or sync_overlap)")
+
     def describe(self) -> str:
         return f"inter-node {self.compressor.kind}"

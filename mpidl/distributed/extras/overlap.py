@@ -6,39 +6,53 @@ of the gradient. Backward computes them first. The message is cut into *buckets*
 ``bucket_bytes``, walking the layers from the last to the first (:func:`plan_buckets`);
 bucket ``j`` covers ``message[lo_j:hi_j]`` and is complete once layer ``first_j`` (its
 lowest) has finished its backward. The first bucket (the last layers) also carries the three
-slots ``count | stop | nonfinite``, whose values are known before backward starts.
+slots ``count | stop | nonfinite``, whose values ``local_indices()`` wrote before backward.
 
-Per step (:class:`OverlappedExchange`)::
+:class:`Overlapped` wraps ANY exchange built of stages (:class:`~mpidl.distributed.exchange.Stage`:
+``flat`` one world allreduce, ``hierarchical`` node reduce -> leaders allreduce -> node
+bcast, ``node`` one node allreduce) and runs the same stages bucket by bucket::
 
-    Sequential.backward_hook(k)   ->  every bucket with first_j >= k: scale by c_i, start
-                                      its non-blocking SUM; Test the pending ones (progress)
-    DataParallel.step             ->  start the rest, wait for all, divide by the summed count
+    Sequential.backward_hook(k)   ->  every bucket with first_j >= k: scale by c_i (the weight
+                                      local_indices() wrote into message[COUNT]) and start its
+                                      stage 0; Test the pending ones, start stage s+1 of a
+                                      bucket whose stage s completed
+    DataParallel.step -> reduce   ->  start the rest, wait for all, then the inner exchange's
+                                      reduced(): divide by the summed count (node: count v_n)
 
-``flat``: one ``Iallreduce`` per bucket on a duplicate of the world communicator.
-``hierarchical``: per bucket ``Ireduce`` (node) -> ``Iallreduce`` (leaders) -> ``Ibcast``
-(node), each stage on its own duplicate communicator and started in bucket order on every
-rank (non-blocking collectives on one communicator must be started in the same order by all
-its ranks); a stage starts when the bucket's previous stage has completed, found by the
-``Test`` calls of the hooks and of the final wait.
+Each stage runs on its own duplicate of the stage's communicator, through a channel made by
+the inner exchange's ``channel()`` (so it is counted, and EMULATED, like the blocking one),
+and every rank starts a stage's buckets in bucket order: MPI requires the non-blocking
+collectives of one communicator to be started in the same order on every rank, and the
+duplicates keep them apart from the blocking collectives and from the other stages. The
+sums are the blocking ones bucket by bucket: the result equals the blocking exchange's up to
+the order of additions inside MPI's algorithms (bitwise on 2 ranks).
 
-The sums are the blocking ones bucket by bucket (the result equals ``overlap=False`` up to
-the order of additions inside MPI's algorithms).
+The first bucket travels from a private copy. ``DataParallel.step`` writes ``c_i`` and the
+stop flag into the message's slots again before it calls :meth:`Overlapped.reduce`, while
+that bucket may be in flight: MPI forbids touching the buffer of a pending collective (and
+a finished one would lose its summed count). The copy costs one bucket's bytes per step.
+
+Which backward belongs to a step. A backward outside a step (the speed probe's, a GAN
+generator's pass through a discriminator) must start nothing: the other ranks would never
+match it. ``local_indices()`` clears the nonfinite slot to ``+0.0``; after each
+:meth:`~Overlapped.reduce` (and at construction) this exchange sets it to ``-0.0``, which
+equals 0 for every reader but has its sign bit set. The hooks start buckets only when the
+slot is ``+0.0``. A step whose backward started nothing (no ``local_indices()``) is still
+exact: :meth:`~Overlapped.reduce` starts every bucket itself.
 
 Progress. MPICH and Open MPI progress a non-blocking collective only inside MPI calls of
 the process (``MPI_Test``/``MPI_Wait``/any other call) unless an asynchronous progress
 thread is enabled (MPICH ``MPIR_CVAR_ASYNC_PROGRESS=1``, which needs ``MPI_THREAD_MULTIPLE``;
 Open MPI has none for its default ``tuned``/``libnbc`` collectives over TCP/shared memory,
-some network transports progress in hardware). mpidl therefore calls ``MPI.Request.Test``
-on every pending request from the backward hooks: the top-level Sequential's (once per
-top-level layer: it also starts the buckets that became ready) and every nested
-Sequential's (:meth:`OverlappedExchange.poll`, between the layers inside a block), which
-moves the collectives' rounds forward between layers at a cost of microseconds.
+some network transports progress in hardware). mpidl therefore calls ``Test`` on every
+pending request from the backward hooks: the top-level Sequential's (once per top-level
+layer: it also starts the buckets that became ready) and every nested Sequential's (between
+the layers inside a block), which moves the collectives' rounds forward between layers at a
+cost of microseconds.
 
-EMULATION: the inter-node time of every bucket is booked on a
-:class:`~mpidl.distributed.emulation.LinkTimeline` when its inter-node collective starts
-(flat: the world ring ``2 (P-1) (alpha + n / (P beta))``; hierarchical: the leaders' ring
-over ``L`` nodes), so it runs concurrently with the rest of the backward; a bucket counts as
-complete when both MPI and its deadline are done.
+EMULATION: a bucket's inter-node collective goes through the EMULATED link's ``start``,
+which books its modelled time on the link's timeline; its request completes when both MPI
+and that deadline are done, so the modelled time runs concurrently with the backward.
 
 On a node with more ranks than cores the final wait is a sleeping ``Test`` poll instead of
 ``MPI_Wait`` (whose busy-wait would take the core from a rank still computing).
@@ -49,18 +63,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 from mpi4py import MPI
 
-from mpidl import kernels
-from mpidl.distributed.emulation import LinkTimeline
-from mpidl.distributed.message import COUNT, NONFINITE, SLOTS, STOP
-Variant = object  # TODO(redesign): rewrite as an exchange wrapper
+from mpidl.distributed.exchange import Stage
+from mpidl.distributed.extras import ExchangeWrapper, timed
 from mpidl.distributed.extras.shm import POLL_S, self_oversubscribed
+from mpidl.distributed.message import COUNT, NONFINITE, SLOTS, STOP, check_message
 
-__all__ = ["Bucket", "plan_buckets", "bucket_bytes", "MIN_BUCKETS", "OverlappedExchange", "Overlapped",
-           "OVERLAP_STRATEGIES"]
-
-OVERLAP_STRATEGIES = ("flat", "hierarchical")
+__all__ = ["Bucket", "plan_buckets", "bucket_bytes", "MIN_BUCKETS", "Overlapped", "check_options"]
 
 
 def check_options(intra: str, host_memory: bool, model=None) -> None:
@@ -125,251 +136,208 @@ def bucket_bytes(elements: int, itemsize: int, bucket_mb: float) -> float:
 
 
 class _Pending:
-    """One bucket's progress through its stages."""
+    """One bucket's progress through the stages in one step."""
 
-    __slots__ = ("bucket", "stage", "request", "deadline")
+    __slots__ = ("bucket", "buf", "stage", "request")
 
-    def __init__(self, bucket):
+    def __init__(self, bucket: Bucket, buf):
         self.bucket = bucket
+        self.buf = buf           # what MPI reads and writes: the message's slice, or the copy
         self.stage = -1          # index of the stage started last (-1: not started)
-        self.request = None      # the MPI request of that stage, or None when it is done
-        self.deadline = 0.0      # EMULATED end of the bucket's inter-node transfer
+        self.request = None      # the request of that stage, or None once it completed
 
 
-class OverlappedExchange:
-    """The bucketed, non-blocking weighted SUM of one rank's message (see the module doc).
+class _Step:
+    """What the hooks started in one step, until :meth:`Overlapped.reduce` completes it."""
 
-    ``reducer`` : the flat or hierarchical reducer (its counters, weighting, link model);
-    ``message`` : the rank's flat message; ``buckets`` : from :func:`plan_buckets`.
-    Collective construction (it duplicates communicators); :meth:`close` frees them.
+    def __init__(self, message, weight: float, slots, pending: list[_Pending], ready_layer: int):
+        self.message, self.weight, self.slots = message, weight, slots
+        self.pending, self.ready_layer = pending, ready_layer
+
+
+def _armed(message) -> bool:
+    """True when ``local_indices()`` wrote the slots since the last reduce (see the module
+    docstring: ``+0.0`` in the nonfinite slot, ``-0.0`` after a reduce)."""
+    value = message[NONFINITE]
+    return value == 0 and not np.signbit(value)
+
+
+def _disarm(message) -> None:
+    if message[NONFINITE] == 0:
+        message[NONFINITE] = -0.0   # still 0 to every reader; only the sign bit tells
+
+
+class Overlapped(ExchangeWrapper):
+    """``overlap=True``: ``exchange``'s weighted SUM in buckets started from ``model``'s
+    backward hooks, waited for in :meth:`reduce` (see the module docstring).
+
+    ``exchange``: any exchange built of stages; ``model``: a Model whose ``net`` is a
+    Sequential (its ``params.message`` is what travels); ``bucket_mb``: the bucket cap.
+    One backward per step. Collective construction (it duplicates the stages'
+    communicators); :meth:`close` frees them, removes the hooks and closes ``exchange``.
     """
 
-    def __init__(self, reducer, message, buckets: list[Bucket]):
-        self.reducer = reducer
-        self.message = message
-        self.buckets = list(buckets)
-        topo = reducer.topology
-        self.topology = topo
-        self.hierarchical = reducer.name == "hierarchical"
-        self.timeline = LinkTimeline()
+    def __init__(self, exchange, model, bucket_mb: float):
+        check_options("mpi", True, model)
+        if not getattr(exchange, "stages", None):
+            raise ValueError(f"overlap wraps an exchange built of stages (flat, hierarchical, node), "
+                             f"not {type(exchange).__name__}")
+        super().__init__(exchange)
+        self.model, self.params = model, model.params
+        layers = [sum(p.size for _, p in layer.named_parameters()) for layer in model.net.layers]
+        itemsize = self.params.data.itemsize
+        self.buckets = plan_buckets(layers, bucket_bytes(sum(layers), itemsize, bucket_mb), itemsize)
+        # One duplicate per stage, in stage order on every rank (Dup is collective over the
+        # stage's communicator; a rank outside one, e.g. a non-leader, has COMM_NULL).
         self._comms = []
-        if self.hierarchical:
-            node_reduce, node_bcast = topo.node.Dup(), topo.node.Dup()
-            leaders = topo.leaders.Dup() if topo.is_leader else MPI.COMM_NULL
-            self._comms = [node_reduce, node_bcast, leaders]
-            #: (level, comm) of the stages; a comm of one rank (or COMM_NULL) is skipped
-            self.stages = [("intra", node_reduce), ("inter", leaders), ("intra", node_bcast)]
-        else:
-            world = topo.world.Dup()
-            self._comms = [world]
-            self.stages = [("world", world)]
-        self._pending: list[_Pending] | None = None
+        self.stages = []
+        for stage in exchange.stages:
+            comm = stage.channel.comm
+            dup = comm.Dup() if comm != MPI.COMM_NULL else MPI.COMM_NULL
+            if dup != MPI.COMM_NULL:
+                self._comms.append(dup)
+            self.stages.append(Stage(exchange.channel(stage.channel.level, dup), stage.op))
+        first = self.buckets[0]
+        self._head = np.empty(first.hi - first.lo, dtype=self.params.message.dtype)
         #: final wait: None = MPI_Wait; seconds = a sleeping Test poll (oversubscribed node)
-        self.poll_s = POLL_S if self_oversubscribed(topo.node) else None
-        self.weight = 1
-        self.count = None
+        self.poll_s = POLL_S if self_oversubscribed(exchange.topology.node) else None
+        self._step: _Step | None = None
+        _disarm(self.params.message)
+        model.net.backward_hook = self._backward_hook
+        for module in model.net.modules():
+            if module is not model.net and hasattr(module, "backward_hook"):
+                module.backward_hook = self._poll  # progress inside the blocks
 
-    # ------------------------------------------------------------------ per step
-    @property
-    def active(self) -> bool:
-        """True between :meth:`begin` and :meth:`finish`."""
-        return self._pending is not None
+    def describe(self) -> str:
+        return self.inner.describe() + f"; overlap in {len(self.buckets)} buckets"
 
-    def begin(self, count, stop: float) -> None:
-        """A new step: this rank computed ``count`` samples; ``stop`` its stop request."""
-        self.count = count
-        self.weight = self.reducer.weight(count)
-        self.message[COUNT] = self.weight
-        self.message[STOP] = stop
-        self.message[NONFINITE] = 0.0
-        self._pending = [_Pending(b) for b in self.buckets]
-        self._ready_layer = len(self.buckets) and self.buckets[0].first + 1  # none ready yet
+    def started_buckets(self) -> int:
+        """Buckets whose exchange has started in this step (for tests and diagnostics)."""
+        return 0 if self._step is None else sum(1 for p in self._step.pending if p.stage >= 0)
 
-    def ready(self, layer: int) -> None:
-        """Layers ``layer .. L-1`` have their final gradients (the backward hook)."""
-        start = time.perf_counter()
-        self._ready_layer = layer
-        self._progress(ready_layer=layer)
-        self.reducer.comm_seconds += time.perf_counter() - start
+    # ------------------------------------------------------------------ the hooks
+    def _backward_hook(self, layer: int) -> None:
+        """``model.net.backward_hook``: layers ``layer .. L-1`` have their final gradients."""
+        if self._step is None:
+            message = self.params.message
+            if self.group_size <= 1 or not _armed(message):
+                return  # nothing to exchange, or a backward outside a step
+            self._begin(message)
+        with timed(self.traffic):
+            self._step.ready_layer = layer
+            self._progress()
 
-    def poll(self, _layer: int = 0) -> None:
-        """Test the pending requests and start the stages that may start (no bucket becomes
-        ready): installed as the backward hook of the nested Sequentials, so that progress
-        is made between the layers inside a block too."""
-        if self._pending is not None:
-            start = time.perf_counter()
-            self._progress(ready_layer=self._ready_layer)
-            self.reducer.comm_seconds += time.perf_counter() - start
+    def _poll(self, _layer: int = 0) -> None:
+        """The nested Sequentials' hook: Test the pending requests, start what may start."""
+        if self._step is not None:
+            with timed(self.traffic):
+                self._progress()
 
-    def finish(self) -> float:
-        """Start what is left, wait for every bucket, divide by the summed count; returns it."""
-        start = time.perf_counter()
-        while not self._progress(ready_layer=0):
-            # Nothing left to compute: wait in MPI for the oldest unfinished request (or the
-            # EMULATED link), then go round again to start the next stages.
-            self._wait_one()
-        self._pending = None
-        total = float(self.message[COUNT])
-        if total > 0:
-            self.message[:COUNT] /= total
-        self.reducer.comm_seconds += time.perf_counter() - start
-        return total
+    # ------------------------------------------------------------------ the step
+    def reduce(self, message) -> bool:
+        """Start the buckets the hooks did not, wait for all, then the inner exchange's
+        ``reduced`` (the division by the summed count); returns whether the gradient is
+        finite. ValueError, after completing the collectives every rank started, when
+        ``message[COUNT]`` (the weight ``step()`` computed) is not the weight the hooks sent."""
+        check_message(message)
+        if self.group_size <= 1:
+            return self.inner.reduce(message)  # a group of one: nothing to exchange
+        if message.size != self.buckets[0].hi:
+            raise ValueError(f"overlap planned its buckets for a message of {self.buckets[0].hi} "
+                             f"elements, got {message.size}")
+        weight = float(message[COUNT])
+        with timed(self.traffic):
+            if self._step is None:
+                self._begin(message)
+            step = self._step
+            step.ready_layer = 0
+            while not self._progress():
+                self._wait_one()
+            self._end()
+        if step.weight != weight or step.message is not message:
+            raise ValueError(f"step(): the backward hooks already sent this rank's gradient weighted by "
+                             f"{step.weight:g} (written by local_indices()), but step() weighs it by "
+                             f"{weight:g}: pass step() the size of the slice local_indices() returned")
+        return self.inner.reduced(message)
+
+    def close(self) -> None:
+        """Remove the hooks, free the duplicates, close the inner exchange."""
+        for module in self.model.net.modules():
+            if hasattr(module, "backward_hook"):
+                module.backward_hook = None
+        for comm in self._comms:
+            comm.Free()
+        self._comms = []
+        self.inner.close()
 
     # ------------------------------------------------------------------ internals
-    def _live(self, stage: int) -> bool:
-        comm = self.stages[stage][1]
-        return comm != MPI.COMM_NULL and comm.Get_size() > 1
+    def _begin(self, message) -> None:
+        """A step starts: the weight and the slots as they are now (``local_indices()``'s)."""
+        weight = float(message[COUNT])
+        nonfinite = float(message[NONFINITE]) or 0.0  # -0.0 (not armed) travels as 0.0
+        slots = np.array([weight, message[STOP], nonfinite], dtype=message.dtype)
+        pending = [_Pending(b, self._head if k == 0 else message[b.lo:b.hi]) for k, b in enumerate(self.buckets)]
+        self._step = _Step(message, weight, slots, pending, ready_layer=self.buckets[0].first + 1)
 
     def _start(self, p: _Pending, stage: int) -> None:
-        """Start ``stage`` of bucket ``p`` (or mark it done at once when it moves nothing)."""
-        if stage == 0 and self.weight != 1:
-            self.message[p.bucket.lo:min(p.bucket.hi, self.message.size + COUNT)] *= self.weight
+        """Start ``stage`` of bucket ``p`` (stage 0: scale its gradients by the weight first;
+        a stage over a communicator of one rank is done at once: its request is None)."""
+        step = self._step
+        if stage == 0:
+            grads = step.message.size - SLOTS
+            if step.weight != 1:
+                step.message[p.bucket.lo:min(p.bucket.hi, grads)] *= step.weight
+            if p.buf is self._head:
+                self._head[:grads - p.bucket.lo] = step.message[p.bucket.lo:grads]
+                self._head[grads - p.bucket.lo:] = step.slots
         p.stage = stage
-        p.request = None
-        if not self._live(stage):
-            return
-        level, comm = self.stages[stage]
-        buf = self.message[p.bucket.lo:p.bucket.hi]
-        if not self.hierarchical:
-            p.request = comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-            link = self.reducer.emulate_link
-            if link is not None and self.topology.num_nodes > 1:
-                p.deadline = self.timeline.start(link.allreduce_seconds(buf.nbytes, self.topology.size))
-        elif stage == 0:
-            root = comm.Get_rank() == 0
-            p.request = (comm.Ireduce(MPI.IN_PLACE, buf, op=MPI.SUM, root=0) if root
-                         else comm.Ireduce(buf, None, op=MPI.SUM, root=0))
-        elif stage == 1:
-            p.request = comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-            link = self.reducer.emulate_link
-            if link is not None:
-                p.deadline = self.timeline.start(link.allreduce_seconds(buf.nbytes, self.topology.num_nodes))
-        else:
-            p.request = comm.Ibcast(buf, root=0)
-        self.reducer.counters[level]["calls"] += 1
-        self.reducer.counters[level]["bytes"] += buf.nbytes
+        channel, op = self.stages[stage]
+        p.request = channel.start(op, p.buf)
 
-    def _stage_done(self, p: _Pending) -> bool:
+    def _done(self, p: _Pending) -> bool:
         if p.request is not None:
             if not p.request.Test():
                 return False
             p.request = None
-        return p.deadline <= 0 or self.timeline.done(p.deadline)
+        return True
 
-    def _progress(self, ready_layer: int) -> bool:
+    def _progress(self) -> bool:
         """Test every started stage and start the next ones, in bucket order per stage;
         True when every bucket has finished its last stage."""
+        step = self._step
         last = len(self.stages) - 1
         all_done = True
         limit = last  # a bucket may start stage s once the bucket before it has started s
-        for p in self._pending:
+        for p in step.pending:
             if p.stage < 0:
-                if p.bucket.first < ready_layer:
+                if p.bucket.first < step.ready_layer:
                     return False  # neither it nor the later buckets (earlier layers) are ready
                 self._start(p, 0)
-            while p.stage < min(last, limit) and self._stage_done(p):
+            while p.stage < min(last, limit) and self._done(p):
                 self._start(p, p.stage + 1)
-            if not (p.stage == last and self._stage_done(p)):
+            if not (p.stage == last and self._done(p)):
                 all_done = False
             limit = p.stage
         return all_done
 
     def _wait_one(self) -> None:
-        """Block until the oldest unfinished stage has completed (MPI, then the link)."""
-        for p in self._pending:
+        """Block until the oldest pending request has completed (MPI, and an EMULATED link's
+        deadline). The first unfinished bucket always has one: its stage is running, or the
+        progress just started its next one."""
+        for p in self._step.pending:
             if p.request is not None:
-                if self.poll_s is None:
-                    p.request.Wait()
-                else:  # oversubscribed node: give the core to the ranks still computing
-                    while not p.request.Test():
+                request = p.request
+                if self.poll_s is not None:  # oversubscribed node: give the core to the ranks computing
+                    mpi = getattr(request, "request", request)  # an EMULATED link's request wraps MPI's
+                    while mpi is not None and not mpi.Test():
                         time.sleep(self.poll_s)
+                request.Wait()  # (then only an EMULATED deadline is left to sleep, and booked)
                 p.request = None
                 return
-            if p.deadline > 0 and not self.timeline.done(p.deadline):
-                slept = self.timeline.wait(p.deadline)
-                self.reducer.emulated_seconds += slept
-                return
 
-    def communicators(self) -> list:
-        """The communicators it duplicated (to revoke after a lost rank)."""
-        return list(self._comms)
-
-    def close(self) -> None:
-        for comm in self._comms:
-            if comm != MPI.COMM_NULL:
-                comm.Free()
-        self._comms = []
-
-
-class Overlapped(Variant):
-    """``overlap=True``: the strategy's weighted SUM in buckets started from the model's
-    backward hooks (:class:`OverlappedExchange`), waited for in :meth:`reduce`.
-
-    The hook takes this rank's sample count from :meth:`begin` (``local_indices``), so a step
-    is ``begin``, then ONE backward, then :meth:`reduce`. Collective construction."""
-
-    def __init__(self, reducer, model, bucket_mb: float):
-        self.check_model(model)
-        super().__init__(reducer)
-        params = model.params
-        layers = [sum(p.size for _, p in layer.named_parameters()) for layer in model.net.layers]
-        self.buckets = plan_buckets(layers, bucket_bytes(sum(layers), params.data.itemsize, bucket_mb),
-                                    params.data.itemsize)
-        self.engine = OverlappedExchange(reducer, params.message, self.buckets)
-        self.model = model
-        self._step = None  # (count, stop_requested) from begin, until reduce
-        model.net.backward_hook = self._backward_hook
-        for module in model.net.modules():
-            if module is not model.net and hasattr(module, "backward_hook"):
-                module.backward_hook = self.engine.poll  # progress inside the blocks
-
-    @staticmethod
-    def check_model(model) -> None:
-        """The buckets follow the layers of a Sequential, whose backward hook starts them."""
-        net = getattr(model, "net", None)
-        if net is None or not hasattr(net, "backward_hook"):
-            raise ValueError("overlap needs a Model whose net is a Sequential (its backward hook "
-                             "starts the buckets)")
-
-    def describe(self) -> str:
-        return self.reducer.describe() + f"; overlap in {len(self.buckets)} buckets"
-
-    def communicators(self) -> list:
-        return self.reducer.communicators() + self.engine.communicators()
-
-    def begin(self, count, stop_requested) -> None:
-        self._step = (count, stop_requested)
-
-    def _backward_hook(self, layer: int) -> None:
-        """Installed as ``model.net.backward_hook``: start the buckets whose layers are done."""
-        if not self.engine.active:
-            if self._step is None:
-                return  # a backward outside a step (begin not called): nothing starts
-            count, stop_requested = self._step
-            self.engine.begin(count, 1.0 if stop_requested() else 0.0)
-        self.engine.ready(layer)
-
-    def started_buckets(self) -> int:
-        """Buckets whose exchange has started in this step (for tests and diagnostics)."""
-        return 0 if self.engine._pending is None else sum(1 for p in self.engine._pending if p.stage >= 0)
-
-    def reduce(self, message, count, stop) -> tuple[bool, float]:
-        """Wait for the buckets the hooks started (start the others first)."""
-        self._step = None
-        engine = self.engine
-        if not engine.active:
-            engine.begin(count, 1.0 if stop else 0.0)
-        elif engine.count != count:
-            engine.finish()  # complete the collectives every rank has started
-            raise ValueError(f"step({count}): the backward hook already sent this rank's gradient "
-                             f"weighted by {engine.count} samples (the size of local_indices())")
-        if engine.finish() == 0:
-            raise ValueError("no rank computed a sample this step (every count was 0)")
-        return kernels.all_finite(message[:COUNT]), float(message[STOP])
-
-    def close(self) -> None:
-        for module in self.model.net.modules():
-            if hasattr(module, "backward_hook"):
-                module.backward_hook = None
-        self.engine.close()
-        self.reducer.close()
+    def _end(self) -> None:
+        """Every bucket is summed: the first one's copy goes back into the message, and the
+        message is marked as reduced (the hooks wait for the next ``local_indices()``)."""
+        step, self._step = self._step, None
+        step.message[self.buckets[0].lo:] = self._head
+        _disarm(step.message)

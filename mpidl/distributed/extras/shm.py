@@ -1,47 +1,54 @@
 """Node-shared buffers (``intra='shm'``): one copy of the model per node, in an MPI-3 window.
 
+:class:`SharedWindow` wraps the strategy's exchange (flat, hierarchical or node) and moves the
+node's parameters, optimizer state and messages into one window; the strategy's own
+collectives are replaced by sums in the window (the exchange it wraps keeps its channels,
+topology and options).
+
 Layout. On every node one shared-memory window is allocated on the node communicator
 (``MPI.Win.Allocate_shared``, all of it by the node's local rank 0, the others asking for 0
 bytes, so it is one contiguous segment that every rank maps with ``Win.Shared_query(0)``)::
 
-    window = [ slot_0 | slot_1 | ... | slot_{R-1} | theta | s_1 | ... | s_S | flags (R) ]
+    window = [ slot_0 | ... | slot_{R-1} | theta | s_1 | ... | s_S | tails (R x 3) | flags (R) | synced (3) ]
               slot_r = [ c_r g_r (P) | c_r | stop_r | nonfinite_r ]    (rank r's message)
 
 ``slot_r`` becomes rank r's ``FlatParameters.message`` (its backward writes its gradient
 there), ``theta`` the ``FlatParameters.data`` of EVERY rank of the node (the forward pass of
-each rank reads it), ``s_k`` the optimizer's state buffers, and ``flags`` one scalar per rank
-for its finiteness check. The node thus holds parameters and optimizer state once instead of
-``R`` times, plus the ``R`` gradient slots; each rank keeps only a private optimizer scratch
-of its slice.
+each rank reads it), ``s_k`` the optimizer's state buffers, ``tails[r]`` a copy of rank r's
+three slots (the others read the copy, so that rank r may write the sums into its own
+message as soon as it has them: ``DataParallel.step`` reads them at once), ``flags`` one
+scalar per rank for its finiteness check, ``synced`` the node strategy's sync result. The
+node thus holds parameters and optimizer state once instead of ``R`` times, plus the ``R``
+gradient slots; each rank keeps only a private optimizer scratch of its slice.
 
 One step, on every rank ``r`` of the node (``[lo_r, hi_r)`` = rank r's ``1/R`` slice of the
 ``P`` parameters, ``lo_r = r P // R``)::
 
-    slot_r <- [c_r g_r | c_r | stop_r | nonfinite_r]        (the rank's own slot; one node:
-                                                             nonfinite_r = its g_r is not finite)
+    slot_r[:P] *= c_r;  tails[r] <- [c_r | stop_r | nonfinite_r]    (one step group per node:
+                                                         nonfinite_r = its c_r g_r is not finite)
     ---- barrier 1
     slot_0[lo_r:hi_r] <- sum_k slot_k[lo_r:hi_r]            (k in rank order; its slice only)
-    one node (and the node strategy's every step): [count, stop, nonfinite] = sum_k slot_k[P:],
-      read by every rank; on to the division.
-    several nodes, exact strategies:
+    the step group is the node (one node; the node strategy):
+      [count, stop, nonfinite] = sum_k tails[k], read by every rank; on to the division.
+    the step group is the world, several nodes (flat, hierarchical):
       flags[r] <- 1 if its slice of the sum is not finite else 0
-      rank 0: slot_0[P:] <- sum_k slot_k[P:]
+      rank 0: slot_0[P:] <- sum_k tails[k]
       ---- barrier 2
       the leader adds sum(flags) to slot_0's nonfinite slot and runs Allreduce(SUM) of slot_0
-      among the leaders, in place in the window (the compressed exchange with
-      compress='bf16'|'fp16')
+      among the leaders, in place in the window (through the leaders' channel: compressed
+      with compress='bf16'|'fp16', slowed by an EMULATED link)
       ---- barrier 3
     g[lo_r:hi_r] = slot_0[lo_r:hi_r] / count                (its slice only)
     if the sum is finite everywhere: the optimizer over slice [lo_r, hi_r) of theta, s_k, g
-    ---- barrier 4; every rank reads the updated theta in its next forward
+    ---- barrier 4 (after_step); every rank reads the updated theta in its next forward
 
 One node thus needs two barriers per step, several nodes four, and
-``g = sum_i c_i g_i / sum_i c_i``, exactly the weighted sum of the reducers
-(:mod:`~mpidl.distributed.reducer_base`), with the additions in another order (rank order,
-per node then over nodes), which changes the result only by rounding. A rank never writes
-what another rank reads between two barriers: in each phase rank r writes only its own slot,
-its own slice, its own flag (and rank 0 the node's three slots), which is why no lock is
-needed.
+``g = sum_i c_i g_i / sum_i c_i``, exactly the weighted sum of the exchanges
+(:mod:`~mpidl.distributed.exchange`), with the additions in another order (rank order, per
+node then over nodes), which changes the result only by rounding. A rank never writes what
+another rank reads between two barriers: in each phase rank r writes only its own slot, its
+own slice, its own tail and flag (and rank 0 the node's three slots), which is why no lock
+is needed.
 
 Memory model. MPI-3 shared windows under the *unified* memory model (what MPICH and Open
 MPI give on one node) make a store visible to the other processes once the writer has
@@ -56,16 +63,23 @@ poll, the same ordering without the busy-wait. This is the
 pattern the MPI standard gives for load/store communication in a shared window (MPI-4.0
 section 12.7, example 12.21).
 
-Strategies. ``flat`` and ``hierarchical`` on one node are barrier 1, 2, 4; on several nodes
-both become "sum in the window, leaders' allreduce of the node sums reading the window"
-(``flat`` cannot hand the world allreduce the window: each rank's buffer would be the
-node's), the emulated link charges the leaders' ring. ``node`` reduces inside the node every
-step; every ``K'`` steps the leader averages ``theta`` and the state among the leaders
-straight from the window and writes the result there, and one barrier later every rank reads
-it (no broadcast: there is one copy).
+The node strategy (the step group is the node; several nodes). Every step is the node's
+sum above; every ``K'`` steps (and at ``synchronize``) the leader averages ``theta`` (and the
+state with ``sync_optimizer_state``) among the leaders straight from the window, as
+:class:`~mpidl.distributed.node.Node` does (``theta = sum_n v_n theta_n / sum_n v_n``, the same
+arithmetic), writes the result into the window and ``[count | stop | nonfinite]`` into
+``synced``; one barrier later every rank reads them (no broadcast: there is one copy). The
+wrapper keeps ``v_n`` and the steps since the sync itself (the node's per-step sum never
+runs through the wrapped exchange).
+
+Writes of the same values. ``DataParallel``'s construction writes rank 0's parameters into
+``theta`` from every rank of the node, and a checkpoint's load writes the parameters and the
+state from every rank: the same values from every writer, and each rank reads them only
+after its own write (the load also ends with a barrier, :meth:`SharedWindow.load_state`).
 
 Counters: the window moves no message, so the node level counts nothing; the leaders'
-exchange counts as ``inter`` as in the reducers.
+exchange counts as ``inter``, as in the strategies. ``traffic.seconds`` holds the time in
+the window's steps and barriers.
 
 The optimizer must be elementwise (:attr:`mpidl.engine.optim.Optimizer.elementwise`, SGD and the
 Adams): a rank updates its slice of the parameters and of the state alone. CPU backends only
@@ -74,7 +88,6 @@ Adams): a rank updates its slice of the parameters and of the state alone. CPU b
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import time
@@ -83,15 +96,16 @@ import numpy as np
 from mpi4py import MPI
 
 from mpidl import kernels
+from mpidl.distributed.extras import ExchangeWrapper, timed
 from mpidl.distributed.message import COUNT, NONFINITE, SLOTS, STOP
-Variant = object  # TODO(redesign): rewrite as an exchange wrapper
 
-__all__ = ["SharedNode", "SharedExchange", "check_shared_supported"]
+__all__ = ["SharedWindow", "check_options", "check_shared_supported", "slice_optimizer", "move_state",
+           "POLL_S", "self_oversubscribed"]
 
 
 def check_elementwise(optimizer) -> None:
     """ValueError unless ``optimizer`` (an optimizer or its class) is elementwise: the one
-    rule, checked before any MPI work by :func:`mpidl.distributed.exchange.check_options`."""
+    rule, checked before any MPI work by :func:`mpidl.distributed.build.check_options`."""
     if not getattr(optimizer, "elementwise", False):
         name = optimizer.__name__ if isinstance(optimizer, type) else type(optimizer).__name__
         raise ValueError(f"intra='shm' needs an elementwise optimizer (sgd, adam, adamw): each rank "
@@ -154,7 +168,7 @@ def slice_optimizer(optimizer, lo: int, hi: int, gradient):
     return part
 
 
-#: sleep between the tests of a sleeping barrier (see SharedNode.barrier)
+#: sleep between the tests of a sleeping barrier or wait (SharedWindow.barrier, overlap's final wait)
 POLL_S = 50e-6
 
 
@@ -163,19 +177,64 @@ def self_oversubscribed(node) -> bool:
     return node.Get_size() > len(os.sched_getaffinity(0))
 
 
-class SharedNode:
-    """The node's shared window and the step on it (see the module docstring).
+class _SliceStepping:
+    """The optimizer ``DataParallel`` steps under ``intra='shm'``: :meth:`step` updates this
+    rank's slice only (the slice optimizer); everything else is the whole optimizer's
+    (``params``: the whole FlatParameters; ``lr``, ``step_count``, ``state_buffers()``,
+    ``load_state_dict_host`` ...), so a schedule that sets ``lr`` on the optimizer it built is
+    read at every step. After :meth:`SharedWindow.close` it steps the whole optimizer again."""
 
-    Collective over ``topology.node`` (construction, :meth:`reduce`, :meth:`update`,
-    :meth:`close`). On construction ``params`` and the optimizer's state are rebound onto
-    the window, with the values of the node's rank 0 (every replica holds the same values at
-    that point); :meth:`close` copies them back to private memory and frees the window.
+    def __init__(self, whole, part):
+        self._whole, self._part = whole, part
+
+    def __getattr__(self, name):
+        if name in ("_whole", "_part"):
+            raise AttributeError(name)
+        return getattr(self._whole, name)
+
+    @property
+    def lr(self) -> float:
+        return self._whole.lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self._whole.lr = value
+
+    @property
+    def step_count(self) -> int:
+        return self._whole.step_count
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        self._whole.step_count = value
+
+    def step(self) -> None:
+        whole, part = self._whole, self._part
+        if part is None:  # the window was closed: the parameters are private again
+            whole.step()
+            return
+        part.lr, part.step_count = whole.lr, whole.step_count  # the schedule sets whole.lr
+        part.step()
+        whole.step_count = part.step_count
+
+
+class SharedWindow(ExchangeWrapper):
+    """``intra='shm'``: ``exchange``'s step in the node's shared window (see the module
+    docstring): the weighted sum of the slots, over the world for an exact exchange on
+    several nodes; the node strategy's ``K'`` sync in the window; :attr:`optimizer` (what
+    ``DataParallel`` must step) updates this rank's slice.
+
+    Collective construction over the world. ``params`` and ``optimizer``'s state are rebound
+    onto the window with the values of each node's rank 0; :meth:`close` copies them back to
+    private memory (the model and the optimizer stay usable) and frees the window.
+    ``poll_s``: the barrier's wait (None: ``MPI_Barrier``, or a sleeping poll of
+    :data:`POLL_S` when the node has more ranks than cores).
     """
 
-    def __init__(self, params, optimizer, topology, poll_s: float | None = None):
+    def __init__(self, exchange, params, optimizer, poll_s: float | None = None):
         check_shared_supported(params, optimizer)
-        #: barrier wait: None = MPI_Barrier; seconds = a sleeping Ibarrier/Test poll
-        #: (default: the poll when the node has more ranks than cores)
+        super().__init__(exchange)
+        topology = exchange.topology
         if poll_s is None and self_oversubscribed(topology.node):
             poll_s = POLL_S
         self.poll_s = poll_s
@@ -187,49 +246,63 @@ class SharedNode:
         if not topology.world.allreduce(shares, op=MPI.LAND):
             raise ValueError("intra='shm': some node's ranks do not share memory (an emulated "
                              "--ranks-per-node grouping spans hosts); use intra='mpi'")
-        self.topology = topology
         self.node = topology.node
         self.ranks = self.node.Get_size()
         self.local_rank = self.node.Get_rank()
-        size = params.size
-        width = size + SLOTS
+        #: the step group is the node and the nodes average their parameters every K' steps
+        #: (the node strategy on several nodes); else the step group is the world
+        self.node_syncs = not exchange.exact
+        #: the world's step on several nodes: the leaders sum the node sums
+        self.inter_nodes = exchange.exact and topology.num_nodes > 1
+        #: the leaders' level, made by the exchange (so that compression and an EMULATED
+        #: link wrap it as they wrap the exchange's own)
+        self.inter = exchange.channel("inter", topology.leaders)
+        #: the node strategy's v_n and steps since its last sync (kept here: the node's
+        #: per-step sum never runs through the wrapped exchange)
+        self.weight_since_sync, self.steps_since_sync = 0.0, 0
+        self._scratch = None
+
+        size, width = params.size, params.size + SLOTS
         states = optimizer.state_buffers()
         dtype = np.dtype(params.dtype)
-        total = self.ranks * width + size * (1 + len(states)) + self.ranks
+        total = self.ranks * width + size * (1 + len(states)) + self.ranks * (SLOTS + 1) + SLOTS
         self.win = MPI.Win.Allocate_shared(total * dtype.itemsize if self.local_rank == 0 else 0,
                                            dtype.itemsize, comm=self.node)
         memory, _ = self.win.Shared_query(0)
         window = np.ndarray(buffer=memory, dtype=dtype, shape=(total,))
         self.win.Lock_all(MPI.MODE_NOCHECK)
         self.window = window
-        self.slots = window[: self.ranks * width].reshape(self.ranks, width)
-        offset = self.ranks * width
-        self.theta = window[offset: offset + size]
-        offset += size
-        self.state = [window[offset + k * size: offset + (k + 1) * size] for k in range(len(states))]
-        offset += size * len(states)
-        self.flags = window[offset: offset + self.ranks]
+        parts, offset = [], 0
+        for length in (self.ranks * width, size, size * len(states), self.ranks * SLOTS, self.ranks, SLOTS):
+            parts.append(window[offset:offset + length])
+            offset += length
+        slots, self.theta, state, tails, self.flags, self.synced = parts
+        self.slots = slots.reshape(self.ranks, width)
+        self.tails = tails.reshape(self.ranks, SLOTS)
+        self.state_views = [state[k * size:(k + 1) * size] for k in range(len(states))]
         self.lo = self.local_rank * size // self.ranks
         self.hi = (self.local_rank + 1) * size // self.ranks
         self.size = size
-        self.params = params
-        self.optimizer = optimizer
+        self.params, self.whole_optimizer = params, optimizer
         #: bytes of the window (allocated once per node)
         self.nbytes = total * dtype.itemsize
         # Rank 0 copies the (identical) parameters and state in; every rank's own slot gets
         # its current message.
         first = self.local_rank == 0
         params.rebind(self.theta if first else np.empty_like(self.theta), self.slots[self.local_rank])
-        move_state(optimizer, self.state if first else [np.empty_like(s) for s in self.state])
+        move_state(optimizer, self.state_views if first else [np.empty_like(s) for s in self.state_views])
         self.barrier()
         if not first:
             params.rebind(self.theta, self.slots[self.local_rank], copy=False)
             params.message[...] = 0
-            move_state(optimizer, self.state, copy=False)
-        #: the optimizer over this rank's slice: views of theta, the state and the reduced
-        #: gradient, its own scratch (an elementwise update of a slice is that slice of the
-        #: whole update)
-        self.slice_optimizer = slice_optimizer(optimizer, self.lo, self.hi, self.gradient)
+            move_state(optimizer, self.state_views, copy=False)
+        #: what DataParallel steps: the optimizer over this rank's slice (views of theta, the
+        #: state and the reduced gradient, its own scratch: an elementwise update of a slice
+        #: is that slice of the whole update), the whole optimizer for everything else
+        self.optimizer = _SliceStepping(optimizer, slice_optimizer(optimizer, self.lo, self.hi, self.gradient))
+
+    def describe(self) -> str:
+        return self.inner.describe() + "; intra shm"
 
     # ------------------------------------------------------------------ synchronization
     def barrier(self) -> None:
@@ -247,63 +320,133 @@ class SharedNode:
                 time.sleep(self.poll_s)
         self.win.Sync()
 
-    # ------------------------------------------------------------------ the step
-    def reduce(self, weight: int, stop: float, reducer=None, inter: bool = False) -> tuple[float, float, float]:
-        """The node's (and with ``inter`` the world's) weighted gradient sum, divided, in
-        ``slot_0[lo:hi]`` for this rank's slice; returns ``(total count, stop sum,
-        nonfinite sum)`` (the same on every rank of the group that reduced).
-
-        The rank's gradient must be in its slot (``params.message``), unscaled. ``inter``:
-        the leaders also sum the node sums among themselves through ``reducer``'s counted
-        ``allreduce('inter', ...)`` (and its emulated link)."""
-        own = self.slots[self.local_rank]
-        alone = self.ranks == 1 and not inter  # one rank scales nothing: the same bits
-        if weight != 1 and not alone:
-            own[:COUNT] *= weight
-        own[COUNT] = weight
-        own[STOP] = stop
-        # One node: each rank checks its own gradient, so that every decision is known after
-        # the first barrier (a sum of finite gradients that overflows is not caught).
-        own[NONFINITE] = 0.0 if inter or kernels.all_finite(own[:COUNT]) else 1.0
-        self.barrier()  # 1: every slot written
-        lo, hi = self.lo, self.hi
-        acc = self.slots[0, lo:hi]
-        for k in range(1, self.ranks):
-            acc += self.slots[k, lo:hi]
-        if not inter:
-            total, stop_sum, nonfinite = (float(v) for v in self.slots[:, COUNT:].sum(axis=0))
-            if total > 0 and not alone:
-                acc /= total
-            return total, stop_sum, nonfinite
-        self.flags[self.local_rank] = 0.0 if kernels.all_finite(acc) else 1.0
-        if self.local_rank == 0:
-            self.slots[0, COUNT:] = self.slots[:, COUNT:].sum(axis=0)
-        self.barrier()  # 2: the node sum is complete
-        head = self.slots[0]
-        if self.topology.is_leader:
-            head[NONFINITE] += self.flags.sum()
-            reducer.inter_sum(head)
-        self.barrier()  # 3: the world sum is in every node's window
-        nonfinite = float(head[NONFINITE])
-        total = float(head[COUNT])
-        if total > 0 and not alone:
-            head[lo:hi] /= total
-        return total, float(head[STOP]), nonfinite
-
     @property
     def gradient(self):
         """The reduced gradient (P,) after :meth:`reduce`; a rank may read only its slice."""
         return self.slots[0, : self.size]
 
-    def update(self, apply: bool = True) -> None:
-        """The optimizer on this rank's slice (when ``apply``), then the barrier after which
-        every rank may read the new parameters."""
-        if apply:
-            part, whole = self.slice_optimizer, self.optimizer
-            part.lr, part.step_count = whole.lr, whole.step_count  # the schedule sets whole.lr
-            part.step()
-            whole.step_count = part.step_count
-        self.barrier()  # 4
+    # ------------------------------------------------------------------ the interface
+    def reduce(self, message) -> bool:
+        """The step group's weighted gradient sum, divided, in ``slot_0[lo:hi]`` for this
+        rank's slice (see the module docstring); ``message`` (this rank's slot) ends with
+        ``[sum c | sum stop | sum nonfinite]`` in its slots. Returns whether the sum is finite
+        (the same answer on every rank of the group)."""
+        if message is not self.params.message:
+            raise ValueError("intra='shm' reduces this rank's slot of the window: pass params.message")
+        with timed(self.traffic):
+            total, stop, nonfinite = self._sum(message)
+        if total == 0 and not self.node_syncs:
+            raise ValueError("no rank computed a sample this step (every count was 0)")
+        if self.node_syncs:
+            self.weight_since_sync += total
+        return nonfinite == 0
+
+    def _sum(self, own) -> tuple[float, float, float]:
+        inter = self.inter_nodes
+        alone = self.ranks == 1 and not inter  # one rank scales nothing: the same bits
+        weight, stop = float(own[COUNT]), float(own[STOP])
+        if weight != 1 and not alone:
+            own[:COUNT] *= weight
+        # One step group per node: each rank checks its own gradient, so that every decision
+        # is known after the first barrier (a sum of finite gradients that overflows is not
+        # caught). Several nodes: the slices of the sum are checked below.
+        nonfinite = 0.0 if inter or kernels.all_finite(own[:COUNT]) else 1.0
+        self.tails[self.local_rank] = (weight, stop, nonfinite)
+        self.barrier()  # 1: every slot and tail written
+        lo, hi = self.lo, self.hi
+        acc = self.slots[0, lo:hi]
+        for k in range(1, self.ranks):
+            acc += self.slots[k, lo:hi]
+        head = self.slots[0]
+        if not inter:
+            sums = self.tails.sum(axis=0)
+        else:
+            self.flags[self.local_rank] = 0.0 if kernels.all_finite(acc) else 1.0
+            if self.local_rank == 0:
+                head[COUNT:] = self.tails.sum(axis=0)
+            self.barrier()  # 2: the node sum is complete
+            if self.topology.is_leader:
+                head[NONFINITE] += self.flags.sum()
+                self.inter.allreduce(head)
+            self.barrier()  # 3: the world sum is in every node's window
+            sums = np.array(head[COUNT:])
+        total = float(sums[0])
+        if total > 0 and not alone:
+            acc /= total
+        if self.local_rank != 0 or not inter:
+            # This rank's message gets the sums (DataParallel reads its stop slot): no rank
+            # reads its slots in this step any more (they read the tails). Rank 0's is slot_0,
+            # which holds them already when the leaders summed it (and the others read it).
+            own[COUNT:] = sums
+        return total, float(sums[1]), float(sums[2])
+
+    def after_step(self, steps, params_data, state_buffers, flags):
+        """The barrier after the update (every rank reads the new parameters in its next
+        forward), then the node strategy's sync every ``K'`` steps."""
+        with timed(self.traffic):
+            self.barrier()  # 4
+        if not self.node_syncs:
+            return self.inner.after_step(steps, params_data, state_buffers, flags)
+        self.steps_since_sync += 1
+        if steps % self.sync_every != 0:
+            return None
+        return self._average(flags)
+
+    def synchronize(self, params_data, state_buffers, flags):
+        if not self.node_syncs:
+            return self.inner.synchronize(params_data, state_buffers, flags)
+        if self.steps_since_sync == 0:
+            return self.world_flags(flags)
+        return self._average(flags)
+
+    def state(self) -> dict:
+        if not self.node_syncs:
+            return self.inner.state()
+        return {"steps_since_sync": self.steps_since_sync, "weight_since_sync": self.weight_since_sync}
+
+    def load_state(self, state: dict) -> None:
+        """Continue from :meth:`state`'s dict. Ends with a node barrier: the caller has just
+        written the parameters and the optimizer state into the window from every rank."""
+        if self.node_syncs:
+            self.steps_since_sync = int(state.get("steps_since_sync", 0))
+            self.weight_since_sync = float(state.get("weight_since_sync", 0.0))
+        else:
+            self.inner.load_state(state)
+        self.barrier()
+
+    def _average(self, flags) -> tuple:
+        """The node strategy's sync in the window: the leader sends ``[v_n theta_n | v_n s_n
+        ... | v_n | stop | nonfinite]`` from the window to the leaders' SUM and writes ``sum /
+        sum v_n`` back; the node reads it after one barrier. Returns the world's flag sums."""
+        buffers = [self.theta, *self.state_views] if self.sync_optimizer_state else [self.theta]
+        size = self.size
+        with timed(self.traffic):
+            if self.topology.is_leader:
+                length = size * len(buffers) + SLOTS
+                if self._scratch is None or self._scratch.size != length:
+                    self._scratch = np.zeros(length, dtype=self.theta.dtype)
+                message = self._scratch
+                weight = self.weight_since_sync
+                for k, buf in enumerate(buffers):
+                    part = message[k * size:(k + 1) * size]
+                    part[...] = buf
+                    part *= weight
+                message[COUNT], message[STOP], message[NONFINITE] = weight, flags[0], flags[1]
+                self.inter.allreduce(message)
+                if message[COUNT] > 0:
+                    for k, buf in enumerate(buffers):
+                        buf[...] = message[k * size:(k + 1) * size]
+                        buf /= message[COUNT]
+                self.synced[...] = message[COUNT:]
+            # Every rank reads theta (its next forward) and `synced` after the leader wrote
+            # them; `synced` is written again only at the next sync, barriers later.
+            self.barrier()
+        total, stop, nonfinite = (float(v) for v in self.synced)
+        self.weight_since_sync, self.steps_since_sync = 0.0, 0
+        if total <= 0:
+            raise RuntimeError("node parameter sync: no node computed a sample since the last sync "
+                               "(every count was 0); the parameter average is undefined")
+        return stop, nonfinite
 
     # ------------------------------------------------------------------ memory
     def resident_bytes(self) -> dict:
@@ -311,64 +454,23 @@ class SharedNode:
         ``params``, ``state``, and each rank's private ``scratch`` (summed over the node)."""
         item = self.window.dtype.itemsize
         return {"slots": self.slots.nbytes, "params": self.theta.nbytes,
-                "state": sum(s.nbytes for s in self.state),
+                "state": sum(s.nbytes for s in self.state_views),
                 "scratch": self.ranks * (self.hi - self.lo + 1) * item}
 
     # ------------------------------------------------------------------ end
     def close(self) -> None:
         """Copy the parameters, the rank's message and the optimizer state back to private
-        memory (the model stays usable) and free the window (collective over the node)."""
+        memory (the model and the optimizer stay usable) and free the window (collective
+        over the node); then close the wrapped exchange."""
         if self.win == MPI.WIN_NULL:
             return
-        self.barrier()
+        self.barrier()  # every rank's last writes are in
         self.params.rebind(np.array(self.theta), np.array(self.slots[self.local_rank]), copy=False)
-        move_state(self.optimizer, [np.array(s) for s in self.state], copy=False)
-        self.barrier()
-        self.slots = self.theta = self.flags = self.window = None
-        self.state = []
+        move_state(self.whole_optimizer, [np.array(s) for s in self.state_views], copy=False)
+        self.optimizer._part = None
+        self.barrier()  # every rank has copied before the memory goes
+        self.slots = self.theta = self.flags = self.tails = self.synced = self.window = None
+        self.state_views = []
         self.win.Unlock_all()
         self.win.Free()
-
-
-class SharedExchange(Variant):
-    """``intra='shm'``: the strategy's step through the node's :class:`SharedNode` (the
-    weighted sum in the window, over the world for the exact strategies on several nodes;
-    the optimizer on this rank's slice). Collective construction over the node."""
-
-    check = staticmethod(check_shared_supported)
-
-    def __init__(self, reducer, params, optimizer):
-        super().__init__(reducer)
-        self.shared = SharedNode(params, optimizer, reducer.topology)
-        reducer.attach_shared(self.shared)
-
-    def describe(self) -> str:
-        return self.reducer.describe() + "; intra shm"
-
-    def reduce(self, message, count, stop) -> tuple[bool, float]:
-        reducer = self.reducer
-        inter = reducer.step_is_global and reducer.topology.num_nodes > 1
-        total, stop_sum, nonfinite = self.shared.reduce(reducer.weight(count), 1.0 if stop else 0.0,
-                                                        reducer, inter=inter)
-        if reducer.step_is_global and total == 0:
-            raise ValueError("no rank computed a sample this step (every count was 0)")
-        reducer.add_samples(total)
-        return nonfinite == 0, stop_sum
-
-    def update(self, optimizer, finite: bool) -> None:
-        self.shared.update(apply=finite)
-
-    @contextlib.contextmanager
-    def writing_parameters(self):
-        # The ranks of a node write the same values into its one copy; none may still be
-        # reading it, and none reads it before all have written.
-        self.shared.barrier()
-        yield
-        self.shared.barrier()
-
-    def close(self) -> None:
-        """Copy the parameters and state back to private memory and free the window."""
-        self.shared.close()
-        self.shared = None
-        self.reducer.attach_shared(None)
-        self.reducer.close()
+        self.inner.close()

@@ -15,12 +15,12 @@ the price of not waiting for the network.
 
 from __future__ import annotations
 
-import time
 from numbers import Integral
 
 from mpi4py import MPI
 
 from mpidl.engine.backend import get_array_module
+from mpidl.distributed.extras import timed
 from mpidl.distributed.message import COUNT, NONFINITE, STOP
 from mpidl.distributed.node import Node
 
@@ -52,6 +52,8 @@ class OverlappedSyncNode(Node):
     def __init__(self, topology, sync_every: int = 50, sync_optimizer_state: bool = False,
                  sync_overlap: int = 1, wrap=None):
         check_options(sync_overlap, "node", sync_every, "mpi", "none")
+        if not sync_overlap:
+            raise ValueError("OverlappedSyncNode needs sync_overlap >= 1 (0 is the blocking Node)")
         super().__init__(topology, sync_every, sync_optimizer_state, wrap)
         self.sync_overlap = int(sync_overlap)
         self._comm = topology.leaders.Dup() if topology.is_leader and not self.exact else MPI.COMM_NULL
@@ -60,7 +62,13 @@ class OverlappedSyncNode(Node):
         self._pending = None
 
     def describe(self) -> str:
-        return super().describe() + f", sync applied {self.sync_overlap} step(s) after it starts"
+        return super().describe().replace(
+            f"(K'={self.sync_every})", f"(K'={self.sync_every}, sync applied {self.sync_overlap} step(s) after it starts)", 1)
+
+    @property
+    def in_flight(self) -> bool:
+        """True between the start of a sync and its application."""
+        return self._pending is not None
 
     def after_step(self, steps, params_data, state_buffers, flags):
         self.steps_since_sync += 1
@@ -84,6 +92,11 @@ class OverlappedSyncNode(Node):
         return super().state()
 
     def close(self) -> None:
+        """Free the duplicate. A sync still in flight is completed among the leaders (its
+        buffer must outlive the collective) and dropped, not applied."""
+        if self._pending is not None and self._pending["request"] is not None:
+            self._pending["request"].Wait()
+        self._pending = None
         if self._comm != MPI.COMM_NULL:
             self._comm.Free()
             self._comm = MPI.COMM_NULL
@@ -112,21 +125,20 @@ class OverlappedSyncNode(Node):
         pending, self._pending = self._pending, None
         buffers = self._buffers(params_data, state_buffers)
         size = params_data.size
-        start = time.perf_counter()
-        if self.topology.is_leader:
-            message = pending["message"]
-            if pending["request"] is not None:
-                pending["request"].Wait()
-            total = float(message[COUNT])
-            if total > 0:
-                for k, snap in enumerate(pending["snapshot"]):
-                    part = message[k * size:(k + 1) * size]
-                    part /= total
-                    part -= snap   # avg(theta_t) - theta_t
-        else:
-            message = get_array_module(params_data).zeros(size * len(buffers) + 3, dtype=params_data.dtype)
-        self.intra.bcast(message)
-        self.traffic.seconds += time.perf_counter() - start
+        with timed(self.traffic):
+            if self.topology.is_leader:
+                message = pending["message"]
+                if pending["request"] is not None:
+                    pending["request"].Wait()   # (an EMULATED link sleeps what is left of its time)
+                total = float(message[COUNT])
+                if total > 0:
+                    for k, snap in enumerate(pending["snapshot"]):
+                        part = message[k * size:(k + 1) * size]
+                        part /= total
+                        part -= snap   # avg(theta_t) - theta_t
+            else:
+                message = get_array_module(params_data).zeros(size * len(buffers) + 3, dtype=params_data.dtype)
+            self.intra.bcast(message)
         if float(message[COUNT]) <= 0:
             raise RuntimeError("node parameter sync: no node computed a sample since the last sync "
                                "(every count was 0); the parameter average is undefined")
