@@ -295,14 +295,13 @@ def test_an_exchange_wrapper_reads_through_and_keeps_its_own():
 
 
 # ------------------------------------------------------------------ which backward is a step's (overlap)
-def test_a_reduced_message_disarms_the_hooks_until_local_indices_clears_its_slots():
-    """overlap's hooks start buckets only after DataParallel.local_indices() (reset_slots)
-    wrote +0.0 into the nonfinite slot; -0.0 after a reduce reads as 0 everywhere else."""
+def test_a_reduced_message_disarms_the_hooks_until_local_indices_writes_a_weight():
+    """The hooks start buckets only after local_indices() wrote this rank's weight (>= 0)
+    into the weight slot; an exchange leaves -1 there, a weight no step can have."""
     message = np.zeros(10)
     _disarm(message)
-    assert not _armed(message) and message[NONFINITE] == 0 and message.sum() == 0
-    reset_slots(message, stop=False)  # what local_indices() does
+    assert not _armed(message) and message[COUNT] == -1
+    message[COUNT] = 0.0  # local_indices() of a rank with no samples this step
     assert _armed(message)
-    message[COUNT], message[NONFINITE] = 4.0, 2.0  # some rank's gradient was not finite
-    _disarm(message)
-    assert not _armed(message) and message[NONFINITE] == 2.0
+    message[COUNT] = 16.0
+    assert _armed(message)

@@ -32,13 +32,13 @@ stop flag into the message's slots again before it calls :meth:`Overlapped.reduc
 that bucket may be in flight: MPI forbids touching the buffer of a pending collective (and
 a finished one would lose its summed count). The copy costs one bucket's bytes per step.
 
-Which backward belongs to a step. A backward outside a step (the speed probe's, a GAN
-generator's pass through a discriminator) must start nothing: the other ranks would never
-match it. ``local_indices()`` clears the nonfinite slot to ``+0.0``; after each
-:meth:`~Overlapped.reduce` (and at construction) this exchange sets it to ``-0.0``, which
-equals 0 for every reader but has its sign bit set. The hooks start buckets only when the
-slot is ``+0.0``. A step whose backward started nothing (no ``local_indices()``) is still
-exact: :meth:`~Overlapped.reduce` starts every bucket itself.
+Which backward belongs to a step. A backward outside a step (the speed probe's, a loop's
+own gradient analysis) must start nothing: the other ranks would never match it. The weight
+slot tells: ``local_indices()`` writes this rank's weight ``c_i >= 0`` into it, and after
+each :meth:`~Overlapped.reduce` (and at construction) this exchange writes ``-1`` there, a
+weight no step can have. The hooks start buckets only when the slot holds a weight. A step
+whose backward started nothing (no ``local_indices()``) is still exact: :meth:`~Overlapped.reduce`
+starts every bucket itself.
 
 Progress. MPICH and Open MPI progress a non-blocking collective only inside MPI calls of
 the process (``MPI_Test``/``MPI_Wait``/any other call) unless an asynchronous progress
@@ -155,16 +155,17 @@ class _Step:
         self.pending, self.ready_layer = pending, ready_layer
 
 
+#: the weight slot after an exchange, until ``local_indices()`` writes the next weight
+SPENT = -1.0
+
+
 def _armed(message) -> bool:
-    """True when ``local_indices()`` wrote the slots since the last reduce (see the module
-    docstring: ``+0.0`` in the nonfinite slot, ``-0.0`` after a reduce)."""
-    value = message[NONFINITE]
-    return value == 0 and not np.signbit(value)
+    """True when ``local_indices()`` wrote this rank's weight since the last exchange."""
+    return message[COUNT] >= 0
 
 
 def _disarm(message) -> None:
-    if message[NONFINITE] == 0:
-        message[NONFINITE] = -0.0   # still 0 to every reader; only the sign bit tells
+    message[COUNT] = SPENT
 
 
 class Overlapped(ExchangeWrapper):
@@ -255,10 +256,13 @@ class Overlapped(ExchangeWrapper):
                 self._wait_one()
             self._end()
         if step.weight != weight or step.message is not message:
+            _disarm(message)
             raise ValueError(f"step(): the backward hooks already sent this rank's gradient weighted by "
                              f"{step.weight:g} (written by local_indices()), but step() weighs it by "
                              f"{weight:g}: pass step() the size of the slice local_indices() returned")
-        return self.inner.reduced(message)
+        finite = self.inner.reduced(message)
+        _disarm(message)  # the hooks wait for the next local_indices()
+        return finite
 
     def close(self) -> None:
         """Remove the hooks, free the duplicates, close the inner exchange."""
@@ -274,8 +278,7 @@ class Overlapped(ExchangeWrapper):
     def _begin(self, message) -> None:
         """A step starts: the weight and the slots as they are now (``local_indices()``'s)."""
         weight = float(message[COUNT])
-        nonfinite = float(message[NONFINITE]) or 0.0  # -0.0 (not armed) travels as 0.0
-        slots = np.array([weight, message[STOP], nonfinite], dtype=message.dtype)
+        slots = np.array([weight, message[STOP], message[NONFINITE]], dtype=message.dtype)
         pending = [_Pending(b, self._head if k == 0 else message[b.lo:b.hi]) for k, b in enumerate(self.buckets)]
         self._step = _Step(message, weight, slots, pending, ready_layer=self.buckets[0].first + 1)
 
@@ -337,7 +340,6 @@ class Overlapped(ExchangeWrapper):
 
     def _end(self) -> None:
         """Every bucket is summed: the first one's copy goes back into the message, and the
-        message is marked as reduced (the hooks wait for the next ``local_indices()``)."""
+        message holds the sums."""
         step, self._step = self._step, None
         step.message[self.buckets[0].lo:] = self._head
-        _disarm(step.message)
