@@ -28,10 +28,17 @@ and the layouts are written once, in the reference files: :mod:`mpidl.kernels.re
 
 Callers go through the functions below. Each checks its arguments once, whichever
 implementation runs, and then calls the implementation picked from the array: a device array
-(CuPy, or a Numba device array) goes to ``cuda``, a NumPy array to ``cpu``. Setting the
-environment variable ``MPIDL_KERNELS=reference`` forces the reference everywhere (to debug a
-suspected kernel bug); ``MPIDL_KERNELS=cpu`` or ``cuda`` forces one of the others. The choice
-is read at each call, so tests can flip it.
+(CuPy, or a Numba device array) goes to ``cuda``, a NumPy array to ``cpu``. One family can be
+forced instead, to debug a suspected kernel bug or to compare two families:
+
+* in code, for a block: ``with kernels.use("reference"): ...`` (or ``"cpu"``, ``"cuda"``;
+  ``"auto"`` restores the choice by the array, whatever the environment says). It holds in
+  the current thread (a :class:`contextvars.ContextVar`) and ends with the block;
+* for a whole run, from outside: the environment variable ``MPIDL_KERNELS=reference|cpu|cuda``,
+  read once, with mpidl's other variables, by :mod:`mpidl.settings` (``SETTINGS.kernels``).
+
+:func:`use` wins over the variable. A forced family that cannot take the array (``cpu`` on a
+device array, ``cuda`` on a NumPy one) is refused with ``ValueError``.
 
 The implementation modules are internal: they take arguments these functions have checked
 (Python ints, shapes that fit) and check only what is their own: ``cpu`` refuses ``argmax``
@@ -51,7 +58,10 @@ softmax ``scale <= 0``, or a backward pass's arrays whose shapes differ.
 
 from __future__ import annotations
 
-import os
+import contextlib
+import contextvars
+
+from mpidl import settings
 
 from . import reference, winograd_reference
 
@@ -88,13 +98,19 @@ __all__ = [
     "lstm_forward",
     "lstm_backward",
     "implementation_for",
+    "use",
+    "forced_family",
+    "FAMILIES",
 ]
 
 conv_output_size = reference.conv_output_size
 winograd_matrices = winograd_reference.winograd_matrices
 winograd_geometry = winograd_reference.winograd_geometry
 
-_FORCE_VALUES = ("", "reference", "cpu", "cuda")
+#: the kernel families :func:`use` and ``MPIDL_KERNELS`` can force
+FAMILIES = ("reference", "cpu", "cuda")
+#: the family :func:`use` forced in this context: a name of FAMILIES, "auto", or None (not used)
+_USED: contextvars.ContextVar[str | None] = contextvars.ContextVar("mpidl_kernels_family", default=None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -154,19 +170,52 @@ def _on_device(x) -> bool:
     )
 
 
+@contextlib.contextmanager
+def use(family: str):
+    """Run every kernel called in the ``with`` block (in this thread) with the kernel family
+    ``family``: ``"reference"``, ``"cpu"`` or ``"cuda"``, or ``"auto"`` for the choice by the
+    array even where ``MPIDL_KERNELS`` forces a family. Blocks nest; the previous choice is
+    back when the block ends. A convolution's backward pass runs the family its forward ran
+    (:func:`conv2d_backward`), wherever it is called.
+
+    ::
+
+        with kernels.use("reference"):  # is it the Numba kernel?
+            y = model.forward(x)
+    """
+    if family not in (*FAMILIES, "auto"):
+        raise ValueError(f"kernels.use: family must be one of {', '.join(FAMILIES)} or auto, got {family!r}")
+    token = _USED.set(family)
+    try:
+        yield
+    finally:
+        _USED.reset(token)
+
+
+def forced_family() -> str | None:
+    """The family every kernel runs now, or None when the array decides: :func:`use`'s, else
+    ``MPIDL_KERNELS`` (:data:`mpidl.settings.SETTINGS`; a malformed value is refused here)."""
+    family = _USED.get()
+    if family is None:
+        return settings.SETTINGS.kernels
+    return None if family == "auto" else family
+
+
+def _forced_by() -> str:
+    """Where the forced family came from, for an error message."""
+    family = _USED.get()
+    return f"kernels.use({family!r})" if family is not None else f"MPIDL_KERNELS={settings.SETTINGS.kernels}"
+
+
 def implementation_for(x):
     """The kernel module that will run for array ``x`` (see the module docstring)."""
-    forced = os.environ.get("MPIDL_KERNELS", "").strip().lower()
-    if forced not in _FORCE_VALUES:
-        raise ValueError(
-            f"MPIDL_KERNELS={forced!r} is not one of reference, cpu, cuda (or unset)"
-        )
+    forced = forced_family()
     on_gpu = _on_device(x)
     if forced:
         if forced == "cuda" and not on_gpu:
-            raise ValueError("MPIDL_KERNELS=cuda needs device arrays (CuPy or Numba)")
+            raise ValueError(f"{_forced_by()} needs device arrays (CuPy or Numba)")
         if forced == "cpu" and on_gpu:
-            raise ValueError("MPIDL_KERNELS=cpu needs NumPy arrays")
+            raise ValueError(f"{_forced_by()} needs NumPy arrays")
         return _load(forced)
     module = _load("cuda") if on_gpu else _load("cpu")
     return module if module is not None else reference
@@ -191,7 +240,8 @@ def _winograd_module(x, whole: bool = False):
 
 
 def _batchnorm_module(x):
-    """``batchnorm_cpu`` for NumPy arrays (unless ``MPIDL_KERNELS=reference``), else the reference."""
+    """``batchnorm_cpu`` for NumPy arrays (unless the reference is forced: :func:`use`,
+    ``MPIDL_KERNELS``), else the reference."""
     if implementation_for(x) is reference or _on_device(x):
         from . import batchnorm_reference  # noqa: PLC0415
 
@@ -204,9 +254,9 @@ def _batchnorm_module(x):
 
 
 def _recurrent_module(x):
-    """``recurrent_cpu`` for NumPy arrays (unless ``MPIDL_KERNELS=reference``), else
-    ``recurrent_reference`` (the LSTM's math and state layout; it runs on CuPy arrays too):
-    the rule of :func:`_batchnorm_module`."""
+    """``recurrent_cpu`` for NumPy arrays (unless the reference is forced: :func:`use`,
+    ``MPIDL_KERNELS``), else ``recurrent_reference`` (the LSTM's math and state layout; it runs
+    on CuPy arrays too): the rule of :func:`_batchnorm_module`."""
     if implementation_for(x) is reference or _on_device(x):
         from . import recurrent_reference  # noqa: PLC0415
 
@@ -493,8 +543,9 @@ def _same_shape_and_dtype(what: str, a, b) -> None:
 
 
 def _elementwise_module(x):
-    """``elementwise_cpu`` for NumPy arrays (unless ``MPIDL_KERNELS=reference``), else the
-    reference (CuPy arrays run its array code on the device; Numba missing)."""
+    """``elementwise_cpu`` for NumPy arrays (unless the reference is forced: :func:`use`,
+    ``MPIDL_KERNELS``), else the reference (CuPy arrays run its array code on the device;
+    Numba missing)."""
     if implementation_for(x) is reference or _on_device(x):
         from . import elementwise_reference  # noqa: PLC0415
 
@@ -533,8 +584,9 @@ def add(a, b):
 
 
 def _transformer_module(x):
-    """``transformer_cpu`` for float32/float64 NumPy arrays (unless ``MPIDL_KERNELS=reference``),
-    else the reference (CuPy arrays, other dtypes, Numba missing)."""
+    """``transformer_cpu`` for float32/float64 NumPy arrays (unless the reference is forced:
+    :func:`use`, ``MPIDL_KERNELS``), else the reference (CuPy arrays, other dtypes, Numba
+    missing)."""
     if implementation_for(x) is reference or _on_device(x) or x.dtype.name not in ("float32", "float64"):
         from . import transformer_reference  # noqa: PLC0415
 

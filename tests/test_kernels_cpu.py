@@ -114,10 +114,9 @@ def test_out_workspace_is_filled_and_reused():
         lambda: [[0.0] * 60] * 27,  # not an array
     ],
 )
-def test_bad_out_is_refused(make_out, monkeypatch):
-    monkeypatch.setenv("MPIDL_KERNELS", "cpu")
+def test_bad_out_is_refused(make_out):
     x = _random((2, 3, 6, 5), np.float32)
-    with pytest.raises(ValueError):
+    with kernels.use("cpu"), pytest.raises(ValueError):
         kernels.im2col(x, 3, 3, 1, 1, out=make_out())
 
 
@@ -131,8 +130,14 @@ def test_non_contiguous_input():
     np.testing.assert_array_equal(argmax, argmax_ref)
 
 
-def test_geometry_errors(monkeypatch):
-    monkeypatch.setenv("MPIDL_KERNELS", "cpu")
+@pytest.fixture
+def cpu_kernels():
+    """The Numba CPU kernels for the whole test (the dispatch's argument checks, then cpu's)."""
+    with kernels.use("cpu"):
+        yield
+
+
+def test_geometry_errors(cpu_kernels):
     x = _random((1, 2, 4, 4), np.float32)
     with pytest.raises(ValueError):
         kernels.im2col(x, 7, 7, 1, 1)  # window larger than the padded input
@@ -200,18 +205,18 @@ def test_reference_conv2d_is_a_convolution_and_its_backward_the_adjoint():
     assert inner == pytest.approx(np.vdot(weight, dw), rel=1e-12)
 
 
-def test_conv2d_is_dispatched_and_backward_follows_forward(monkeypatch):
+def test_conv2d_is_dispatched_and_backward_follows_forward(mpidl_settings):
     x, weight = _random((2, 3, 7, 7), np.float32), _random((4, 3, 3, 3), np.float32, seed=1)
-    monkeypatch.delenv("MPIDL_KERNELS", raising=False)
+    mpidl_settings()  # no MPIDL_KERNELS: the array decides
     y, saved = kernels.conv2d_forward(x, weight, None, 1, 1)
     assert saved[0] is cpu
-    monkeypatch.setenv("MPIDL_KERNELS", "reference")
     dy = _random(y.shape, np.float32, seed=2)
-    dw, dx = kernels.conv2d_backward(dy, weight, saved, 1, 1)  # still the CPU kernels: they kept x
+    with kernels.use("reference"):
+        dw, dx = kernels.conv2d_backward(dy, weight, saved, 1, 1)  # still the CPU kernels: they kept x
+        assert kernels.conv2d_forward(x, weight, None, 1, 1)[1][0] is reference
     expected_dw, expected_dx = reference.conv2d_backward(dy, weight, reference.im2col(x, 3, 3, 1, 1), x.shape, 1, 1)
     _assert_scaled_close(dw, expected_dw, np.float32)
     _assert_scaled_close(dx, expected_dx, np.float32)
-    assert kernels.conv2d_forward(x, weight, None, 1, 1)[1][0] is reference
 
 
 def test_conv2d_dispatch_refuses_bad_arguments():
@@ -275,8 +280,7 @@ def test_maxpool_ties_go_to_the_first_maximum(fill):
         np.testing.assert_array_equal(y, y_ref)
 
 
-def test_maxpool_backward_checks_its_inputs(monkeypatch):
-    monkeypatch.setenv("MPIDL_KERNELS", "cpu")
+def test_maxpool_backward_checks_its_inputs(cpu_kernels):
     x = _random((1, 2, 4, 4), np.float32)
     y, argmax = kernels.maxpool2d_forward(x, 2, 2, 0)
     with pytest.raises(ValueError):
@@ -298,8 +302,7 @@ def test_avgpool_matches_reference(shape, k, stride, pad, dtype):
     )
 
 
-def test_avgpool_backward_checks_dy_shape(monkeypatch):
-    monkeypatch.setenv("MPIDL_KERNELS", "cpu")
+def test_avgpool_backward_checks_dy_shape(cpu_kernels):
     with pytest.raises(ValueError):
         kernels.avgpool2d_backward(np.zeros((1, 2, 3, 3), np.float32), (1, 2, 4, 4), 2, 2, 0)
 
@@ -319,14 +322,42 @@ def test_other_dtypes_are_handed_to_the_reference():
     np.testing.assert_array_equal(argmax, reference.maxpool2d_forward(x16, 2, 2, 0)[1])
 
 
-def test_dispatch_picks_the_cpu_kernels_for_numpy(monkeypatch):
+def test_dispatch_picks_the_cpu_kernels_for_numpy(mpidl_settings):
     x = _random((1, 1, 4, 4), np.float32)
-    monkeypatch.delenv("MPIDL_KERNELS", raising=False)
+    mpidl_settings()
     assert kernels.implementation_for(x) is cpu
-    monkeypatch.setenv("MPIDL_KERNELS", "reference")
+    with kernels.use("reference"):
+        assert kernels.implementation_for(x) is reference
+        with kernels.use("cpu"):
+            assert kernels.implementation_for(x) is cpu
+            np.testing.assert_array_equal(kernels.im2col(x, 3, 3, 1, 1), reference.im2col(x, 3, 3, 1, 1))
+        assert kernels.implementation_for(x) is reference  # the outer block's again
+    assert kernels.implementation_for(x) is cpu
+
+
+def test_the_environment_variable_forces_a_family_and_use_wins(mpidl_settings):
+    """``MPIDL_KERNELS`` (read once, into mpidl.settings.SETTINGS) forces a family for the
+    whole run; ``kernels.use`` wins over it, ``"auto"`` included; a malformed value and a
+    family that cannot take the array are refused, naming where the choice came from."""
+    x = _random((1, 1, 4, 4), np.float32)
+    mpidl_settings(MPIDL_KERNELS="reference")
     assert kernels.implementation_for(x) is reference
-    monkeypatch.setenv("MPIDL_KERNELS", "cpu")
-    np.testing.assert_array_equal(kernels.im2col(x, 3, 3, 1, 1), reference.im2col(x, 3, 3, 1, 1))
+    with kernels.use("auto"):
+        assert kernels.implementation_for(x) is cpu
+    with kernels.use("cpu"):
+        assert kernels.implementation_for(x) is cpu
+    mpidl_settings(MPIDL_KERNELS="cuda")
+    with pytest.raises(ValueError, match="MPIDL_KERNELS=cuda needs device arrays"):
+        kernels.implementation_for(x)
+    mpidl_settings(MPIDL_KERNELS="fast")
+    with pytest.raises(ValueError, match="MPIDL_KERNELS must be one of reference, cpu, cuda, got 'fast'"):
+        kernels.im2col(x, 3, 3, 1, 1)
+    mpidl_settings()
+    with kernels.use("cuda"), pytest.raises(ValueError, match=r"kernels.use\('cuda'\) needs device arrays"):
+        kernels.im2col(x, 3, 3, 1, 1)
+    with pytest.raises(ValueError, match="family must be one of"):
+        with kernels.use("numba"):
+            pass
 
 
 # One bad call of each kind the dispatcher refuses, on x : (1, 2, 4, 4) float32.
@@ -353,13 +384,12 @@ BAD_CALLS = {
 
 
 @pytest.mark.parametrize("call", BAD_CALLS.values(), ids=BAD_CALLS.keys())
-def test_a_bad_call_is_refused_with_one_message_by_every_backend(call, monkeypatch):
+def test_a_bad_call_is_refused_with_one_message_by_every_backend(call):
     """The dispatcher checks the arguments once, before choosing an implementation: the
     reference and the Numba kernels refuse the same call with the same message."""
     messages = {}
     for backend in ("reference", "cpu"):
-        monkeypatch.setenv("MPIDL_KERNELS", backend)
-        with pytest.raises(ValueError) as refused:
+        with kernels.use(backend), pytest.raises(ValueError) as refused:
             call()
         messages[backend] = str(refused.value)
     assert messages["reference"] == messages["cpu"]

@@ -65,7 +65,7 @@ def _layer_step(layer, x, dy):
 
 @pytest.mark.parametrize("sequence", [False, True])
 def test_reference_setting_takes_the_reference_path(monkeypatch, sequence):
-    """``MPIDL_KERNELS=reference`` sends the layer through the reference (spied on), and both
+    """``kernels.use("reference")`` sends the layer through the reference (spied on), and both
     paths give the same layer outputs and gradients."""
     x, *_ = _problem((6, 4, 3, 5), np.float64, sequence)
     layer = LSTM(3, 5, return_sequence=sequence)
@@ -83,12 +83,12 @@ def test_reference_setting_takes_the_reference_path(monkeypatch, sequence):
 
             monkeypatch.setattr(module, name, spy)
 
-    monkeypatch.setenv("MPIDL_KERNELS", "reference")
-    y_ref, dx_ref, grads_ref = _layer_step(layer, x, dy)
+    with kernels.use("reference"):
+        y_ref, dx_ref, grads_ref = _layer_step(layer, x, dy)
     assert calls == ["recurrent_reference.lstm_forward", "recurrent_reference.lstm_backward"]
-    monkeypatch.delenv("MPIDL_KERNELS")
     calls.clear()
-    y, dx, grads = _layer_step(layer, x, dy)
+    with kernels.use("auto"):
+        y, dx, grads = _layer_step(layer, x, dy)
     assert calls == ["recurrent_cpu.lstm_forward", "recurrent_cpu.lstm_backward"]
     np.testing.assert_allclose(y, y_ref, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(dx, dx_ref, rtol=1e-12, atol=1e-12)
@@ -96,7 +96,7 @@ def test_reference_setting_takes_the_reference_path(monkeypatch, sequence):
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
 
 
-def test_layer_behind_band_groups_with_a_padded_last_step(monkeypatch):
+def test_layer_behind_band_groups_with_a_padded_last_step():
     """spectral_lstm's path: 14 bands in groups of 4, the last group zero-padded; the CPU and
     reference layers agree on outputs and gradients (float32)."""
     rng = np.random.default_rng(2)
@@ -107,9 +107,10 @@ def test_layer_behind_band_groups_with_a_padded_last_step(monkeypatch):
     layer = LSTM(4, 6)
     bind_parameters(layer, seed=2, dtype="float32")
     dy = rng.standard_normal((20, 6)).astype(np.float32)
-    y, dx, grads = _layer_step(layer, seq, dy)
-    monkeypatch.setenv("MPIDL_KERNELS", "reference")
-    y_ref, dx_ref, grads_ref = _layer_step(layer, seq, dy)
+    with kernels.use("auto"):
+        y, dx, grads = _layer_step(layer, seq, dy)
+    with kernels.use("reference"):
+        y_ref, dx_ref, grads_ref = _layer_step(layer, seq, dy)
     for got, want in zip([y, dx, *grads], [y_ref, dx_ref, *grads_ref]):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 

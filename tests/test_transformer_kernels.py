@@ -1,6 +1,6 @@
 """GELU, layer norm and softmax kernels: the Numba CPU kernels against the reference in float32
 and float64 (odd sizes, one-row and one-column shapes, large means), the dispatcher's choice
-(``MPIDL_KERNELS=reference`` takes the reference) and its argument checks, and the layers'
+(``kernels.use("reference")`` takes the reference) and its argument checks, and the layers'
 float64 gradient checks on both paths."""
 
 from __future__ import annotations
@@ -123,17 +123,17 @@ def test_strided_inputs_give_the_contiguous_result():
 
 def test_dispatch_takes_the_kernels_for_numpy_and_the_reference_when_forced(monkeypatch):
     x = np.ones((2, 3), np.float32)
-    monkeypatch.delenv("MPIDL_KERNELS", raising=False)
-    assert kernels._transformer_module(x) is transformer_cpu
-    assert kernels._transformer_module(x.astype(np.float16)) is transformer_reference
-    monkeypatch.setenv("MPIDL_KERNELS", "reference")
-    assert kernels._transformer_module(x) is transformer_reference
-    # and the layers follow: the reference's float64 LayerNorm statistics, SciPy's erf
-    calls = []
-    original = transformer_reference.gelu_forward
-    monkeypatch.setattr(transformer_reference, "gelu_forward", lambda v: calls.append(v.shape) or original(v))
-    GELU().forward(x)
-    assert calls == [(2, 3)]
+    with kernels.use("auto"):
+        assert kernels._transformer_module(x) is transformer_cpu
+        assert kernels._transformer_module(x.astype(np.float16)) is transformer_reference
+    with kernels.use("reference"):
+        assert kernels._transformer_module(x) is transformer_reference
+        # and the layers follow: the reference's float64 LayerNorm statistics, SciPy's erf
+        calls = []
+        original = transformer_reference.gelu_forward
+        monkeypatch.setattr(transformer_reference, "gelu_forward", lambda v: calls.append(v.shape) or original(v))
+        GELU().forward(x)
+        assert calls == [(2, 3)]
 
 
 def test_dispatch_checks_the_arguments():
@@ -150,34 +150,34 @@ def test_dispatch_checks_the_arguments():
         kernels.softmax_backward(np.ones((2, 4)), x)
 
 
-@pytest.mark.parametrize("path", ["", "reference"])
+@pytest.mark.parametrize("path", ["auto", "reference"])
 @pytest.mark.parametrize("make, shape", [
     (GELU, (3, 4, 5)),
     (lambda: LayerNorm(7), (2, 3, 7)),
     (lambda: MultiHeadSelfAttention(6, 2), (2, 5, 6)),
     (lambda: TransformerEncoderBlock(6, 2, 8), (2, 4, 6)),
 ])
-def test_layers_gradcheck_on_both_paths(monkeypatch, path, make, shape):
+def test_layers_gradcheck_on_both_paths(path, make, shape):
     """float64 gradients within 1e-7 relative of central differences, kernels or reference."""
-    monkeypatch.setenv("MPIDL_KERNELS", path)
     layer = make()
     bind_parameters(layer, seed=3)
-    check_backward(layer, _normal(shape, np.float64, seed=4), atol=1e-9, rtol=1e-7)
+    with kernels.use(path):
+        check_backward(layer, _normal(shape, np.float64, seed=4), atol=1e-9, rtol=1e-7)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_encoder_block_is_the_same_on_both_paths(monkeypatch, dtype):
+def test_encoder_block_is_the_same_on_both_paths(dtype):
     """A whole encoder block (layer norms, attention's softmax, GELU): output, input gradient
     and parameter gradients of the kernels equal the reference's."""
     block = TransformerEncoderBlock(8, 2, 12)
     flat = bind_parameters(block, seed=5, dtype=dtype)
     x, dy = _normal((3, 9, 8), dtype, seed=6), _normal((3, 9, 8), dtype, seed=7)
     results = {}
-    for path in ("", "reference"):
-        monkeypatch.setenv("MPIDL_KERNELS", path)
-        y = block.forward(x)
-        results[path] = (y, block.backward(dy), flat.grad.copy())
+    for path in ("auto", "reference"):
+        with kernels.use(path):
+            y = block.forward(x)
+            results[path] = (y, block.backward(dy), flat.grad.copy())
     tol = 1e-5 if dtype == "float32" else 1e-12
-    for name, a, b in zip(("y", "dx", "parameter gradients"), results[""], results["reference"]):
+    for name, a, b in zip(("y", "dx", "parameter gradients"), results["auto"], results["reference"]):
         assert a.dtype == b.dtype == np.dtype(dtype)
         np.testing.assert_allclose(a, b, rtol=tol, atol=tol, err_msg=name)

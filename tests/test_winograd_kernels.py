@@ -133,16 +133,16 @@ def test_reference_pipeline_is_a_convolution(shape, m, r, pad):
     np.testing.assert_allclose(y, direct, atol=1e-10 * np.abs(direct).max())
 
 
-def test_reference_fills_out_buffers_and_checks_shapes(monkeypatch):
+def test_reference_fills_out_buffers_and_checks_shapes():
     x = _random((2, 2, 5, 5))
     out = np.full((2, 5, 5, 2 * 2 * 2), np.nan)
     assert winograd_reference.winograd_input(x, 3, 3, 1, out=out) is out
     np.testing.assert_array_equal(out, winograd_reference.winograd_input(x, 3, 3, 1))
-    monkeypatch.setenv("MPIDL_KERNELS", "reference")
-    with pytest.raises(ValueError, match="expected"):
-        kernels.winograd_input_adjoint(out[:, :4], x.shape, 3, 3, 1)
-    with pytest.raises(ValueError, match="expected"):
-        kernels.winograd_output(np.zeros((2, 5, 5, 3)), (2, 2, 5, 5), 3, 3)
+    with kernels.use("reference"):
+        with pytest.raises(ValueError, match="expected"):
+            kernels.winograd_input_adjoint(out[:, :4], x.shape, 3, 3, 1)
+        with pytest.raises(ValueError, match="expected"):
+            kernels.winograd_output(np.zeros((2, 5, 5, 3)), (2, 2, 5, 5), 3, 3)
 
 
 @pytest.mark.parametrize("shape, m, r, pad", CASES[:4])
@@ -200,22 +200,22 @@ def test_cpu_blocks_cover_every_sample_once():
             assert nb * tiles < winograd_cpu._MAX_BLOCK_COLUMNS + tiles  # ceil: at most one more sample
 
 
-def test_cpu_convolution_is_dispatched_and_backward_follows_forward(monkeypatch):
+def test_cpu_convolution_is_dispatched_and_backward_follows_forward(mpidl_settings):
     x, u, bias = _convolution_case((2, 3, 9, 9), 3, 3, np.float32)
-    monkeypatch.delenv("MPIDL_KERNELS", raising=False)
+    mpidl_settings()  # no MPIDL_KERNELS: the array decides
     assert kernels.implementation_for(x) is cpu
     y, saved = kernels.winograd_conv_forward(x, u, 3, 3, 1, bias)
     assert saved[0] is winograd_cpu
     # The four transforms alone have no CPU kernel: NumPy arrays get the reference.
     np.testing.assert_array_equal(kernels.winograd_input(x, 3, 3, 1), winograd_reference.winograd_input(x, 3, 3, 1))
-    monkeypatch.setenv("MPIDL_KERNELS", "reference")
     dy = _random(y.shape, np.float32, seed=3)
-    du, dx = kernels.winograd_conv_backward(dy, u, saved, 3, 3, 1)  # still the CPU kernels: they saved V
+    with kernels.use("reference"):
+        du, dx = kernels.winograd_conv_backward(dy, u, saved, 3, 3, 1)  # still the CPU kernels: they saved V
+        assert kernels.winograd_conv_forward(x, u, 3, 3, 1)[1][0] is winograd_reference
     expected = winograd_reference.winograd_conv_backward(dy, u, winograd_reference.winograd_conv_forward(x, u, 3, 3, 1)[1],
                                                          x.shape, 3, 3, 1)
     _assert_scaled_close(du, expected[0], np.float32)
     _assert_scaled_close(dx, expected[1], np.float32)
-    assert kernels.winograd_conv_forward(x, u, 3, 3, 1)[1][0] is winograd_reference
 
 
 def test_convolution_dispatch_refuses_bad_arguments():

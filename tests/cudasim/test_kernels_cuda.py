@@ -133,10 +133,10 @@ def test_out_workspaces_are_filled_and_reused():
         _assert_close(dx, reference.col2im(expected_cols, shape, k, k, stride, pad), np.float32)
 
 
-def test_bad_arguments_are_refused(monkeypatch):
+def test_bad_arguments_are_refused(mpidl_settings):
     """Through the dispatcher, which sends Numba device arrays to these kernels: it checks the
     arguments; the dtype is the CUDA kernels' own check."""
-    monkeypatch.delenv("MPIDL_KERNELS", raising=False)
+    mpidl_settings()  # no MPIDL_KERNELS: the array decides
     x = cuda.to_device(_random((1, 2, 4, 4), np.float32))
     assert kernels.implementation_for(x) is kcuda
     with pytest.raises(ValueError, match="out has shape"):
@@ -224,8 +224,8 @@ def test_winograd_convolution_composes_the_transforms(shape, m, r, pad, dtype):
     _assert_scaled_close(dx, expected_dx, dtype)
 
 
-def test_winograd_refuses_bad_arguments(monkeypatch):
-    monkeypatch.delenv("MPIDL_KERNELS", raising=False)
+def test_winograd_refuses_bad_arguments(mpidl_settings):
+    mpidl_settings()  # no MPIDL_KERNELS: the array decides
     x = cuda.to_device(_random((1, 2, 5, 5), np.float32))
     with pytest.raises(ValueError, match="m \\+ r - 1 <= 8"):
         kernels.winograd_input(x, 7, 3, 1)  # alpha = 9 > the kernels' local arrays (their own check)

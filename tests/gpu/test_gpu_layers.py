@@ -314,12 +314,12 @@ KERNEL_FUNCTIONS = (
 )
 
 
-def test_dispatch_sends_cupy_arrays_to_the_cuda_kernels(only_on_gpu, monkeypatch):
+def test_dispatch_sends_cupy_arrays_to_the_cuda_kernels(only_on_gpu, monkeypatch, mpidl_settings):
     import cupy  # noqa: PLC0415
 
     from mpidl.kernels import cuda as kcuda  # noqa: PLC0415
 
-    monkeypatch.delenv("MPIDL_KERNELS", raising=False)  # the dispatch a real run gets
+    mpidl_settings()  # no MPIDL_KERNELS: the dispatch a real run gets
     assert kernels.implementation_for(cupy.zeros((1, 1, 4, 4), dtype=cupy.float32)) is kcuda
     assert kernels.implementation_for(np.zeros((1, 1, 4, 4), dtype=np.float32)) is not kcuda
 

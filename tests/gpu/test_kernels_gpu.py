@@ -116,8 +116,8 @@ def test_out_workspaces_on_a_non_default_stream():
         stream.synchronize()
 
 
-def test_dispatch_picks_the_cuda_kernels_for_cupy(monkeypatch):
-    monkeypatch.delenv("MPIDL_KERNELS", raising=False)
+def test_dispatch_picks_the_cuda_kernels_for_cupy(mpidl_settings):
+    mpidl_settings()  # no MPIDL_KERNELS: the array decides
     x = _random((2, 3, 5, 5), np.float32)
     assert kernels.implementation_for(x) is kcuda
     cupy.testing.assert_array_equal(kernels.im2col(x, 3, 3, 1, 1), reference.im2col(x, 3, 3, 1, 1))

@@ -52,7 +52,8 @@ class LSTM(Module):
     Both directions run in :func:`mpidl.kernels.lstm_forward` / :func:`~mpidl.kernels.lstm_backward`:
     Numba kernels for NumPy arrays (one call per direction for the whole loop over time),
     the reference (:mod:`mpidl.kernels.recurrent_reference`, the same math as array code)
-    for CuPy arrays and under ``MPIDL_KERNELS=reference``. With ``compute_input_grad = False``
+    for CuPy arrays and when the reference is forced (``kernels.use("reference")``,
+    ``MPIDL_KERNELS=reference``). With ``compute_input_grad = False``
     backward skips ``dx`` (the GEMM ``dz W_ih``) and returns None.
     """
 
