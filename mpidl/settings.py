@@ -10,9 +10,11 @@ variable                   what it does
 ``MPIDL_CUDA_AWARE_MPI``   ``1`` / ``0``: the MPI can (not) read GPU memory; unset: asked
                            of the MPI (:func:`~mpidl.distributed.channel.mpi_is_cuda_aware`).
 ``MPIDL_KERNELS``          ``reference`` | ``cpu`` | ``cuda``: force one kernel family
-                           everywhere (to debug a suspected kernel bug; :mod:`mpidl.kernels`).
+                           everywhere (to debug a suspected kernel bug; :mod:`mpidl.kernels`;
+                           in code, for a block: ``with kernels.use(family)``, which wins).
 ``MPIDL_CONV_ALGORITHM``   ``im2col`` | ``winograd``: the convolution algorithm of every
-                           ``Conv2d`` built without an explicit ``algorithm``.
+                           ``Conv2d`` built without an explicit ``algorithm`` (in code:
+                           ``Conv2d(..., algorithm=...)``).
 ``MPIDL_ULFM``             ``1`` / ``0``: the MPI does (not) give ULFM fault tolerance,
                            overriding the detection (an MPI mpidl does not know).
 =========================  ==============================================================
@@ -22,6 +24,13 @@ on every rank of a job (the launcher passes one environment), and constant after
 malformed value is kept and refused, with a message that names the variable, where it is
 used (so every rank refuses it alike, before any collective). Nothing here changes the
 process: it only reads.
+
+The product reads these variables here and nowhere else, and reads them through
+``settings.SETTINGS`` at the time of use (``from mpidl import settings``, not ``from
+mpidl.settings import SETTINGS``), so that a test can give one test other values without
+touching the environment: ``monkeypatch.setattr(settings, "SETTINGS",
+Settings.from_environ({"MPIDL_KERNELS": "reference"}))`` (the ``mpidl_settings`` fixture of
+tests/conftest.py). Changing ``os.environ`` after the import changes nothing.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Every layer: float64 gradient checks (tests/gradcheck.py) and nested-loop references.
 
-The kernels run through the ``mpidl.kernels`` dispatch (Numba CPU kernels when available,
-``MPIDL_KERNELS=reference`` forces the NumPy reference).
+The kernels run through the ``mpidl.kernels`` dispatch (Numba CPU kernels when available;
+``with kernels.use("reference")`` forces the NumPy reference).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from loop_reference import (
     maxpool_loops,
     softmax_cross_entropy_loops,
 )
+from mpidl import kernels
 from mpidl.engine.backend import get_backend
 from mpidl.engine.nn import (
     AvgPool2d,
@@ -95,15 +96,15 @@ def test_conv2d_winograd_gradcheck(shape, k, pad, bias):
 
 @pytest.mark.parametrize("kernel_set", ["reference", "cpu"])
 @pytest.mark.parametrize("shape, k, pad, bias", WINOGRAD_CASES)
-def test_conv2d_winograd_equals_im2col_in_float32(monkeypatch, kernel_set, shape, k, pad, bias):
-    monkeypatch.setenv("MPIDL_KERNELS", kernel_set)
+def test_conv2d_winograd_equals_im2col_in_float32(kernel_set, shape, k, pad, bias):
     x = normal(shape, seed=1, dtype=np.float32)
     results = []
     for algorithm in ("im2col", "winograd"):
         conv = Conv2d(shape[1], 4, k, padding=pad, bias=bias, algorithm=algorithm)
         bind_parameters(conv, seed=2, dtype="float32")
-        y = conv.forward(x)
-        dx = conv.backward(normal(y.shape, seed=3, dtype=np.float32))
+        with kernels.use(kernel_set):
+            y = conv.forward(x)
+            dx = conv.backward(normal(y.shape, seed=3, dtype=np.float32))
         results.append((y, dx, conv.weight.grad.copy()))
     for im2col_result, winograd_result in zip(*results):
         assert winograd_result.dtype == np.float32
@@ -116,8 +117,8 @@ def test_conv2d_winograd_tile_minimizes_multiplications(out_size, tile):
     assert Conv2d(8, 2, 3, padding=1).winograd_tile(out_size, out_size) == tile
 
 
-def test_conv2d_algorithm_choice(monkeypatch):
-    monkeypatch.delenv("MPIDL_CONV_ALGORITHM", raising=False)
+def test_conv2d_algorithm_choice(mpidl_settings):
+    mpidl_settings()  # MPIDL_CONV_ALGORITHM unset
     assert Conv2d(8, 2, 3, padding=1).winograd_tile(9, 9) == 3  # auto: 3x3, stride 1, >= 8 channels
     assert Conv2d(7, 2, 3, padding=1).winograd_tile(9, 9) is None  # auto: few channels, im2col
     assert Conv2d(3, 2, 3, padding=1, algorithm="winograd").winograd_tile(9, 9) == 3  # unless asked
@@ -127,16 +128,19 @@ def test_conv2d_algorithm_choice(monkeypatch):
     assert Conv2d(2, 2, 3, algorithm="im2col").winograd_tile(9, 9) is None
     assert Conv2d(8, 2, 3, padding=1).winograd_tile(9, 9, on_gpu=True) is None  # auto: im2col on the GPU
     assert Conv2d(2, 2, 3, padding=1, algorithm="winograd").winograd_tile(9, 9, on_gpu=True) == 3
-    monkeypatch.setenv("MPIDL_CONV_ALGORITHM", "im2col")
-    assert Conv2d(2, 2, 3, padding=1).winograd_tile(9, 9) is None
+    # MPIDL_CONV_ALGORITHM (read once, into mpidl.settings.SETTINGS) overrides "auto" only
+    mpidl_settings(MPIDL_CONV_ALGORITHM="im2col")
+    assert Conv2d(8, 2, 3, padding=1).winograd_tile(9, 9) is None
     assert Conv2d(2, 2, 3, padding=1, algorithm="winograd").winograd_tile(9, 9) == 3  # explicit wins
-    monkeypatch.setenv("MPIDL_CONV_ALGORITHM", "winograd")
+    mpidl_settings(MPIDL_CONV_ALGORITHM="winograd")
     assert Conv2d(2, 2, 1).winograd_tile(9, 9) == 3
     assert Conv2d(2, 2, 3, stride=2).winograd_tile(9, 9) is None  # never for stride 2
     assert Conv2d(2, 2, 7, padding=3).winograd_tile(9, 9) is None  # nor for kernels above 5x5
-    monkeypatch.setenv("MPIDL_CONV_ALGORITHM", "fast")
-    with pytest.raises(ValueError, match="MPIDL_CONV_ALGORITHM='fast'"):
+    assert Conv2d(2, 2, 3, padding=1, algorithm="im2col").winograd_tile(9, 9) is None  # explicit wins
+    mpidl_settings(MPIDL_CONV_ALGORITHM="fast")  # refused where it is used, naming the variable
+    with pytest.raises(ValueError, match="MPIDL_CONV_ALGORITHM must be one of im2col, winograd, got 'fast'"):
         Conv2d(2, 2, 3).winograd_tile(9, 9)
+    assert Conv2d(2, 2, 3, algorithm="winograd").winograd_tile(9, 9) == 3  # not read for an explicit one
 
 
 def test_conv2d_rejects_bad_algorithms():
@@ -148,16 +152,16 @@ def test_conv2d_rejects_bad_algorithms():
         Conv2d(2, 2, 7, padding=3, algorithm="winograd")
 
 
-def test_conv2d_switching_algorithm_between_steps(monkeypatch):
-    # The backward pass follows the forward pass it belongs to, whatever the setting now.
+def test_conv2d_switching_algorithm_between_steps():
+    # The backward pass follows the forward pass it belongs to, whatever the algorithm now.
     conv = Conv2d(2, 3, 3, padding=1)
     bind_parameters(conv)
     x, dy = normal((2, 2, 5, 5), seed=1), normal((2, 3, 5, 5), seed=2)
     grads = []
     for first, second in (("winograd", "im2col"), ("im2col", "winograd")):
-        monkeypatch.setenv("MPIDL_CONV_ALGORITHM", first)
+        conv.algorithm = first
         conv.forward(x)
-        monkeypatch.setenv("MPIDL_CONV_ALGORITHM", second)
+        conv.algorithm = second
         grads.append((conv.backward(dy), conv.weight.grad.copy()))
     for a, b in zip(*grads):
         np.testing.assert_allclose(a, b, atol=1e-12)
@@ -495,15 +499,15 @@ def test_softmax_cross_entropy_rejects_bad_labels():
 
 @pytest.mark.parametrize("kernel_set", ["reference", "cpu"])
 @pytest.mark.parametrize("algorithm", ["im2col", "winograd"])
-def test_conv2d_empty_batch(monkeypatch, kernel_set, algorithm):
+def test_conv2d_empty_batch(kernel_set, algorithm):
     # A rank whose share of the global batch is 0 samples still gets well-formed results.
-    monkeypatch.setenv("MPIDL_KERNELS", kernel_set)
     conv = Conv2d(3, 4, 3, padding=1, algorithm=algorithm)
     bind_parameters(conv, dtype="float32")
-    y = conv.forward(np.zeros((0, 3, 9, 9), np.float32))
-    assert y.shape == (0, 4, 9, 9)
-    conv.weight.grad.fill(1)
-    dx = conv.backward(np.zeros(y.shape, np.float32))
+    with kernels.use(kernel_set):
+        y = conv.forward(np.zeros((0, 3, 9, 9), np.float32))
+        assert y.shape == (0, 4, 9, 9)
+        conv.weight.grad.fill(1)
+        dx = conv.backward(np.zeros(y.shape, np.float32))
     assert dx.shape == (0, 3, 9, 9)
     np.testing.assert_array_equal(conv.weight.grad, 0)
     np.testing.assert_array_equal(conv.bias.grad, 0)

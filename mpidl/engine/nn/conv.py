@@ -4,9 +4,8 @@ stride-1 3x3 filters, Winograd's minimal filtering (alpha^2 batched GEMMs with f
 from __future__ import annotations
 
 import math
-import os
 
-from mpidl import kernels
+from mpidl import kernels, settings
 from mpidl.engine.backend import get_array_module, is_device_array
 from mpidl.engine.nn import winograd
 from mpidl.engine.nn.module import Module
@@ -15,7 +14,6 @@ from mpidl.engine.params import Initializer, Parameter, kaiming_uniform, uniform
 __all__ = ["Conv2d", "CONV_ALGORITHMS"]
 
 CONV_ALGORITHMS = ("auto", "im2col", "winograd")
-_ALGORITHM_ENV = "MPIDL_CONV_ALGORITHM"
 _WINOGRAD_TILES = (2, 3, 4)  # m of F(m x m, r x r); m <= 4 keeps the float32 error near 1e-6 (points 0, +-1, +-2)
 _WINOGRAD_MAX_KERNEL = 5  # alpha = m + k - 1 <= 8: the CUDA kernels' tile arrays, and points up to +-1/2
 #: "auto" takes Winograd from this many input channels: its transforms cost per channel what the
@@ -68,8 +66,10 @@ class Conv2d(Module):
     multiplications (F(3x3, 3x3): 25/81), at the price of float32 rounding a few times larger
     (about 1e-6 relative). ``m`` is the tile in (2, 3, 4) that minimizes ``alpha^2 * tiles``
     (9x9 outputs: m = 3, no wasted tile; 32x32: m = 4). ``"auto"`` can be overridden for every
-    layer with the environment variable ``MPIDL_CONV_ALGORITHM=im2col|winograd`` (for
-    debugging or comparing; it is read at each forward).
+    layer of a run with the environment variable ``MPIDL_CONV_ALGORITHM=im2col|winograd`` (for
+    debugging or comparing), read once by :mod:`mpidl.settings` and looked at by each forward
+    of an ``"auto"`` layer; a layer built with an explicit ``algorithm`` (or whose
+    ``algorithm`` attribute is set later: the next forward uses it) ignores it.
     """
 
     def __init__(
@@ -125,7 +125,7 @@ class Conv2d(Module):
         """The Winograd tile ``m`` this layer uses for an ``out_h x out_w`` output, or ``None``
         when it runs im2col: stride != 1, a kernel larger than 5x5, ``algorithm="im2col"``, or
         ``"auto"`` with a kernel other than 3x3, fewer than 8 input channels (an RGB stem), on
-        the GPU, or under ``MPIDL_CONV_ALGORITHM=im2col``.
+        the GPU, or under ``MPIDL_CONV_ALGORITHM=im2col`` (``settings.SETTINGS.conv_algorithm``).
 
         ``"auto"`` picks Winograd only where it was measured to win: on the CPU (see
         ``benchmarks/conv.py``). On the GPU one large cuBLAS GEMM is already efficient and the
@@ -133,10 +133,8 @@ class Conv2d(Module):
         there; ``benchmarks/gpu_step.py`` times both for the session that has a GPU."""
         algorithm = self.algorithm
         if algorithm == "auto":
-            forced = os.environ.get(_ALGORITHM_ENV, "").strip().lower()
-            if forced not in ("", *CONV_ALGORITHMS):
-                raise ValueError(f"{_ALGORITHM_ENV}={forced!r} is not one of {', '.join(CONV_ALGORITHMS)} (or unset)")
-            if forced in ("im2col", "winograd"):
+            forced = settings.SETTINGS.conv_algorithm  # MPIDL_CONV_ALGORITHM; ValueError if malformed
+            if forced is not None:
                 algorithm = forced
             else:
                 algorithm = ("winograd" if self.kernel_size == 3 and not on_gpu
