@@ -16,7 +16,8 @@ def _random(shape, seed):
 def gemm_threads(request, monkeypatch):
     """Run the test with the products (and stacks of products) split between 1, 2 and 3
     threads."""
-    threads.gemm_threads()  # apply the policy once, then override its split counts
+    # the split counts threads.apply() decides, set for this test (no policy applied: the test
+    # process's thread counts stay as they are)
     monkeypatch.setitem(threads._state, "gemm_threads", request.param)
     monkeypatch.setitem(threads._state, "stack_threads", request.param)
     return request.param

@@ -1,4 +1,8 @@
-"""The thread policy (mpidl/engine/threads.py), each case in a fresh interpreter with its own environment."""
+"""The thread policy (mpidl/engine/threads.py), each case in a fresh interpreter with its own environment.
+
+The policy is applied by one explicit call, ``threads.apply()``, the first thing a training
+program does: the probes below make it, as such a program would, and check that nothing else
+(building a model or a parameter buffer, running kernels) changes the process."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import json, time, numpy
 from mpidl.engine.models import build_model
 from mpidl.engine import threads
 {setup}
+threads.apply()
 build_model("hsicnn", (4, 4, 4), 3)
 a = numpy.ones((512, 512), numpy.float32)
 a @ a  # a product large enough for BLAS's threads, whatever their count
@@ -136,38 +141,58 @@ def test_srun_step_layout_divides_the_cores():
     assert info["threads"] == 1 and info["numba"] == 1
 
 
-_CUSTOM_NETWORK_PROBE = """
-import json
+_NOTHING_BUT_APPLY_PROBE = """
+import json, os
+import numpy as np
+import numba
+from threadpoolctl import threadpool_info
 from mpidl.engine import threads
-from mpidl.engine.nn import Linear, ReLU, Sequential
+from mpidl.engine.models import build_model
+from mpidl.engine.nn import Linear, ReLU, Sequential, SoftmaxCrossEntropy
 from mpidl.engine.params import FlatParameters
-first = threads.describe()["threads"]
+import scipy.linalg.cython_blas  # every BLAS a kernel may call, loaded before the first look
+
+def state():
+    return {"environ": dict(os.environ), "numba": numba.get_num_threads(),
+            "blas": {p["filepath"]: p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"},
+            "applied": threads.describe()["threads"], "malloc_policy": threads.describe()["malloc_policy"]}
+
+before = state()
 net = Sequential(Linear(8, 16), ReLU(), Linear(16, 3))
-FlatParameters(net.named_parameters())
-applied = threads.describe()
-import os
-os.environ["OMP_NUM_THREADS"] = "1"  # read once: a later network or call changes nothing
-net2 = Sequential(Linear(4, 2))
-FlatParameters(net2.named_parameters())
-threads.apply()
-print(json.dumps({"first": first, "applied": applied, "again": threads.describe()}))
+FlatParameters(net.named_parameters())  # a network of one's own
+model = build_model("hsicnn", (4, 4, 4), 3)  # a named model: conv kernels (BLAS inside Numba's threads)
+loss = SoftmaxCrossEntropy()
+x = np.random.default_rng(0).standard_normal((8, 4, 4, 4)).astype(np.float32)
+loss.forward(model.forward(x), np.zeros(8, int))
+model.backward(loss.backward())
+after_kernels = state()
+applied = threads.apply()
+os.environ["OMP_NUM_THREADS"] = "1"  # decided once: a later call changes nothing
+again = threads.apply()
+print(json.dumps({"before": before, "after_kernels": after_kernels, "applied": applied, "again": again}))
 """
 
 
 @pytest.mark.slow
-def test_a_network_of_ones_own_gets_the_policy_once():
-    """Not only named models: any parameter buffer applies the policy, before the first kernel;
-    it is decided once per process."""
+def test_only_apply_changes_the_process_and_decides_once():
+    """Building a network of one's own or a named model and running its kernels change
+    nothing of the process (environment, Numba's and BLAS's thread counts, malloc): only
+    :func:`mpidl.engine.threads.apply` does, once per process."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "OPENBLAS_", "MKL_", "NUMBA_NUM_THREADS"))}
     clean["PYTHONPATH"] = str(ROOT)
-    out = subprocess.run([sys.executable, "-c", _CUSTOM_NETWORK_PROBE], env=clean, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", _NOTHING_BUT_APPLY_PROBE], env=clean, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["first"] is None, result  # importing mpidl applies nothing
-    assert result["applied"]["threads"] == threads_expected() and result["applied"]["omp_wait_policy"] == "PASSIVE"
-    assert result["again"]["threads"] == result["applied"]["threads"], result
-    assert result["again"]["numba"] == result["applied"]["numba"], result
+    before, after = result["before"], result["after_kernels"]
+    assert before["applied"] is None and after["applied"] is None, result
+    assert after["malloc_policy"] is False, result
+    assert after["environ"] == before["environ"]
+    assert after["numba"] == before["numba"] and after["blas"] == before["blas"], result
+    applied = result["applied"]
+    assert applied["threads"] == threads_expected() and applied["omp_wait_policy"] == "PASSIVE", applied
+    assert result["again"]["threads"] == applied["threads"], result
+    assert result["again"]["numba"] == applied["numba"], result
 
 
 def threads_expected() -> int:
@@ -175,15 +200,49 @@ def threads_expected() -> int:
     return max(1, _cores() // threads.launcher_local_size())
 
 
-def test_the_policy_is_applied_from_one_place():
-    """The parameter buffer applies it; nothing else in the package, the kernels, the data tools
-    or the benchmarks calls :func:`mpidl.engine.threads.apply`."""
-    import re
+#: The programs that may apply the policy: the command lines (and their shared entry code) and
+#: the example training script. No library module does (a constructor, an import, a kernel).
+PROGRAMS = ("mpidl/train.py", "mpidl/gan.py", "mpidl/predict.py", "mpidl/app/cli.py", "mpidl/examples/")
 
-    call = re.compile(r"threads\.apply\(|from mpidl\.threads import [^\n]*\bapply\b|_apply_thread_policy|apply_thread_policy\(")
-    callers = sorted(str(path.relative_to(ROOT)) for folder in ("mpidl", "kernels", "data_tools", "benchmarks")
-                     for path in (ROOT / folder).rglob("*.py") if call.search(path.read_text()))
-    assert callers == ["mpidl/engine/params.py"], callers
+
+def _calls_apply(source: str) -> bool:
+    """Whether ``source`` calls :func:`mpidl.engine.threads.apply`, under whatever name it
+    imported the module or the function as."""
+    import ast
+
+    modules, functions = set(), set()
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module in ("mpidl.engine", "mpidl.engine.threads"):
+            for alias in node.names:
+                if node.module == "mpidl.engine" and alias.name == "threads":
+                    modules.add(alias.asname or alias.name)
+                if node.module == "mpidl.engine.threads" and alias.name == "apply":
+                    functions.add(alias.asname or alias.name)
+        elif isinstance(node, ast.Import):
+            modules.update(alias.asname for alias in node.names if alias.name == "mpidl.engine.threads" and alias.asname)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Name) and func.id in functions:
+                return True
+            if isinstance(func, ast.Attribute) and func.attr == "apply" and (
+                    isinstance(func.value, ast.Name) and func.value.id in modules
+                    or ast.unparse(func.value) == "mpidl.engine.threads"):
+                return True
+    return False
+
+
+def test_only_the_programs_apply_the_policy():
+    """In the package, the kernels and the data tools, only a command line's module (or the
+    example script) calls :func:`mpidl.engine.threads.apply`: a library module never changes
+    the process for its caller (a parameter buffer used to, when it was built)."""
+    assert _calls_apply("from mpidl.engine import threads as t\nt.apply()")  # the check sees a call
+    assert _calls_apply("from mpidl.engine.threads import apply as a\na()")
+    assert not _calls_apply('"""threads.apply()"""')
+    callers = sorted(str(path.relative_to(ROOT)) for folder in ("mpidl", "kernels", "data_tools")
+                     for path in (ROOT / folder).rglob("*.py") if _calls_apply(path.read_text()))
+    assert [c for c in callers if not c.startswith(PROGRAMS)] == [], callers
 
 
 def test_slurm_step_layout():

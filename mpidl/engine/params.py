@@ -40,7 +40,6 @@ from typing import Iterator, Mapping, Protocol, Sequence
 import numpy as np
 
 from mpidl.engine.backend import Backend, get_backend, to_host
-from mpidl.engine.threads import apply as apply_thread_policy
 
 __all__ = [
     "MESSAGE_SLOTS",
@@ -276,10 +275,6 @@ class FlatParameters:
             stop = start + param.size
             # A slice of a contiguous 1-D array reshaped is a view, never a copy.
             param.bind(name, self.data[start:stop].reshape(param.shape), self.grad[start:stop].reshape(param.shape))
-        # The one place the thread policy is applied (mpidl/engine/threads.py): every training path
-        # builds a parameter buffer before its first kernel, so the API runs as fast as the CLI
-        # with nothing set by hand. Decided once per process; later buffers change nothing.
-        apply_thread_policy()
 
     @property
     def nbytes(self) -> int:

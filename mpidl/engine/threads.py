@@ -1,14 +1,21 @@
 """The thread policy: how many threads each process of mpidl uses, and how they wait.
 
-mpidl applies it itself, wherever it runs (the CLI, the Python API, the tests, the
-benchmarks), from one place: building a network's parameter buffer
-(:class:`mpidl.engine.params.FlatParameters`, which every training path builds before its first
-step: a named model, the GAN's two networks, a user's own network) calls :func:`apply`, which
+The policy is process-wide (thread counts of three libraries, the environment variables they
+read, glibc's ``malloc``), so it is applied by one explicit call, the first thing a training
+program does, before it builds a model or runs a kernel::
+
+    from mpidl.engine import threads
+    threads.apply()
+
+``python -m mpidl.train``, ``mpidl.gan`` and ``mpidl.predict`` make it; so does a training
+script of one's own, the benchmarks, and a test that measures the policy. :func:`apply`
 decides the policy once and sets the thread counts and the wait policies; later calls do
-nothing. Everything else reads what it decided (:func:`gemm_threads`, :func:`threads_per_stack`,
-:func:`one_blas_thread`), and those apply it first when a kernel runs with no network built (a
-kernel on its own, in a test or a benchmark). A user's explicit environment settings always
-win.
+nothing. Nothing else changes any of it: no import of an mpidl module, no constructor (a
+model, a parameter buffer, a ``DataParallel``), no kernel. Everything else only reads what
+:func:`apply` decided (:func:`gemm_threads`, :func:`threads_per_stack`,
+:func:`one_blas_thread`); before it, or without it, the process keeps the libraries' own
+defaults and mpidl splits no product between threads of its own, which is correct but slower
+where the pools fight (below). A user's explicit environment settings always win.
 
 Three thread pools share the cores: OpenBLAS's (the GEMMs), OpenMP's (Numba's
 ``parallel=True`` kernels run on Numba's ``omp`` threading layer, i.e. libgomp) and mpidl's own
@@ -85,7 +92,10 @@ SLURM_LOCAL_SIZE = "SLURM_NTASKS_PER_NODE"
 #: A user's BLAS thread count: BLAS keeps it, and mpidl does not split products.
 BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
-_state: dict = {"applied": None, "gemm_threads": 1, "stack_threads": 1, "blas_threads": 1,
+#: What :func:`apply` decided. Before it (or without it): mpidl splits no product between its
+#: own threads (``gemm_threads``, ``stack_threads`` 1), and BLAS's count is not known
+#: (``blas_threads`` None), so :func:`one_blas_thread` sets it to 1 for its context and back.
+_state: dict = {"applied": None, "gemm_threads": 1, "stack_threads": 1, "blas_threads": None,
                "malloc_policy": False, "blas_controller": None, "openblas_sleeps": None,
                "openblas_primed": None}
 
@@ -183,11 +193,22 @@ def threads_per_process(ranks_per_machine: int | None = None) -> int:
 
 
 def apply() -> dict:
-    """Decide and apply the policy, once per process; a later call does nothing. Returns
-    :func:`describe`.
+    """Decide and apply the thread policy of this process (the module docstring), once; a later
+    call does nothing. Returns :func:`describe`.
 
-    Called when a network's parameter buffer is built (:class:`mpidl.engine.params.FlatParameters`),
-    and by the readers below when a kernel runs before any network exists."""
+    The one call a training program makes first, before it builds a model or runs a kernel, and
+    while no other thread runs BLAS::
+
+        from mpidl.engine import threads
+        threads.apply()
+
+    (``OMP_WAIT_POLICY`` only counts when set before libgomp starts, at Numba's first parallel
+    kernel.) It changes process-wide state, which nothing else in mpidl does: it sets
+    ``OMP_WAIT_POLICY`` and ``OPENBLAS_THREAD_TIMEOUT`` in ``os.environ`` unless they are set,
+    Numba's thread count (unless ``NUMBA_NUM_THREADS`` is set), the BLAS libraries' thread
+    counts (through ``threadpoolctl``; unless ``OPENBLAS_NUM_THREADS`` or ``MKL_NUM_THREADS``
+    is set), restarts OpenBLAS's thread pool, and sets glibc's ``malloc`` thresholds (unless
+    ``MALLOC_*_THRESHOLD_`` is set)."""
     if _state["applied"] is not None:
         return describe()
     threads = threads_per_process()
@@ -297,22 +318,16 @@ def _openblas_workers_sleep() -> bool:
     return sleeps
 
 
-def _decided() -> dict:
-    """The policy's state, applied first if no network was built yet (a kernel on its own)."""
-    if _state["applied"] is None:
-        apply()
-    return _state
-
-
 def gemm_threads() -> int:
-    """How many Python threads :mod:`mpidl.engine.blas` splits a product between."""
-    return _decided()["gemm_threads"]
+    """How many Python threads :mod:`mpidl.engine.blas` splits a product between (1 before
+    :func:`apply`)."""
+    return _state["gemm_threads"]
 
 
 def threads_per_stack() -> int:
     """How many Python threads :func:`mpidl.engine.blas.batched_matmul` gives a stack of small
-    products (``T``; each product runs one BLAS thread)."""
-    return _decided()["stack_threads"]
+    products (``T``, 1 before :func:`apply`; each product runs one BLAS thread)."""
+    return _state["stack_threads"]
 
 
 def _user_sets_blas_threads() -> bool:
@@ -323,11 +338,12 @@ def one_blas_thread():
     """A context in which BLAS runs one thread: for a Numba kernel that calls BLAS (``np.dot``)
     from its parallel threads, where a multithreaded BLAS oversubscribes the cores and OpenBLAS,
     called inside an OpenMP region, warns that it may hang; and for a stack of products too
-    small for BLAS's threads (:func:`mpidl.engine.blas.batched_matmul`). When BLAS already runs one
-    thread this does nothing; else every BLAS library's count is set to 1 for the context and
-    restored after (through ``threadpoolctl``'s controllers of the loaded libraries, kept from
-    the first call)."""
-    if _decided()["blas_threads"] == 1:
+    small for BLAS's threads (:func:`mpidl.engine.blas.batched_matmul`). When :func:`apply` made
+    BLAS run one thread this does nothing; else (more threads, the user's count, or no policy
+    applied) every BLAS library's count is set to 1 for the context and restored after
+    (through ``threadpoolctl``'s controllers of the loaded libraries, kept from the first
+    call): nothing outlives the context."""
+    if _state["blas_threads"] == 1:
         return contextlib.nullcontext()
     if _state["blas_controller"] is None:
         import scipy.linalg.cython_blas  # noqa: PLC0415,F401 - loads the BLAS Numba's np.dot calls
