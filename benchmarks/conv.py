@@ -9,9 +9,10 @@ measures
 * the convolution layers alone (every Conv2d of the model: forward + backward on inputs of
   the shapes they see in the model);
 
-for each convolution algorithm (``MPIDL_CONV_ALGORITHM=im2col``, and ``winograd``, which
-Conv2d's default ``"auto"`` picks for the stride-1 3x3 layers; the others stay im2col) and
-each kernel set (``MPIDL_KERNELS=reference`` and the Numba CPU kernels). The runs are
+for each convolution algorithm (every layer's ``Conv2d.algorithm`` set to ``im2col``, or to
+``winograd``, which Conv2d's default ``"auto"`` picks for the stride-1 3x3 layers; the others
+stay im2col) and each kernel set (``kernels.use("reference")`` and the Numba CPU kernels).
+The runs are
 interleaved (every contender once per round, in turn) so that load from other processes falls
 on all of them alike; each time is the median of ``--repeats`` rounds, with the min and max
 shown as the spread.
@@ -41,6 +42,7 @@ mpidl / torch per step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -92,9 +94,12 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mpidl import kernels  # noqa: E402
+from mpidl.engine import threads  # noqa: E402
 from mpidl.engine.blas import batched_matmul  # noqa: E402
 from mpidl.engine.models import build_model  # noqa: E402
 from mpidl.engine.nn import Conv2d, SoftmaxCrossEntropy  # noqa: E402
+
+threads.apply()  # as a training program does first: the thread policy (the counts set above win)
 
 MODEL_INPUTS = {"hsicnn": ((156, 9, 9), 16), "resnet8": ((3, 32, 32), 10)}
 LEARNING_RATE = 0.01
@@ -130,30 +135,42 @@ def clock():
 
 
 def run_interleaved(contenders: dict, steps: int, repeats: int, warmup: int) -> Timings:
-    """``contenders``: label -> (prepare, step). ``prepare()`` switches to that contender
-    (e.g. sets MPIDL_KERNELS), ``step()`` runs one unit of work. Every contender is warmed up,
-    then timed once per round, in turn."""
+    """``contenders``: label -> (setting, step). ``setting()`` is the context in which that
+    contender runs (e.g. a kernel family, :func:`using`), ``step()`` runs one unit of work.
+    Every contender is warmed up, then timed once per round, in turn."""
     timings = Timings()
-    for prepare, step in contenders.values():
-        prepare()
-        for _ in range(warmup):
-            step()
-    for _ in range(repeats):
-        for label, (prepare, step) in contenders.items():
-            prepare()
-            start = clock()
-            for _ in range(steps):
+    for setting, step in contenders.values():
+        with setting():
+            for _ in range(warmup):
                 step()
-            timings.add(label, (clock() - start) / steps)
+    for _ in range(repeats):
+        for label, (setting, step) in contenders.items():
+            with setting():
+                start = clock()
+                for _ in range(steps):
+                    step()
+                timings.add(label, (clock() - start) / steps)
     return timings
 
 
-def use_kernels(name: str, algorithm: str = "im2col"):
-    def prepare():
-        os.environ["MPIDL_KERNELS"] = name
-        os.environ["MPIDL_CONV_ALGORITHM"] = algorithm
+def using(convs, family: str, algorithm: str = "im2col"):
+    """A contender's setting: the kernel family ``family`` (:func:`mpidl.kernels.use`) and
+    ``algorithm`` on every layer of ``convs`` (``Conv2d.algorithm``; the layers are the model's,
+    all ``"auto"``, restored after; a layer Winograd cannot do stays im2col)."""
 
-    return prepare
+    @contextlib.contextmanager
+    def setting():
+        before = [conv.algorithm for conv in convs]
+        for conv in convs:
+            conv.algorithm = algorithm
+        try:
+            with kernels.use(family):
+                yield
+        finally:
+            for conv, kept in zip(convs, before):
+                conv.algorithm = kept
+
+    return setting
 
 
 # --------------------------------------------------------------------------------------------
@@ -375,8 +392,9 @@ def main():
         input_shape, num_classes = MODEL_INPUTS[name]
         model = build_model(name, input_shape, num_classes, seed=0)
         x, y = make_batch(input_shape, num_classes, args.batch)
-        os.environ["MPIDL_KERNELS"] = "reference"
-        layers = conv_layers_and_inputs(model, x)
+        with kernels.use("reference"):
+            layers = conv_layers_and_inputs(model, x)
+        convs = [conv for conv, _ in layers]
         flops = gemm_flops(gemm_shapes(layers, "im2col"))  # = a direct convolution's
         winograd_flops = gemm_flops(gemm_shapes(layers, "winograd"))
 
@@ -385,17 +403,15 @@ def main():
         contenders = {}
         for algorithm in ALGORITHMS:
             for impl in IMPLEMENTATIONS:
-                contenders[f"step/{algorithm}/{impl}"] = (use_kernels(impl, algorithm), step_fn)
-                contenders[f"conv/{algorithm}/{impl}"] = (use_kernels(impl, algorithm), conv_fn)
-            contenders[f"sgemm/{algorithm}"] = (lambda: None, sgemm_step(gemm_shapes(layers, algorithm)))
+                contenders[f"step/{algorithm}/{impl}"] = (using(convs, impl, algorithm), step_fn)
+                contenders[f"conv/{algorithm}/{impl}"] = (using(convs, impl, algorithm), conv_fn)
+            contenders[f"sgemm/{algorithm}"] = (contextlib.nullcontext, sgemm_step(gemm_shapes(layers, algorithm)))
         torch_version = None
         if name == "hsicnn" and not args.no_torch:
             torch_step, torch_version = torch_hsicnn_step(input_shape, num_classes, args.batch, args.threads)
             if torch_step is not None:
-                contenders["step/torch"] = (lambda: None, torch_step)
+                contenders["step/torch"] = (contextlib.nullcontext, torch_step)
         timings = run_interleaved(contenders, args.steps, args.repeats, args.warmup)
-        os.environ.pop("MPIDL_KERNELS", None)
-        os.environ.pop("MPIDL_CONV_ALGORITHM", None)
 
         print(f"## {name}: input {input_shape}, {len(layers)} conv layers, {flops / 1e9:.2f} GFLOP per step as a direct "
               f"convolution (im2col GEMMs); Winograd's GEMMs do {winograd_flops / 1e9:.2f} GFLOP "

@@ -70,17 +70,22 @@ def describe_gpu(cupy, ordinal: int) -> str:
     )
 
 
-def time_case(backend, model_name, input_shape, batch, num_classes, args, budget_s):
-    """Time one case; returns a dict of the table's numbers."""
+def time_case(backend, model_name, input_shape, batch, num_classes, algorithm, args, budget_s):
+    """Time one case; returns a dict of the table's numbers. ``algorithm``: every convolution's
+    (the model's layers are all ``"auto"``; set explicitly, as ``MPIDL_CONV_ALGORITHM`` would
+    for a run: a layer Winograd cannot do, stride 2, stays im2col)."""
     from mpidl import kernels  # noqa: PLC0415
     from mpidl.engine.models import build_model  # noqa: PLC0415
-    from mpidl.engine.nn import SoftmaxCrossEntropy  # noqa: PLC0415
+    from mpidl.engine.nn import Conv2d, SoftmaxCrossEntropy  # noqa: PLC0415
     from mpidl.engine.optim import build_optimizer  # noqa: PLC0415
 
     rng = np.random.default_rng(0)
     x_host = rng.standard_normal((batch, *input_shape)).astype(backend.dtype)
     y_host = rng.integers(0, num_classes, size=batch)
     model = build_model(model_name, input_shape, num_classes, backend=backend, seed=0)
+    for layer in model.net.modules():
+        if isinstance(layer, Conv2d):
+            layer.algorithm = algorithm
     optimizer = build_optimizer("sgd", model.params, lr=0.01, momentum=0.9, weight_decay=5e-4)
     loss_fn = SoftmaxCrossEntropy()
 
@@ -143,7 +148,10 @@ def _free_pool(backend) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from mpidl.engine import threads  # noqa: PLC0415
     from mpidl.engine.backend import get_backend, gpu_unavailable_reason  # noqa: PLC0415
+
+    threads.apply()  # as a training program does first (the CPU's thread policy)
 
     if args.device == "gpu":
         reason = gpu_unavailable_reason()
@@ -170,23 +178,21 @@ def main(argv=None) -> int:
     runs = [(case, algorithm) for case in CASES for algorithm in CONV_ALGORITHMS]
     for (model_name, input_shape, batch, num_classes), algorithm in runs:
         shape = "x".join(map(str, input_shape))
-        os.environ["MPIDL_CONV_ALGORITHM"] = algorithm  # read by every Conv2d at each forward
         try:
-            r = time_case(backend, model_name, input_shape, batch, num_classes, args, args.budget_s / len(runs))
+            r = time_case(backend, model_name, input_shape, batch, num_classes, algorithm, args,
+                          args.budget_s / len(runs))
         except Exception as exc:  # noqa: BLE001 - report the case, go on with the others
             failures += 1
             print(f"{model_name:<8} {shape:<10} {batch:>5} {algorithm:<8}  FAILED: {type(exc).__name__}: {exc}")
             traceback.print_exc(file=sys.stderr)
             continue
-        finally:
-            os.environ.pop("MPIDL_CONV_ALGORITHM", None)
         spread = (r["max_ms"] - r["min_ms"]) / r["median_ms"] * 100
         print(f"{model_name:<8} {shape:<10} {batch:>5} {algorithm:<8} {r['median_ms']:>9.2f} "
               f"{r['min_ms']:>7.2f}-{r['max_ms']:<7.2f} {spread:>6.0f}% {r['samples_per_s']:>10.0f} "
               f"{r['copy_ms']:>8.2f} {r['pool_mib']:>9.0f} {r['repeats']:>3}  {r['kernels']}", flush=True)
         _free_pool(backend)
     print(f"\ngpu_step: {len(runs) - failures}/{len(runs)} cases in {time.perf_counter() - wall:.1f} s "
-          f"(spread = (max - min) / median; conv: the stride-1 3x3 layers' algorithm, MPIDL_CONV_ALGORITHM; "
+          f"(spread = (max - min) / median; conv: the stride-1 3x3 layers' algorithm (Conv2d.algorithm); "
           f"Conv2d's 'auto' uses im2col on the GPU until these numbers say otherwise)")
     return 1 if failures else 0
 

@@ -53,9 +53,12 @@ def main(argv=None) -> int:
 
     import common
     from mpidl.distributed import DataParallel, Topology
+    from mpidl.engine import threads
     from mpidl.engine.models import build_model
     from mpidl.engine.nn import SoftmaxCrossEntropy
     from mpidl.engine.optim import SGD
+
+    threads.apply()  # as mpidl.train does first (the one-thread counts set above win)
 
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()

@@ -8,10 +8,11 @@ kinds of fresh process, started with **no thread or wait-policy variable set** (
 benchmark removes ``OMP_*``, ``OPENBLAS_*``, ``MKL_*``, ``NUMBA_*_THREADS``, ``GOMP_*`` and
 ``KMP_*`` from the environment it passes on):
 
-``api``    the one-process Python API (docs/tour.md): ``build_model`` +
+``api``    the one-process Python API (docs/tour.md): ``threads.apply()`` (the thread policy,
+           the one call a training program makes first), ``build_model`` +
            ``SoftmaxCrossEntropy`` + ``SGD``, a plain loop (``import numpy`` first, as a user would);
-``cli``    the path of ``python -m mpidl.train``: the machine's ranks are counted over MPI, the
-           thread policy applied for them, and each step goes through
+``cli``    the path of ``python -m mpidl.train``: the thread policy applied first for the ranks
+           the launcher put on this machine, the machine's ranks counted over MPI, and each step goes through
            ``DataParallel.step`` (the flat reducer's allreduce on one rank, then the optimizer),
            as the trainer does; the data reading of the trainer is not timed;
 ``torch``  the twin, with mpidl's initial parameters and buffers (``torch_twins.load_weights``,
@@ -127,11 +128,13 @@ def worker_mpidl(args) -> dict:
     import numpy as np  # noqa: PLC0415,F401 - a user imports NumPy first (OpenBLAS starts its pool)
 
     from torch_twins import TWINS  # noqa: PLC0415
+    from mpidl.engine import threads  # noqa: PLC0415
     from mpidl.engine.backend import get_backend  # noqa: PLC0415
     from mpidl.engine.models import build_model  # noqa: PLC0415
     from mpidl.engine.nn import SoftmaxCrossEntropy  # noqa: PLC0415
     from mpidl.engine.optim import SGD  # noqa: PLC0415
 
+    threads.apply()  # the first call of a training program (README, mpidl.train): the thread policy
     twin = TWINS[args.model]
     backend = get_backend(args.device, "float32")
     dp = None
@@ -169,8 +172,6 @@ def worker_mpidl(args) -> dict:
         import cupy  # noqa: PLC0415
 
         result["device_bytes"] = int(cupy.get_default_memory_pool().total_bytes())
-    from mpidl.engine import threads  # noqa: PLC0415
-
     result["threads"] = threads.describe()
     return result
 
@@ -336,8 +337,7 @@ def main(argv=None) -> int:
     import common  # noqa: PLC0415
     from torch_twins import TWINS  # noqa: PLC0415
 
-    # The model registry, read in a child: importing mpidl here would set its policy in the
-    # environment the workers inherit.
+    # The model registry, read in a child: the driver imports neither mpidl nor torch.
     registry = subprocess.run([sys.executable, "-c", "from mpidl.engine.models import MODELS; print(','.join(MODELS))"],
                               cwd=ROOT, env=clean_env(), capture_output=True, text=True, check=True).stdout.strip()
     all_models = registry.split(",")
