@@ -2,7 +2,8 @@
 #
 # How to start N MPI ranks, and N ranks as emulated nodes on one machine, with MPICH's or
 # Open MPI's mpiexec: the shell twin of tests/launcher.py (tests/test_launcher.py checks that
-# both give the same command lines). It only defines functions:
+# both give the same command lines). It defines functions, and exports one variable for Open
+# MPI (OMPI_MCA_osc, below: every launch from this shell passes it on to the ranks):
 #
 #   mpidl_mpi_flavor [MPIEXEC]        prints mpich or openmpi: $MPIDL_MPI_FLAVOR if set, else
 #                                     what `MPIEXEC --version` (default $MPIEXEC, mpiexec) says
@@ -58,6 +59,19 @@
 #     ends the job (a rank's own TCP gives up on a silent peer by the hosts' tcp_retries2).
 # Both: at most as many nodes as the cluster has hosts; the cluster's state (hosts, subnet)
 # is read from /run/mpidl-cluster/NAME/cluster.env.
+
+# Open MPI 5's one-sided component osc/ucx, where UCX has no transport for RMA, prints "OSC UCX
+# component priority set inside component query failed" on every rank for every new window
+# (the node-shared window of --intra shm, the ULFM agreements), and then is not used anyway:
+# the window is osc/sm's. So osc/ucx is left out of the selection, unless the user chose the
+# osc components (OMPI_MCA_osc set, even empty). Exported when this file is sourced, before any
+# MPI starts: mpiexec (local, ssh to a cluster's hosts) and srun pass it on to the ranks, and a
+# program under this shell (a test, a benchmark) gets it too. MPICH ignores the variable.
+# (mpidl itself changes no environment: the command lines of mpidl do the same, for a launch
+# that does not come from here.)
+if [[ -z "${OMPI_MCA_osc+set}" ]]; then
+    export OMPI_MCA_osc='^ucx'
+fi
 
 # Seconds a rank may wait in one MPI call without progress before the job is ended, on a
 # cluster (docs/cluster.md, "Faults"): above any legitimate wait (a slow rank's step, the
