@@ -1,6 +1,7 @@
 """The launcher helpers: tests/launcher.py and its shell twin jobs/launcher.sh give the same
 command lines for MPICH and Open MPI, refuse node shapes a launcher cannot make, and the Slurm
-launch picks the srun --mpi type of mpi4py's MPI library (no MPI job is started here)."""
+launch picks the srun --mpi type of mpi4py's MPI library, and sourcing the shell twin exports
+Open MPI's OMPI_MCA_osc=^ucx unless set (no MPI job is started here)."""
 
 import os
 import subprocess
@@ -150,3 +151,18 @@ def test_run_tagged_past_its_timeout_kills_even_what_left_its_process_group(tmp_
     while not _gone(escaped) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _gone(escaped)
+
+
+@pytest.mark.parametrize("chosen", [None, "sm,rdma", ""])
+def test_open_mpi_leaves_osc_ucx_out_unless_the_user_chose(chosen):
+    """Sourcing jobs/launcher.sh (every job script that starts ranks does, and tests/run_all.sh)
+    exports ``OMPI_MCA_osc=^ucx`` for the launches that follow, unless the user set the variable,
+    even empty: Open MPI 5's osc/ucx otherwise prints an error for every window (issue 31 row 18).
+    Importing mpidl used to set it; mpidl changes no environment now."""
+    env = {k: v for k, v in os.environ.items() if k != "OMPI_MCA_osc"}
+    if chosen is not None:
+        env["OMPI_MCA_osc"] = chosen
+    proc = subprocess.run(["bash", "-c", f'set -euo pipefail; source "{SHELL}"; bash -c \'echo "[$OMPI_MCA_osc]"\''],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"[{'^ucx' if chosen is None else chosen}]", proc.stderr

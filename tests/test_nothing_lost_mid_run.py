@@ -267,20 +267,6 @@ def mpi_flavour() -> str:
     return "openmpi" if "Open MPI" in proc.stdout else "mpich"
 
 
-@pytest.mark.parametrize("chosen", [None, "sm,rdma", ""])
-def test_open_mpi_leaves_osc_ucx_out_unless_the_user_chose(chosen):
-    """The launch scripts (jobs/launcher.sh, which every job script and tests/run_all.sh
-    source) export ``OMPI_MCA_osc=^ucx`` unless the user set the variable, even empty (importing
-    mpidl used to set it; mpidl changes no environment now)."""
-    env = {k: v for k, v in ENV.items() if k != "OMPI_MCA_osc"}
-    if chosen is not None:
-        env["OMPI_MCA_osc"] = chosen
-    proc = subprocess.run(["bash", "-c", 'set -euo pipefail; source jobs/launcher.sh; bash -c \'echo "[$OMPI_MCA_osc]"\''],
-                          capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == f"[{'^ucx' if chosen is None else chosen}]", proc.stderr
-
-
 def test_open_mpi_shm_run_prints_no_osc_ucx_error(data):
     """Before: each rank of an Open MPI 5.0 run with --intra shm printed "Error: OSC UCX
     component priority set inside component query failed" (osc/ucx's query, with no UCX
