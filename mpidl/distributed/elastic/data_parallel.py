@@ -253,7 +253,7 @@ class ElasticDataParallel:
         """Whether this process knows of a failed process of the world (local, no communication)."""
         try:
             failed = self._core.topology.world.Get_failed()
-        except MPI.Exception:
+        except (MPI.Exception, NotImplementedError):  # NotImplementedError: an MPI without ULFM (forced on)
             return False
         try:
             return failed.Get_size() > 0
