@@ -81,7 +81,7 @@ def _train(dp, params, steps: int = 8, inject=None) -> list:
     return lost
 
 
-def _elastic(monkeypatch, strategy="flat", exchange=None):
+def _elastic(monkeypatch, strategy="flat", exchange=None, speeds="equal"):
     """An ElasticDataParallel on a one-rank world of its own (a COMM_SELF duplicate: a shrink
     revokes it), MPIDL_ULFM forced on; the MPICH wheel's stand-in shrink where Revoke is missing."""
     _settings(monkeypatch, MPIDL_ULFM="1")
@@ -101,7 +101,7 @@ def _elastic(monkeypatch, strategy="flat", exchange=None):
     topology = Topology.from_comm(MPI.COMM_SELF.Dup())
     if exchange is None:
         return params, data_parallel(params, optimizer, batch_size=4, topology=topology, strategy=strategy,
-                                     on_failure="shrink")
+                                     speeds=speeds, probe=lambda n: None, rebalance_every=2, on_failure="shrink")
     from mpidl.distributed import DataParallel
 
     core = DataParallel(params, optimizer, batch_size=4, exchange=exchange(topology))
@@ -197,6 +197,20 @@ def test_a_failure_in_a_step_goes_back_before_it_and_the_loop_runs_it_again(monk
     assert dp.core is not first_core and isinstance(dp.exchange, ConfirmedExchange)
     assert dp.optimizer.step_count == 8  # restored, then the step redone
     np.testing.assert_allclose(params.data, _uninterrupted(), rtol=0, atol=1e-12)
+
+
+def test_a_measured_split_goes_on_measuring_after_a_loss(monkeypatch):
+    """The survivors' split keeps their cost models (no probe) and re-fits from the steps."""
+    from mpidl.distributed import MeasuredSplit
+
+    params, dp = _elastic(monkeypatch, speeds="auto")
+    before = dp.split
+    assert isinstance(before, MeasuredSplit)
+    (exc,) = _train(dp, params, inject=_fail_once(3, "reduce"))
+    after = dp.split
+    assert isinstance(after, MeasuredSplit) and after is not before and after.topology is dp.topology
+    assert after.batch_sizes == [4] and after.rebalance_every == 2 and after.threshold == before.threshold
+    assert len(after._previous_period) > 0  # re-fitted at steps 4, 6, 8 from the new core's steps
 
 
 def test_a_failure_between_steps_keeps_the_state(monkeypatch):
