@@ -61,8 +61,8 @@ __all__ = ["ULFM_ENV", "ulfm_available", "detector_state", "is_process_failure",
            "agreed_step", "StepSnapshots", "resplit", "rebuild_topology", "leave", "has_quorum",
            "RecoveryError", "RanksLost", "ON_FAILURE", "check_on_failure"]
 
-#: what a DataParallel does when a rank is lost: end the job (resume from the checkpoint), or
-#: shrink to the survivors and go on
+#: what a job does when a rank is lost: end (resume from the checkpoint), or shrink to the
+#: survivors and go on (an ElasticDataParallel around the core DataParallel)
 ON_FAILURE = ("restart", "shrink")
 
 #: ``MPIDL_ULFM=1`` / ``0`` overrides the detection of :func:`ulfm_available` (an MPI this
@@ -86,9 +86,10 @@ class RecoveryError(RuntimeError):
 class RanksLost(RuntimeError):
     """Ranks were lost and the survivors went on without them (``on_failure='shrink'``).
 
-    Raised alike on every survivor by the :class:`~mpidl.distributed.DataParallel` call that
-    saw the failure, once the state is back to the one before :attr:`step` (the global step
-    count every survivor agreed on) and the batch is re-split. The loop then runs the global
+    Raised alike on every survivor by the
+    :class:`~mpidl.distributed.elastic.ElasticDataParallel` call that saw the failure, once
+    the state is back to the one before :attr:`step` (the global step count every survivor
+    agreed on) and the batch is re-split. The loop then runs the global
     batch of step :attr:`step` again (``divmod(dp.steps, steps_per_epoch)``): its new local
     slice covers the lost ranks' samples. :attr:`event` is the record for the metrics.
     """
@@ -397,9 +398,9 @@ def resplit(total: int, old_split: Sequence[int], survivors: Sequence[int],
 
     ``survivors[r]`` is the old rank of new rank ``r`` (:attr:`Shrunk.old_ranks`). A lost rank
     is a rank of speed 0: with the old ranks' cost models ``costs``, the optimal split of
-    :func:`~mpidl.distributed.balance.solve_split` over the survivors' models (each at least one
+    :func:`~mpidl.distributed.split.balance.solve_split` over the survivors' models (each at least one
     sample when ``total`` allows); without them, ``total`` in proportion to the survivors' old
-    batch sizes (:func:`~mpidl.distributed.balance.split_counts` with the lost ranks' share set
+    batch sizes (:func:`~mpidl.distributed.split.balance.split_counts` with the lost ranks' share set
     to 0), or equally if every survivor had 0. Sums to ``total``.
     """
     survivors = list(survivors)
