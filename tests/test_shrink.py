@@ -468,12 +468,14 @@ def test_survivors_that_cannot_go_on_stop_alone_without_mpi_abort(monkeypatch, t
 
 # --------------------------------------------------------------------------- launches
 def _run(ranks: int, args: list[str], *, ulfm: bool = True, fault: str | None = None) -> tuple[int, str]:
-    """``mpiexec -n ranks python tests/faulty_train.py ARGS`` (Open MPI: ``--with-ft ulfm`` when
-    ``ulfm``); returns (return code, output)."""
+    """``mpiexec -n ranks python tests/faulty_train.py ARGS`` on this machine, also with
+    MPIDL_CLUSTER set (Open MPI: ``--with-ft ulfm`` when ``ulfm``); returns (return code, output)."""
     if not available():
         pytest.skip("no mpiexec")
-    cmd = mpiexec(ranks, TRAIN + args, ft="ulfm" if ulfm and flavor() == OPENMPI else "")
-    env = {k: v for k, v in os.environ.items() if k not in ("MPIDL_INJECT_FAULT", "MPIDL_RANKS_PER_NODE")}
+    with pytest.MonkeyPatch.context() as local:
+        local.delenv(CLUSTER_ENV, raising=False)
+        cmd = mpiexec(ranks, TRAIN + args, ft="ulfm" if ulfm and flavor() == OPENMPI else "")
+    env = {k: v for k, v in os.environ.items() if k not in ("MPIDL_INJECT_FAULT", "MPIDL_RANKS_PER_NODE", CLUSTER_ENV)}
     if fault:
         env["MPIDL_INJECT_FAULT"] = fault
     return run_tagged(cmd, env, timeout=LAUNCH_TIMEOUT_S)
