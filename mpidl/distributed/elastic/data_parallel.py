@@ -91,8 +91,9 @@ class ElasticDataParallel:
     """A core :class:`~mpidl.distributed.DataParallel` that goes on without lost ranks
     (``on_failure='shrink'``; the module docstring says how). Build it with :meth:`around`.
 
-    Attributes (its own; every other one is the current core's)
+    Attributes
     ----------
+    (its own; every other attribute is the current core's, read and written)
     on_failure : 'shrink' | 'restart'
         What this job really does when a rank is lost.
     failure_note : str
@@ -134,8 +135,10 @@ class ElasticDataParallel:
         ``rebuild(topology)`` builds the exchange ``dp`` uses over another topology (the
         survivors'). With support, the core is composed anew from ``dp``'s parts (its model,
         optimizer, split, clock and options; its exchange seen through a
-        :class:`ConfirmedExchange`), so ``dp`` itself is not used afterwards. Without, ``dp`` is
-        the core and every call passes through."""
+        :class:`ConfirmedExchange`), so ``dp`` itself is not used afterwards: the agreement
+        that confirms a step, and the state right before a node sync, belong between the core's
+        calls to its exchange, which only the exchange sees (the core is never changed from
+        outside). Without support, ``dp`` is the core and every call passes through."""
         topology = dp.topology
         for comm in (topology.world, topology.node, topology.leaders):
             if comm != MPI.COMM_NULL:
