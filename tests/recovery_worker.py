@@ -1,5 +1,5 @@
 # mpiexec --with-ft ulfm -n 3 python tests/recovery_worker.py OUT_DIR --victims 0:4 --steps 12
-"""A data-parallel loop that loses ranks and goes on (mpidl.distributed.recovery), for the tests.
+"""A data-parallel loop that loses ranks and goes on (mpidl.distributed.elastic.recovery), for the tests.
 
 The model is a linear least-squares fit in float64 with SGD + momentum, so that its exact
 result is known from one process (:func:`reference`). Step ``t`` uses the global batch
@@ -75,7 +75,7 @@ class NodesByStartupRank:
     """Emulated nodes of ``k`` consecutive START-UP ranks (``node = id // k``), so that a rank
     keeps its node after a shrink; the attributes the loop uses, as on a Topology.
 
-    (:func:`~mpidl.distributed.recovery.rebuild_topology` refuses emulated nodes: Topology
+    (:func:`~mpidl.distributed.elastic.recovery.rebuild_topology` refuses emulated nodes: Topology
     groups by the current rank. This stands in for it on one machine, where Open MPI has no
     other way to make nodes.)
     """
@@ -113,10 +113,10 @@ def main(argv=None) -> int:
 
     from mpi4py import MPI
 
-    from mpidl.distributed.balance import equal_split, split_counts
-    from mpidl.distributed.recovery import (Members, RecoveryError, StepSnapshots, agreed_step,
-                                            is_process_failure, leave, rebuild_topology, resplit,
-                                            shrink, ulfm_available)
+    from mpidl.distributed.split.balance import equal_split, split_counts
+    from mpidl.distributed.elastic.recovery import (Members, RecoveryError, StepSnapshots, agreed_step,
+                                                    is_process_failure, leave, rebuild_topology, resplit,
+                                                    shrink, ulfm_available)
     from mpidl.distributed.topology import Topology
 
     comm = MPI.COMM_WORLD

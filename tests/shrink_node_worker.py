@@ -1,9 +1,10 @@
 # mpiexec --with-ft ulfm --host A:2,B:2,C:2 -n 6 python tests/shrink_node_worker.py OUT_DIR --kill 4,5 --at 9
-"""DataParallel(strategy='node', on_failure='shrink') losing a whole host, for the tests.
+"""``data_parallel(strategy='node', on_failure='shrink')`` (an ElasticDataParallel) losing a
+whole host, for the tests.
 
 A linear least-squares fit in float64 (the data of tests/recovery_worker.py) trained with
-``DataParallel(params, SGD(momentum), strategy='node', sync_every=K)`` on real hosts (one
-node per host). The ranks ``--kill`` SIGKILL themselves at the start of step ``--at``; the
+``data_parallel(params, SGD(momentum), strategy='node', sync_every=K, on_failure='shrink')`` on
+real hosts (one node per host). The ranks ``--kill`` SIGKILL themselves at the start of step ``--at``; the
 nodes left notice it at their next parameter sync, go back to the state right before it and
 sync again over the remaining nodes, then go on with the batch re-split over the survivors.
 
@@ -88,16 +89,17 @@ def main(argv=None) -> int:
 
     from mpi4py import MPI
 
+    from mpidl.distributed import data_parallel
+    from mpidl.distributed.elastic import RanksLost
     from mpidl.engine.backend import get_backend
-    from mpidl.distributed import DataParallel, RanksLost
     from mpidl.engine.optim import SGD
     from mpidl.engine.params import FlatParameters, Parameter, zeros
 
     me = MPI.COMM_WORLD.Get_rank()
     victims = {int(r) for r in args.kill.split(",") if r}
     params = FlatParameters([("w", Parameter((D,), zeros()))], get_backend("cpu", "float64"))
-    dp = DataParallel(params, SGD(params, lr=LR, momentum=MOMENTUM), batch_size=BATCH,
-                      strategy="node", sync_every=K, on_failure="shrink")
+    dp = data_parallel(params, SGD(params, lr=LR, momentum=MOMENTUM), batch_size=BATCH,
+                       strategy="node", sync_every=K, on_failure="shrink")
     if dp.on_failure != "shrink":
         if me == 0:
             (args.out / "skip.json").write_text(json.dumps({"reason": dp.failure_note}))

@@ -3,8 +3,9 @@ work, a failing rank's message that always arrives, a full disk that keeps the m
 on another node that is reported, Ctrl-C as a stop request, resume across strategies, and
 one rule for the smallest local batch.
 
-Subprocesses (``python -m mpidl.train``, most under ``mpiexec -launcher fork``) on a tiny
-layout file; "before training" is the absence of any epoch line, never a time.
+Subprocesses (``python -m mpidl.train``, most under ``mpiexec -launcher fork``; with an injected
+fault ``python tests/faulty_train.py``, the same command line with the tests' fault injection)
+on a tiny layout file; "before training" is the absence of any epoch line, never a time.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from mpidl.faults import ENV as FAULT_ENV
+from faults import ENV as FAULT_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
+FAULTY_TRAIN = str(Path(__file__).with_name("faulty_train.py"))
 MPIEXEC = os.environ.get("MPIEXEC") or str(Path(sys.executable).parent / "mpiexec")
 ENV = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
 ENV.pop(FAULT_ENV, None)
@@ -46,7 +48,8 @@ def data(tmp_path_factory):
 
 
 def train(args, np_=None, data=None, fault=None, timeout=240, cwd=ROOT, launcher=("-launcher", "fork")):
-    cmd = [sys.executable, "-m", "mpidl.train", *([] if data is None else ["--data", data]), *args]
+    program = [FAULTY_TRAIN] if fault else ["-m", "mpidl.train"]
+    cmd = [sys.executable, *program, *([] if data is None else ["--data", data]), *args]
     if np_ is not None:
         if not Path(MPIEXEC).exists():
             pytest.skip(f"no mpiexec at {MPIEXEC}")
@@ -82,9 +85,9 @@ def test_one_rule_for_the_smallest_local_batch():
     """Before: --batch-size 3 on 4 ranks was refused "every rank needs at least one sample",
     while --speeds 1e-300,1,1,1 ran with [0,22,21,21]: the split's rule is min_local_batch."""
     from mpidl.app.config import ConfigError, parse_config
-    from mpidl.distributed import balance
-    from mpidl.distributed.hdp import check_split_fits
     from mpidl.app.trainer import MIN_LOCAL_BATCH
+    from mpidl.distributed.split import balance
+    from mpidl.distributed.split import check_batch_fits as check_split_fits
 
     assert MIN_LOCAL_BATCH == 0
     parse_config(["--batch-size", "3"], world_size=4)  # the trainer: an empty share fits

@@ -1,4 +1,4 @@
-"""Surviving a lost rank (mpidl.distributed.recovery).
+"""Surviving a lost rank: the MPI mechanics (mpidl.distributed.elastic.recovery).
 
 The pure parts (snapshots, the re-split, the agreed step) are tested serially; the whole
 recovery is tested for real: tests/recovery_worker.py runs under mpiexec, a rank SIGKILLs
@@ -21,9 +21,10 @@ from mpi4py import MPI
 
 import recovery_worker as worker
 from launcher import OPENMPI, available, flavor, mpiexec, run_tagged
-from mpidl.distributed.balance import RankCost
-from mpidl.distributed.recovery import (Members, RecoveryError, StepSnapshots, agreed_step, has_quorum,
-                                        is_process_failure, resplit, ulfm_available)
+from mpidl import settings
+from mpidl.distributed.elastic.recovery import (Members, RecoveryError, StepSnapshots, agreed_step, has_quorum,
+                                                is_process_failure, resplit, ulfm_available)
+from mpidl.distributed.split.balance import RankCost
 
 WORKER = str(Path(__file__).with_name("recovery_worker.py"))
 LAUNCH_TIMEOUT_S = 45
@@ -102,9 +103,25 @@ def test_members_and_support_on_one_process():
     assert not is_process_failure(ValueError("not MPI"))
 
 
-def test_support_can_be_forced_off(monkeypatch):
-    monkeypatch.setenv("MPIDL_ULFM", "0")
-    assert ulfm_available(MPI.COMM_SELF) == (False, "turned off by MPIDL_ULFM=0")
+def test_support_can_be_forced_off_or_on(monkeypatch):
+    """MPIDL_ULFM is read once by mpidl.settings (a test sets it there; a user in the
+    environment of the ranks); a malformed value turns fault tolerance off and says why."""
+    for value, expected in (("0", (False, "turned off by MPIDL_ULFM=0")), ("1", (True, "forced by MPIDL_ULFM=1")),
+                            ("maybe", (False, "environment variable MPIDL_ULFM must be 1 or 0, got 'maybe'; "
+                                              "fault tolerance off"))):
+        monkeypatch.setattr(settings, "SETTINGS", settings.Settings.from_environ({"MPIDL_ULFM": value}))
+        assert ulfm_available(MPI.COMM_SELF) == expected
+
+
+def test_snapshots_keep_small_values_beside_the_arrays():
+    w = np.zeros(2)
+    snaps = StepSnapshots()
+    snaps.save(0, {"w": w}, {"steps": 0, "exchange": {"steps_since_sync": 3}})
+    w += 1.0
+    snaps.save(0, {"w": w}, {"steps": 0, "redo": "synchronize"})  # saved again: both replaced
+    w += 1.0
+    assert snaps.restore(0, {"w": w}) == {"steps": 0, "redo": "synchronize"}
+    np.testing.assert_array_equal(w, [1.0, 1.0])
 
 
 # --------------------------------------------------------------------------- under mpiexec
@@ -113,9 +130,13 @@ def _launch(ranks: int, out: Path, *args: str) -> dict:
     or skips with the worker's reason where the MPI cannot recover."""
     if not available():
         pytest.skip("no mpiexec")
-    # ULFM is on only when the launcher is told; the MPICH wheel has none to turn on.
-    cmd = mpiexec(ranks, [sys.executable, WORKER, str(out), *args], ft="ulfm" if flavor() == OPENMPI else "")
-    env = dict(os.environ)
+    # ULFM is on only when the launcher is told; the MPICH wheel has none to turn on. On this
+    # machine, also with MPIDL_CLUSTER set (the records name its host; docs/failures.md has the
+    # same worker on real hosts).
+    with pytest.MonkeyPatch.context() as local:
+        local.delenv("MPIDL_CLUSTER", raising=False)
+        cmd = mpiexec(ranks, [sys.executable, WORKER, str(out), *args], ft="ulfm" if flavor() == OPENMPI else "")
+    env = {k: v for k, v in os.environ.items() if k != "MPIDL_CLUSTER"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")]))
     returncode, output = run_tagged(cmd, env, timeout=LAUNCH_TIMEOUT_S)
     skip = out / "skip.json"

@@ -198,8 +198,9 @@ def data_parallel(model, optimizer, *, batch_size: int, topology: Topology | Non
     if on_failure == "shrink":
         from mpidl.distributed.elastic import ElasticDataParallel  # noqa: PLC0415
 
-        return ElasticDataParallel.around(dp, rebuild=lambda topo: make_exchange(
-            topo, strategy, sync_every=sync_every, sync_optimizer_state=sync_optimizer_state))
+        return ElasticDataParallel.around(dp, rebuild=lambda topo: make_exchange(   # the survivors' exchange
+            topo, strategy, sync_every=sync_every, sync_optimizer_state=sync_optimizer_state,
+            emulate_link=emulate_link))
     return dp
 
 

@@ -4,7 +4,9 @@ named as the cause of a NaN gradient; a resume on other data or options is refus
 
 import errno
 import os
+import sys
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,8 +16,11 @@ import mpidl.app.checkpoint as ck
 from mpidl.app.checkpoint import CheckpointError, load_model
 from mpidl.data import ArrayDataset
 from mpidl.distributed import NonFiniteGradient
-from mpidl.app.trainer import OutputWriteError, epoch_permutation
+from mpidl.app.trainer import OutputWriteError, Trainer, epoch_permutation
 from trainer_harness import make_trainer, speeds_for, tiny_dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the fault injection
+from faults import Fault, inject  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 P = WORLD.Get_size()
@@ -91,7 +96,8 @@ def test_nan_at_step_0_from_the_data_says_so():
 
 @pytest.mark.mpi
 def test_a_nan_gradient_without_nan_data_keeps_its_message(monkeypatch):
-    monkeypatch.setenv("MPIDL_INJECT_FAULT", f"{P - 1}:2:nan")
+    monkeypatch.setattr(Trainer, "train_step", Trainer.train_step)  # put back after the test
+    inject(Trainer, Fault(P - 1, 2, "nan"))  # what MPIDL_INJECT_FAULT=P-1:2:nan does in faulty_train.py
     trainer = make_trainer(WORLD, BASE)
     message = same_error_everywhere(trainer.run, NonFiniteGradient)
     assert "caused by the data" not in message and "reduced gradient at step 2" in message
@@ -115,3 +121,36 @@ def test_resume_checks_data_and_options_at_an_epoch_boundary(mpi_tmp_path):
     trainer = make_trainer(WORLD, resume)  # the same data and options: accepted
     trainer.resume()
     assert trainer.start_epoch == 1
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("strategy", ["flat", "hierarchical", "node"])
+def test_the_elastic_wrapper_without_a_failure_trains_as_its_core(mpi_tmp_path, monkeypatch, strategy):
+    """--on-failure shrink with ULFM forced on (under any MPI: its guarded calls, the state kept
+    before each step or sync, and an agreement per step and sync all run): the same training as
+    the core alone, bit for bit, checkpoint included."""
+    from mpidl import settings
+    from mpidl.distributed.elastic import ElasticDataParallel
+
+    if settings.SETTINGS.ranks_per_node is not None:
+        pytest.skip("--on-failure shrink refuses emulated nodes (MPIDL_RANKS_PER_NODE)")
+    monkeypatch.setattr(settings, "SETTINGS", settings.Settings.from_environ({"MPIDL_ULFM": "1"}))
+    runs = []
+    for on_failure in ("restart", "shrink"):
+        folder = mpi_tmp_path / on_failure
+        trainer = make_trainer(WORLD, BASE + ["--strategy", strategy, "--sync-every", "3", "--on-failure", on_failure,
+                                              "--checkpoint", str(folder)])
+        runs.append((trainer, trainer.run(), folder / ck.CHECKPOINT_NAME))
+    (plain, plain_end, plain_file), (elastic, elastic_end, elastic_file) = runs
+    assert isinstance(elastic.dp, ElasticDataParallel) and elastic.dp.on_failure == "shrink"
+    assert not isinstance(plain.dp, ElasticDataParallel) and not elastic.dp.shrunk
+    # node on several nodes: the state was kept before the syncs; else before the steps
+    kept = elastic.dp._sync_snapshots if not elastic.dp.exchange.exact else elastic.dp._step_snapshots
+    assert kept.steps, (strategy, elastic.dp.topology.num_nodes)
+    np.testing.assert_array_equal(elastic.params.data, plain.params.data)
+    assert (elastic_end["step"], elastic_end["oa"], elastic_end["failures"]) == (plain_end["step"], plain_end["oa"], 0)
+    if RANK == 0:
+        import h5py
+
+        with h5py.File(plain_file, "r") as a, h5py.File(elastic_file, "r") as b:
+            np.testing.assert_array_equal(a["params"][...], b["params"][...])

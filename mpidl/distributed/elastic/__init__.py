@@ -1,14 +1,26 @@
-"""Surviving a lost host (and a host joining the running job): a wrapper the core never names.
+"""Surviving a lost host: a wrapper and a loop helper that the core never names.
 
-:class:`~mpidl.distributed.elastic.recovery` holds the MPI part (ULFM: revoke, shrink, agree,
-quorum); the wrapper around a :class:`~mpidl.distributed.DataParallel` and the loop helper
-build on it.
+The core :class:`~mpidl.distributed.DataParallel` knows nothing of failures. With
+``data_parallel(..., on_failure='shrink')`` it is wrapped::
+
+    recovery.py        the MPI part (ULFM): revoke, shrink, quorum, the agreed step, snapshots,
+                       re-split, rebuilt topology, leave
+    confirmed.py       the core's exchange as the wrapper sees it: each step and sync confirmed
+                       by an agreement, and where the core is when a failure is seen
+    data_parallel.py   ElasticDataParallel: guards every collective call of the core; on a lost
+                       rank shrinks, goes back, builds a new core for the survivors, raises RanksLost
+    loop.py            run_surviving: a stretch of steps (an epoch) run again from the step the
+                       survivors went back to
 """
 
+from mpidl.distributed.elastic.confirmed import ConfirmedExchange
+from mpidl.distributed.elastic.data_parallel import ElasticDataParallel
+from mpidl.distributed.elastic.loop import run_surviving
 from mpidl.distributed.elastic.recovery import (ON_FAILURE, RanksLost, RecoveryError, check_on_failure,
                                                 ulfm_available)
 
-__all__ = ["RanksLost", "RecoveryError", "ON_FAILURE", "check_options", "ulfm_available"]
+__all__ = ["ElasticDataParallel", "ConfirmedExchange", "run_surviving", "RanksLost", "RecoveryError",
+           "ON_FAILURE", "check_options", "ulfm_available"]
 
 
 def check_options(intra: str = "mpi", overlap: bool = False, compress: str = "none", sync_overlap: int = 0,

@@ -2,7 +2,8 @@
 survivors went back to.
 
 A training loop runs its global steps in stretches (an epoch: its steps, then the sync,
-evaluation and checkpoint). When ranks are lost, the elastic DataParallel raises
+evaluation and checkpoint). When ranks are lost,
+:class:`~mpidl.distributed.elastic.data_parallel.ElasticDataParallel` raises
 :class:`~mpidl.distributed.elastic.recovery.RanksLost` on every survivor, with the state back
 at the one before global step ``lost.step``. :func:`run_surviving` then runs the stretch
 again from that step: the survivors compute the global batch of that step themselves, so no

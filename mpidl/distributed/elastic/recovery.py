@@ -61,17 +61,18 @@ __all__ = ["ULFM_ENV", "ulfm_available", "detector_state", "is_process_failure",
            "agreed_step", "StepSnapshots", "resplit", "rebuild_topology", "leave", "has_quorum",
            "RecoveryError", "RanksLost", "ON_FAILURE", "check_on_failure"]
 
-#: what a DataParallel does when a rank is lost: end the job (resume from the checkpoint), or
-#: shrink to the survivors and go on
+#: what a job does when a rank is lost: end (resume from the checkpoint), or shrink to the
+#: survivors and go on (an ElasticDataParallel around the core DataParallel)
 ON_FAILURE = ("restart", "shrink")
 
 #: ``MPIDL_ULFM=1`` / ``0`` overrides the detection of :func:`ulfm_available` (an MPI this
-#: module does not know, or a test of the fallback)
+#: module does not know, or a test of the fallback); read, like every ``MPIDL_`` variable, once
+#: by :mod:`mpidl.settings` (``settings.SETTINGS.ulfm``)
 ULFM_ENV = "MPIDL_ULFM"
-#: set to 1 in every rank by Open MPI's ``mpiexec --with-ft ulfm``
+#: set to 1 in every rank by Open MPI's ``mpiexec --with-ft ulfm`` (Open MPI's own variable,
+#: read from the environment where the launcher put it, like the detector's MCA settings)
 OPENMPI_FT_ENV = "OMPI_MCA_mpi_ft_enable"
 _TRUE = ("1", "true", "yes", "on", "enabled")
-_FALSE = ("0", "false", "no", "off", "disabled")
 
 
 class RecoveryError(RuntimeError):
@@ -85,9 +86,10 @@ class RecoveryError(RuntimeError):
 class RanksLost(RuntimeError):
     """Ranks were lost and the survivors went on without them (``on_failure='shrink'``).
 
-    Raised alike on every survivor by the :class:`~mpidl.distributed.DataParallel` call that
-    saw the failure, once the state is back to the one before :attr:`step` (the global step
-    count every survivor agreed on) and the batch is re-split. The loop then runs the global
+    Raised alike on every survivor by the
+    :class:`~mpidl.distributed.elastic.ElasticDataParallel` call that saw the failure, once
+    the state is back to the one before :attr:`step` (the global step count every survivor
+    agreed on) and the batch is re-split. The loop then runs the global
     batch of step :attr:`step` again (``divmod(dp.steps, steps_per_epoch)``): its new local
     slice covers the lost ranks' samples. :attr:`event` is the record for the metrics.
     """
@@ -127,13 +129,13 @@ def _local_support() -> tuple[bool, str]:
     """This process's view: does its MPI and launcher give ULFM fault tolerance?"""
     if not all(hasattr(MPI.Comm, name) for name in ("Revoke", "Shrink", "Agree", "Get_failed")):
         return False, "mpi4py has no ULFM calls (Comm.Revoke/Shrink/Agree): mpi4py >= 4 is needed"
-    forced = os.environ.get(ULFM_ENV, "").strip().lower()
-    if forced in _TRUE:
-        return True, f"forced by {ULFM_ENV}={forced}"
-    if forced in _FALSE:
-        return False, f"turned off by {ULFM_ENV}={forced}"
-    if forced:
-        return False, f"{ULFM_ENV} must be 1 or 0, got {forced!r}; fault tolerance off"
+    try:
+        forced = settings.SETTINGS.ulfm
+    except ValueError as exc:  # a malformed value: said, and no fault tolerance (alike on every rank)
+        return False, f"{exc}; fault tolerance off"
+    if forced is not None:
+        value = settings.SETTINGS.raw[ULFM_ENV].strip().lower()
+        return forced, f"{'forced by' if forced else 'turned off by'} {ULFM_ENV}={value}"
     library = MPI.Get_library_version()
     name = " ".join(library.splitlines()[0].split(",")[0].split()) if library else "unknown MPI"
     if "Open MPI" in library:
@@ -342,47 +344,50 @@ def agreed_step(comm: MPI.Comm, completed_steps: int) -> int:
 class StepSnapshots:
     """Copies of the state (parameters, optimizer buffers) before the last two steps.
 
-    ``save(step, state)`` before step ``step`` runs (``step`` = steps completed so far)
+    ``save(step, state, meta)`` before step ``step`` runs (``step`` = steps completed so far)
     copies every array of ``state`` into buffers allocated once (the older of two slots is
-    reused); ``restore(step, state)`` copies the one saved for ``step`` back into ``state``'s
-    arrays, in place. Works for any array type with ``.copy()`` and slice assignment (NumPy,
-    CuPy).
+    reused) and keeps ``meta`` (small values: counters, an exchange's state dict) as given;
+    ``restore(step, state)`` copies the arrays saved for ``step`` back into ``state``'s arrays,
+    in place, and returns that ``meta``. Works for any array type with ``.copy()`` and slice
+    assignment (NumPy, CuPy).
     """
 
     def __init__(self):
-        self._slots: list[tuple[int, dict]] = []
+        self._slots: list[list] = []  # [step, arrays, meta]
 
-    def save(self, step: int, state: Mapping[str, object]) -> None:
-        for held, saved in self._slots:  # saved again after a restore: overwrite in place
-            if held == step and set(saved) == set(state):
+    def save(self, step: int, state: Mapping[str, object], meta=None) -> None:
+        for slot in self._slots:  # saved again (after a restore, or a second sync): overwrite in place
+            if slot[0] == step and set(slot[1]) == set(state):
                 for k, v in state.items():
-                    saved[k][...] = v
+                    slot[1][k][...] = v
+                slot[2] = meta
                 return
         if len(self._slots) < 2:
-            self._slots.append((step, {k: v.copy() for k, v in state.items()}))
+            self._slots.append([step, {k: v.copy() for k, v in state.items()}, meta])
             return
-        _, older = min(self._slots, key=lambda s: s[0])
-        self._slots = [s for s in self._slots if s[1] is not older]
-        if set(older) != set(state):
-            older = {k: v.copy() for k, v in state.items()}
+        older = min(self._slots, key=lambda s: s[0])
+        self._slots.remove(older)
+        arrays = older[1]
+        if set(arrays) != set(state):
+            arrays = {k: v.copy() for k, v in state.items()}
         else:
             for k, v in state.items():
-                older[k][...] = v
-        self._slots.append((step, older))
+                arrays[k][...] = v
+        self._slots.append([step, arrays, meta])
 
     @property
     def steps(self) -> list[int]:
         """The step counts held, ascending."""
-        return sorted(s for s, _ in self._slots)
+        return sorted(s[0] for s in self._slots)
 
-    def restore(self, step: int, state: Mapping[str, object]) -> None:
-        for held, saved in self._slots:
+    def restore(self, step: int, state: Mapping[str, object]):
+        for held, saved, meta in self._slots:
             if held == step:
                 if set(saved) != set(state):
                     raise RecoveryError(f"the snapshot of step {step} has {sorted(saved)}, not {sorted(state)}")
                 for k, v in state.items():
                     v[...] = saved[k]
-                return
+                return meta
         raise RecoveryError(f"no snapshot of step {step}; held: {self.steps}")
 
 
@@ -393,9 +398,9 @@ def resplit(total: int, old_split: Sequence[int], survivors: Sequence[int],
 
     ``survivors[r]`` is the old rank of new rank ``r`` (:attr:`Shrunk.old_ranks`). A lost rank
     is a rank of speed 0: with the old ranks' cost models ``costs``, the optimal split of
-    :func:`~mpidl.distributed.balance.solve_split` over the survivors' models (each at least one
+    :func:`~mpidl.distributed.split.balance.solve_split` over the survivors' models (each at least one
     sample when ``total`` allows); without them, ``total`` in proportion to the survivors' old
-    batch sizes (:func:`~mpidl.distributed.balance.split_counts` with the lost ranks' share set
+    batch sizes (:func:`~mpidl.distributed.split.balance.split_counts` with the lost ranks' share set
     to 0), or equally if every survivor had 0. Sums to ``total``.
     """
     survivors = list(survivors)

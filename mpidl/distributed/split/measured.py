@@ -71,6 +71,31 @@ class MeasuredSplit(Split):
         speed_probe.warm_up(topology, probe, batch_size)
         self.costs, self.noise, self.batch_sizes = self._first_split(probe)
 
+    @classmethod
+    def from_costs(cls, topology, batch_size: int, costs, batch_sizes, clock: ComputeClock | None = None, *,
+                   threshold: float = 0.05, min_local_batch: int = 1, rebalance_every: int | None = None,
+                   noise: float = 0.0) -> "MeasuredSplit":
+        """A measured split whose cost models are known already: no probe, no collective.
+
+        For the survivors of a lost rank (:mod:`mpidl.distributed.elastic`): their models
+        were measured (and re-fitted) before the loss, the lost ranks are ranks of speed 0
+        (:func:`~mpidl.distributed.elastic.recovery.resplit` gives ``batch_sizes``), and the
+        re-fit from the steps goes on over the new ``topology`` as in a split that measured
+        them. ``noise``: the measurements' noise of the split it continues."""
+        costs, batch_sizes = list(costs), [int(b) for b in batch_sizes]
+        if len(costs) != topology.size or len(batch_sizes) != topology.size:
+            raise ValueError(f"{len(costs)} costs and {len(batch_sizes)} batch sizes for {topology.size} ranks")
+        if sum(batch_sizes) != batch_size or min(batch_sizes) < 0:
+            raise ValueError(f"batch sizes {batch_sizes} do not split a global batch of {batch_size}")
+        split = cls.__new__(cls)
+        split.topology, split.batch_size = topology, batch_size
+        split.threshold, split.min_local_batch = float(threshold), min_local_batch
+        split.rebalance_every = rebalance_every
+        split.clock = clock if clock is not None else ComputeClock()
+        split._recent, split._previous_period, split._resplit_proposed = deque(maxlen=RECENT_STEPS), [], False
+        split.costs, split.noise, split.batch_sizes = costs, float(noise), batch_sizes
+        return split
+
     def _choose(self, costs, noise) -> list[int]:
         return balance.choose_split(costs, self.batch_size, self.threshold, minimum=self.min_local_batch,
                                     noise=noise)[0]
