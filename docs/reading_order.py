@@ -23,14 +23,15 @@ TOLERANCE = 0.10
 
 #: (file, what a reader finds there), in the order one CLI step of the default job reaches
 #: them (hsicnn on the built-in scene, strategy flat, balanced weighting, SGD with momentum,
-#: no emulation, on_failure='restart'): first the set-up that builds the exchange, then the
-#: step itself. ``elastic.py`` (a base class of DataParallel) is not listed: under 'restart'
-#: its hooks in the step return at their first test.
+#: no emulation, on_failure='restart'): first the set-up that composes the DataParallel, then
+#: the step itself. Small files the step passes through are named in the row of the one that
+#: calls them (``topology.py``, built by train.py; the split, ``split/``; the clock,
+#: ``clock.py``; the message, ``message.py``; the channel, ``channel.py``).
+#: ``elastic/loop.py`` (an epoch as one stretch) only runs the loop.
 STEP = [
     ("mpidl/train.py", "set-up: the command line: options in, `Trainer` built, `run()`"),
     ("mpidl/app/config.py", "set-up: every option validated once, before any MPI call"),
-    ("mpidl/distributed/exchange.py", "set-up: `check_options` (what works with what) and `build_exchange`: the strategy and its variants"),
-    ("mpidl/distributed/reducers.py", "set-up: the strategy's own rules and `make_reducer`: the strategy by name"),
+    ("mpidl/distributed/build.py", "set-up: `data_parallel(...)`: options to the composed `DataParallel` (exchange, split, clock), and the rules between them"),
     ("mpidl/app/trainer.py", "the loop: epoch order, one step, evaluation, checkpoints"),
     ("mpidl/data/__init__.py", "this rank's slice of the global batch, read from HDF5 or memory"),
     ("mpidl/engine/models.py", "`hsicnn`: the layers of the default model"),
@@ -41,22 +42,22 @@ STEP = [
     ("kernels/__init__.py", "the kernels' one dispatch and argument checks"),
     ("kernels/winograd_reference.py", "the Winograd convolution in NumPy: the definition"),
     ("mpidl/engine/nn/loss.py", "softmax cross-entropy, fused"),
-    ("mpidl/distributed/data_parallel.py", "`DataParallel.local_indices` and `step`: one path over the exchange (its base `elastic.py` acts only with `on_failure='shrink'`)"),
-    ("mpidl/distributed/hdp.py", "the split `local_indices` takes its slice from; the plain compute clock `step` stops"),
-    ("mpidl/distributed/reducer_base.py", "the exchange interface: the weighted sum, the flags, the finiteness check, the update"),
-    ("mpidl/distributed/message.py", "the message: the gradient and its count, stop and non-finite slots"),
-    ("mpidl/distributed/flat.py", "the flat strategy: one `Allreduce`"),
+    ("mpidl/distributed/data_parallel.py", "`DataParallel.local_indices` (the split's slice) and `step`: the compute clock, the weight, the exchange's reduce, the update, `after_step`"),
+    ("mpidl/distributed/exchange.py", "the exchange interface: `reduce` = the stages on the message (gradient, count, stop and non-finite slots), then `reduced()`: the division, the finiteness check"),
+    ("mpidl/distributed/flat.py", "the flat strategy: one stage, a world `Allreduce` (through a counted channel, `channel.py`)"),
     ("mpidl/engine/optim.py", "SGD (and the other rules) on the flat buffers"),
 ]
 
-#: the custom loop's ``dp.step`` (README) under ``strategy="node"``, SGD: from the call to the
-#: update and the K' parameter sync.
+#: the custom loop's ``dp.step`` (README) with ``exchange=Node(topology, sync_every=10)``,
+#: SGD: from the call to the update and the K' parameter sync.
 NODE_STEP = [
-    ("mpidl/distributed/data_parallel.py", "`DataParallel.step`: the clock, the exchange's four calls, the agreed flags"),
-    ("mpidl/distributed/hdp.py", "the plain compute clock `step` stops (and the split of `local_indices`)"),
-    ("mpidl/distributed/reducer_base.py", "`reduce`: the flags, the weighted sum, the finiteness check; `update`"),
+    ("mpidl/distributed/data_parallel.py", "`DataParallel.step`: the clock, the weight, the exchange's calls, the agreed flags"),
+    ("mpidl/distributed/clock.py", "the compute clock `step` stops"),
+    ("mpidl/distributed/split/base.py", "`FixedSplit`: the equal split of `local_indices`; `observe` and `after_step` do nothing"),
+    ("mpidl/distributed/exchange.py", "`reduce`: the weight, the stages, `reduced()`: the division, the finiteness check"),
     ("mpidl/distributed/message.py", "the message's slots"),
-    ("mpidl/distributed/node.py", "the node strategy: the node-local weighted `Allreduce`; every K' steps `after_step` averages the parameters between nodes"),
+    ("mpidl/distributed/node.py", "the node strategy: one stage, the node-local `Allreduce`; `reduced` counts the node's weight; every K' steps `after_step` averages the parameters between nodes"),
+    ("mpidl/distributed/channel.py", "the counted collectives of the stage and the sync"),
     ("mpidl/engine/optim.py", "SGD on the flat buffers"),
 ]
 
