@@ -12,7 +12,7 @@ benchmark removes ``OMP_*``, ``OPENBLAS_*``, ``MKL_*``, ``NUMBA_*_THREADS``, ``G
            ``SoftmaxCrossEntropy`` + ``SGD``, a plain loop (``import numpy`` first, as a user would);
 ``cli``    the path of ``python -m mpidl.train``: the machine's ranks are counted over MPI, the
            thread policy applied for them, and each step goes through
-           ``DataParallel.step`` (the flat reducer's allreduce on one rank, then the optimizer),
+           ``DataParallel.step`` (the flat exchange's allreduce on one rank, then the optimizer),
            as the trainer does; the data reading of the trainer is not timed;
 ``torch``  the twin, with mpidl's initial parameters and buffers (``torch_twins.load_weights``,
            from a file an mpidl process wrote: this one never imports mpidl), same batch,
@@ -137,8 +137,10 @@ def worker_mpidl(args) -> dict:
     dp = None
     if args.worker == "cli":
         from mpidl.distributed.launch import machine_rank_and_size  # noqa: PLC0415
+        from mpidl.engine import threads  # noqa: PLC0415
 
-        local_rank, _ = machine_rank_and_size()  # as mpidl.train.main does
+        threads.apply()  # as mpidl.train.main does: explicitly, before the first kernel
+        local_rank, _ = machine_rank_and_size()
         backend.select_device(local_rank)
     model = build_model(args.model, twin.input_shape, twin.num_classes, backend=backend, seed=0, **twin.kwargs)
     opt = SGD(model.params, lr=LR, momentum=MOMENTUM)
