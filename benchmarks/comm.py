@@ -7,13 +7,14 @@ For every buffer size, on the topology the launch gives (1 node, or 2 nodes emul
 MPICH's ``-hosts`` launch), it times
 
 * raw ``MPI_Allreduce(SUM)`` on the world communicator: the floor;
-* each strategy of :func:`mpidl.distributed.reducers.make_reducer` on a real
+* each strategy of the distributed core (:class:`~mpidl.distributed.Flat`,
+  :class:`~mpidl.distributed.Hierarchical`, :class:`~mpidl.distributed.Node`) on a real
   :class:`~mpidl.distributed.topology.Topology`: ``flat`` and ``hierarchical``
-  (``reduce_gradients`` of the buffer as the message ``[gradient | count | stop | nonfinite]``,
-  balanced weighting: scaling and division passes + the collectives), and ``node`` split into
-  its two parts, the per-step node-local reduction (``reduce_gradients``) and the parameter
-  sync between nodes (``synchronize``), plus their cost per step amortised over K' steps,
-  ``step + sync / K'``;
+  (``Exchange.reduce`` of the buffer as the message ``[gradient | count | stop | nonfinite]``,
+  balanced weighting: the scaling, the collectives, the division and the finiteness check
+  every step runs), and ``node`` split into its two parts, the per-step node-local reduction
+  (``reduce``) and the parameter sync between nodes (``synchronize``), plus their cost per
+  step amortised over K' steps, ``step + sync / K'``;
 * ``torch.distributed.all_reduce`` (gloo backend, on a tensor sharing the NumPy buffer) when
   PyTorch is installed; the column is skipped, with the reason, otherwise.
 
@@ -27,9 +28,10 @@ Rank 0 writes ``comm_<nodes>x<ranks per node>.json`` into ``--out`` and rebuilds
 side by side.
 
 ``--shm`` (one node, R ranks) times instead the whole distributed step after backward on a
-4, 16 and 64 MiB float32 model with SGD + momentum: ``mpi`` = ``FlatReducer`` (MPI
-``Allreduce`` of the message, weighting, division), the gradient's finiteness check and the
-replicated optimizer step on every rank (what ``DataParallel.step`` does), against ``shm`` = :class:`mpidl.distributed.shm.SharedNode` (each rank
+4, 16 and 64 MiB float32 model with SGD + momentum: ``mpi`` = ``Flat`` (MPI
+``Allreduce`` of the message, weighting, division, the gradient's finiteness check) and the
+replicated optimizer step on every rank (what ``DataParallel.step`` does), against ``shm`` =
+:class:`mpidl.distributed.extras.shm.SharedNode` (each rank
 sums its 1/R slice of the gradient slots in the node's window and updates that slice of the
 one shared copy of parameters and momentum, its own finiteness check, two barriers). Rounds alternate the two;
 each cell is the median over the rounds of the slowest rank's time, [min - max]. It also
@@ -98,7 +100,8 @@ def main(argv=None) -> int:
     from mpi4py import MPI
 
     import common
-    from mpidl.distributed.reducers import make_reducer
+    from mpidl.distributed import Flat, Hierarchical, Node
+    from mpidl.distributed.message import COUNT
     from mpidl.distributed.topology import Topology
 
     world = MPI.COMM_WORLD
@@ -107,21 +110,24 @@ def main(argv=None) -> int:
     info = common.machine_info() if rank == 0 else None
     dist, torch_reason = common.init_torch_gloo(world, args.no_torch)
     k = args.sync_every
-    reducers = {name: make_reducer(name, topo, weighting="balanced", sync_every=k)
-                for name in ("flat", "hierarchical", "node")}
-    count = 16  # this rank's samples; the message carries it
-    node = reducers["node"]
+    exchanges = {"flat": Flat(topo), "hierarchical": Hierarchical(topo), "node": Node(topo, sync_every=k)}
+    count = 16  # this rank's samples; the message carries it (balanced weighting: c_i = b_i)
+    node = exchanges["node"]
+
+    def reduce(name, message):
+        message[COUNT] = count  # what DataParallel writes before the exchange's reduce
+        exchanges[name].reduce(message)
 
     def node_sync(params):
-        node.steps_since_sync = 1  # as after a step: the sync does average
+        node.steps_since_sync, node.weight_since_sync = 1, count  # as after a step: the sync averages
         node.synchronize(params, [], (0.0, 0.0))
     sizes = QUICK_SIZES if args.quick else FULL_SIZES
 
     def contenders(buf):
         out = {"MPI_Allreduce": lambda: world.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)}
-        out["flat"] = lambda: reducers["flat"].reduce_gradients(buf, count)
-        out["hierarchical"] = lambda: reducers["hierarchical"].reduce_gradients(buf, count)
-        out["node step"] = lambda: node.reduce_gradients(buf, count)
+        out["flat"] = lambda: reduce("flat", buf)
+        out["hierarchical"] = lambda: reduce("hierarchical", buf)
+        out["node step"] = lambda: reduce("node", buf)
         out["node sync"] = lambda: node_sync(buf[:-3])
         if dist is not None:
             import torch
@@ -193,8 +199,9 @@ def main_shm(args) -> int:
 
     import common
     from mpidl import kernels
-    from mpidl.distributed.reducers import make_reducer
-    from mpidl.distributed.shm import SharedNode
+    from mpidl.distributed import Flat
+    from mpidl.distributed.extras.shm import SharedNode
+    from mpidl.distributed.message import COUNT
     from mpidl.distributed.topology import Topology
     from mpidl.engine.optim import SGD
     from mpidl.engine.params import FlatParameters, Parameter, zeros
@@ -207,7 +214,11 @@ def main_shm(args) -> int:
     info = common.machine_info() if rank == 0 else None
     sizes = QUICK_SIZES if args.quick else SHM_SIZES
     count = 16
-    reducer = make_reducer("flat", topo, weighting="balanced")
+    flat = Flat(topo)
+
+    def reduce(message):
+        message[COUNT] = count  # this rank's weight, as DataParallel writes it
+        flat.reduce(message)  # the weighted allreduce, the division and the finiteness check
     # Load the shm path's Numba kernel (its finiteness check) before any memory is measured:
     # the JIT runtime is a one-off cost of the process, not node memory held per model.
     kernels.all_finite(np.zeros(8, np.float32))
@@ -233,7 +244,7 @@ def main_shm(args) -> int:
         def make_mpi():
             params, opt = build(n)
             params.grad[...] = 1.0
-            reducer.reduce_gradients(params.message, count)
+            reduce(params.message)
             opt.step()
             return params, opt
 
@@ -257,9 +268,9 @@ def main_shm(args) -> int:
         p_shm, o_shm = build(n)
         shared = SharedNode(p_shm, o_shm, topo)
         calls = {
-            # Both contenders check the gradient's finiteness, as DataParallel's step does.
-            "mpi": (lambda: p_mpi.grad.fill(1.0), lambda: (reducer.reduce_gradients(p_mpi.message, count),
-                                                          kernels.all_finite(p_mpi.grad), o_mpi.step())),
+            # Both contenders check the gradient's finiteness, as DataParallel's step does
+            # (the exchange's reduce does it).
+            "mpi": (lambda: p_mpi.grad.fill(1.0), lambda: (reduce(p_mpi.message), o_mpi.step())),
             "shm": (lambda: p_shm.grad.fill(1.0), lambda: (shared.reduce(count, 0.0), shared.update())),
         }
         times = {name: [] for name in calls}
@@ -305,7 +316,7 @@ def write_shm_report(out: Path, suffix: str) -> None:
     lines = ["# Node-shared buffers: reduction + SGD-momentum update, one node", "",
              "Generated by `benchmarks/comm.py --shm` (one launch per rank count, fresh processes; "
              "rounds alternate the two contenders). `mpi`: MPI `Allreduce` of the message "
-             "(FlatReducer, weighting, division), the finiteness check of the gradient, then the replicated optimizer step on every rank. "
+             "(`Flat`: weighting, division, the finiteness check of the gradient), then the replicated optimizer step on every rank. "
              "`shm`: the node's MPI-3 shared window, each rank reducing and updating its 1/R "
              "slice (`--intra shm`). Median of the slowest rank over the rounds, [min - max]. "
              "Memory: growth of the node's summed proportional set size (Pss) for one model "

@@ -259,8 +259,8 @@ def fmt_size(n: int) -> str:
 def epoch_samples(record: dict, previous_step: int, num_samples: int, global_batch: int) -> list[int]:
     """Samples each rank computed in the epoch of ``record``: full global batches split as
     ``record['batch_sizes']`` and, for a complete epoch, the last smaller batch split in the
-    same proportions (as the trainer does, :func:`mpidl.distributed.balance.split_counts`)."""
-    from mpidl.distributed.balance import split_counts  # noqa: PLC0415
+    same proportions (as the trainer does, :func:`mpidl.distributed.split.balance.split_counts`)."""
+    from mpidl.distributed.split.balance import split_counts  # noqa: PLC0415
 
     if "samples" in record:  # the trainer records them (the split may change inside an epoch)
         return list(record["samples"])

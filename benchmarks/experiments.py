@@ -14,7 +14,7 @@ Samson scene (converted by ``python -m mpidl.data_tools hsi``; skipped, with a n
    several seeds, mean ± std.
 3. **Node-based communication** (TNNLS 2023): 2 emulated nodes x 2 ranks (MPICH ``-hosts``),
    strategies flat, hierarchical and node with K' in {1, 10, 50, 200}: inter-node calls and
-   bytes per epoch (the reducers' counters), epoch time under emulated inter-node links, OA
+   bytes per epoch (the exchange's counters), epoch time under emulated inter-node links, OA
    after a fixed number of epochs, the accuracy cost of each K' next to its traffic saving.
 
 Then, unless skipped: ``benchmarks/comm.py`` (1 node and 2 emulated nodes),
@@ -789,7 +789,7 @@ def node(ctx: Context) -> dict:
              f"Learning rate: {NODE_LR} for both scenes (lr 0.01 and 0.02 gave NaN gradients with "
              "the node strategy, whose every-step reduction averages only one node's 4-5 samples, "
              "in trial runs; flat trained at both).", "",
-             "**Inter-node bytes.** The reducers count, per level, the bytes each rank hands to "
+             "**Inter-node bytes.** The exchange's channels count, per level, the bytes each rank hands to "
              "each collective (`comm` in the metrics of rank 0, a node leader). `hierarchical` and "
              "`node` have an inter-node level (the leaders' communicator): their inter-node calls "
              "and bytes are MEASURED. `flat` has no such level: it makes one MPI_Allreduce of the "

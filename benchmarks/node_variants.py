@@ -1,14 +1,15 @@
 # python benchmarks/node_variants.py [--quick] [--out benchmarks/results] [--work DIR] [--samson-dir DIR]
-"""The node strategy's two ways of hiding or shrinking its sync, against the blocking one: accuracy.
+"""The node strategy's way of hiding its sync, against the blocking one: accuracy.
 
 ``node`` K'=50 (every rank steps on its node's average; the nodes average their parameters
-every 50 steps) three ways:
+every 50 steps) two ways:
 
 ``blocking``      the parameter average waits for the inter-node exchange;
 ``sync-overlap``  ``--sync-overlap 1``: the average starts at step t and is applied at step
-                  t + 1 as ``avg(theta_t) + (theta_now - theta_t)`` (one step of staleness);
-``bf16``          ``--compress bf16``: the leaders exchange the parameters' change since the
-                  last sync in bfloat16, with error feedback.
+                  t + 1 as ``avg(theta_t) + (theta_now - theta_t)`` (one step of staleness).
+
+(A third, ``--compress bf16`` on the node strategy's parameter sync, is gone: compression now
+acts on the hierarchical strategy's gradient exchange only, ``mpidl/distributed/extras/compress.py``.)
 
 2 EMULATED nodes x 2 ranks (MPICH ``-hosts``), every inter-node collective also sleeping its
 alpha-beta time on an EMULATED 50 us / 1 Gbit/s link, ``hsicnn`` with SGD (momentum 0.9,
@@ -37,7 +38,6 @@ from common import TrainBatch, md_table, mean_std  # noqa: E402
 VARIANTS = {
     "blocking": [],
     "sync-overlap": ["--sync-overlap", "1"],
-    "bf16": ["--compress", "bf16"],
 }
 NODE = ["--strategy", "node", "--sync-every", "50"]
 LINK = "50,1"
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     ]
     name = "node_variants_quick.md" if args.quick else "node_variants.md"
     me = "python benchmarks/node_variants.py" + (" --quick" if args.quick else "")
-    path = common.write_markdown(args.out / name, "The node strategy's sync: blocking vs overlapped vs bf16",
+    path = common.write_markdown(args.out / name, "The node strategy's sync: blocking vs overlapped",
                                  me, info, body)
     (args.out / name.replace(".md", ".json")).write_text(json.dumps(raw, indent=1))
     print(path, flush=True)

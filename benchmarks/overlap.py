@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     from mpi4py import MPI
 
     import common
-    from mpidl.distributed import DataParallel, Topology
+    from mpidl.distributed import DataParallel, Flat, Topology, data_parallel
     from mpidl.engine import threads
     from mpidl.engine.models import build_model
     from mpidl.engine.nn import SoftmaxCrossEntropy
@@ -76,9 +76,9 @@ def main(argv=None) -> int:
         opt = SGD(model.params, lr=1e-3, momentum=0.9)
         if strategy is None:
             return model, DataParallel(model, opt, batch_size=args.local_batch,
-                                       topology=Topology.from_comm(MPI.COMM_SELF))
-        return model, DataParallel(model, opt, batch_size=batch, topology=topo, strategy=strategy,
-                                   emulate_link=args.link, overlap=overlap, bucket_mb=args.bucket_mb)
+                                       exchange=Flat(Topology.from_comm(MPI.COMM_SELF)))
+        return model, data_parallel(model, opt, batch_size=batch, topology=topo, strategy=strategy,
+                                    emulate_link=args.link, overlap=overlap, bucket_mb=args.bucket_mb)
 
     contenders = {"compute": make()}
     for strategy in ("flat", "hierarchical"):
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
             times[name].append(world.allreduce(elapsed, op=MPI.MAX))
     buckets = len(contenders["flat overlap"][1].exchange.buckets)
     # EMULATED link seconds this rank slept per step (the modelled link time left exposed)
-    slept = {name: world.allreduce(dp.reducer.emulated_seconds / (args.rounds * args.steps), op=MPI.MAX)
+    slept = {name: world.allreduce(dp.exchange.traffic.emulated_seconds / (args.rounds * args.steps), op=MPI.MAX)
              for name, (_, dp) in contenders.items()}
     for model, dp in contenders.values():
         dp.close()

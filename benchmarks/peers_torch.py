@@ -309,12 +309,12 @@ def run_torch(dist, world, mode, train_set, test_set, lr, epochs, max_steps, syn
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from mpidl.distributed import balance
-    from mpidl.distributed.data_parallel import MIN_LOCAL_BATCH
+    from mpidl.app.config import MIN_LOCAL_BATCH
     from mpidl.app.metrics import classification_report, confusion_matrix
     from mpidl.engine.models import build_model
     from mpidl.engine.optim import make_schedule
     from mpidl.app.trainer import epoch_permutation
+    from mpidl.distributed.split import FixedSplit
 
     rank, size = world.Get_rank(), world.Get_size()
     torch.manual_seed(0)
@@ -347,8 +347,8 @@ def run_torch(dist, world, mode, train_set, test_set, lr, epochs, max_steps, syn
     total = epochs * steps_per_epoch if max_steps is None else min(max_steps, epochs * steps_per_epoch)
     schedule = make_schedule("cosine", lr, total)
     speeds = [float(s) for s in BALANCED_SPEEDS.split(",")] if mode == "balanced" else [1.0] * size
-    # The split mpidl's DataParallel takes for given speeds (its default minimum per rank).
-    sizes = balance.solve_split(balance.costs_from_speeds(speeds), B, MIN_LOCAL_BATCH)
+    # The split mpidl's trainer takes for given speeds (its minimum per rank).
+    split = FixedSplit(B, size, speeds, MIN_LOCAL_BATCH)
     loss_fn = torch.nn.CrossEntropyLoss()
     step, epoch_s, step_s = 0, [], []
     dummy_x, _ = train_set.read(np.arange(1))
@@ -361,7 +361,7 @@ def run_torch(dist, world, mode, train_set, test_set, lr, epochs, max_steps, syn
             if step >= total:
                 break
             batch = perm[t * B:(t + 1) * B]
-            counts = sizes if len(batch) == B else balance.split_counts(len(batch), sizes)
+            counts = split.counts(len(batch))
             lo = sum(counts[:rank])  # this rank's contiguous slice, as DataParallel.local_indices
             hi = lo + counts[rank]
             for group in opt.param_groups:

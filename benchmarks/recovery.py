@@ -6,7 +6,7 @@ A paced loop of hierarchical allreduces (node allreduce, leaders allreduce, node
 ``--steps`` steps are done. A fault is injected from outside (``jobs/cluster.sh kill|freeze|cut
 HOST``, or ``kill -9`` of a rank) by a script that writes the time of the injection (seconds
 since the epoch, ``date +%s.%N``) to ``--stamp``. Survivors recover with
-mpidl.distributed.recovery (revoke, shrink, agreed step, topology rebuild) and go on; at the
+mpidl.distributed.elastic.recovery (revoke, shrink, agreed step, topology rebuild) and go on; at the
 end the first survivor writes ``--out`` (JSON): per recovery, the lost ranks and hosts, the
 time from the injection to the failure raised on the first survivor (detection), the shrink
 time, and the time from the injection to the next completed step (recovery).
@@ -34,8 +34,8 @@ def main(argv=None) -> int:
 
     from mpi4py import MPI
 
-    from mpidl.distributed.recovery import (Members, RecoveryError, agreed_step, is_process_failure,
-                                            leave, rebuild_topology, shrink, ulfm_available)
+    from mpidl.distributed.elastic.recovery import (Members, RecoveryError, agreed_step, is_process_failure,
+                                                    leave, rebuild_topology, shrink, ulfm_available)
     from mpidl.distributed.topology import Topology
 
     comm = MPI.COMM_WORLD

@@ -140,8 +140,10 @@ def worker_mpidl(args) -> dict:
     dp = None
     if args.worker == "cli":
         from mpidl.distributed.launch import machine_rank_and_size  # noqa: PLC0415
+        from mpidl.engine import threads  # noqa: PLC0415
 
-        local_rank, _ = machine_rank_and_size()  # as mpidl.train.main does
+        threads.apply()  # as mpidl.train.main does: explicitly, before the first kernel
+        local_rank, _ = machine_rank_and_size()
         backend.select_device(local_rank)
     model = build_model(args.model, twin.input_shape, twin.num_classes, backend=backend, seed=0, **twin.kwargs)
     opt = SGD(model.params, lr=LR, momentum=MOMENTUM)

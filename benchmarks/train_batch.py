@@ -26,7 +26,7 @@ def main(path: str) -> int:
         runs = json.load(f)
     import importlib
 
-    from mpidl.train import main as train_main  # sets the threads per rank before NumPy loads
+    from mpidl.train import main as train_main  # its main applies the thread policy, as the command does
 
     from mpi4py import MPI
 

@@ -313,9 +313,13 @@ def main(argv=None) -> int:
                                           gather_to_root, world)
 
     from mpidl.app.cli import parse_args  # noqa: PLC0415
+    from mpidl.engine import threads  # noqa: PLC0415
 
     rank, size = world()
     sys.excepthook = abort_on_uncaught_exception
+    # The thread policy for the ranks the launcher put on this machine, set explicitly as
+    # mpidl.train does (building a model no longer applies it).
+    threads.apply()
     error, prep, removed = None, None, []
     try:
         args = parse_args(build_parser(), argv, rank)

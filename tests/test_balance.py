@@ -1,4 +1,4 @@
-"""Serial tests of mpidl.distributed.balance: the cost model, the split solver, re-splits."""
+"""Serial tests of mpidl.distributed.split.balance: the cost model, the split solver, re-splits."""
 
 import itertools
 import math
@@ -6,10 +6,10 @@ import math
 import numpy as np
 import pytest
 
-from mpidl.distributed import balance
-from mpidl.distributed.balance import (RankCost, choose_split, confirm_resplit, costs_from_speeds,
-                                       equal_split, fit_cost, parse_speeds, refit_cost, scale_cost,
-                                       solve_split, split_counts, step_time)
+from mpidl.distributed.split import balance
+from mpidl.distributed.split.balance import (RankCost, choose_split, confirm_resplit, costs_from_speeds,
+                                             equal_split, fit_cost, parse_speeds, refit_cost, scale_cost,
+                                             solve_split, split_counts, step_time)
 
 
 def random_costs(rng, ranks):

@@ -34,7 +34,8 @@ META = {"epoch": 1, "step_in_epoch": 0, "build_args": {"name": "x"}, "model": "x
 
 
 class SavedState:
-    """Stands in for a DataParallel on rank 0: ``state_dict()`` returns a fixed state."""
+    """Stands in for a DataParallel on rank 0: :func:`save_fake` saves its fixed ``state`` as
+    :func:`mpidl.distributed.checkpoint.state_dict` would return it."""
 
     rank = 0
 
@@ -48,12 +49,21 @@ class SavedState:
             "rank_buffers": [{"bn.mean": np.full(2, 10.0 + r)} for r in range(2)],
         }
 
-    def state_dict(self):
-        return self.state
+
+
+def save_fake(folder, fake: SavedState, meta: dict) -> str:
+    """``ck.save_checkpoint`` of a :class:`SavedState`: the file format alone, with the state
+    ``mpidl.distributed.checkpoint.state_dict`` gathers replaced by the fake's."""
+    real = ck.state_dict
+    ck.state_dict = lambda dp: dp.state
+    try:
+        return ck.save_checkpoint(str(folder), fake, meta)
+    finally:
+        ck.state_dict = real
 
 
 def write_simple(folder, value, steps=7, nodes=None):
-    return ck.save_checkpoint(str(folder), SavedState(value, steps, nodes), META)
+    return save_fake(folder, SavedState(value, steps, nodes), META)
 
 
 def read(folder, node_id=0, rank=0, world_size=2):
@@ -99,14 +109,14 @@ import sys, time
 import numpy as np
 import mpidl.app.checkpoint as ck
 sys.path.insert(0, sys.argv[2])
-from test_checkpoint import META, SavedState
+from test_checkpoint import META, SavedState, save_fake
 def slow(group, state):
     group.create_dataset("state0", data=np.asarray(state[0]))
     group.file.flush()
     print("writing", flush=True)
     time.sleep(60)
 ck._write_state = slow
-ck.save_checkpoint(sys.argv[1], SavedState(2.0, steps=9), META)
+save_fake(sys.argv[1], SavedState(2.0, steps=9), META)
 """
 
 
@@ -190,9 +200,10 @@ def train_serial(argv, stop_after=None):
         step = trainer.train_step
 
         def train_step(*args):
-            step(*args)
+            loss = step(*args)
             if trainer.global_step == stop_after:
                 trainer.dp.request_stop()
+            return loss
 
         trainer.train_step = train_step
     if cfg.resume:
@@ -241,7 +252,7 @@ def launch(args, np_=2, timeout=120):
 
 def foreign_checkpoint(folder):
     """A readable checkpoint of a different model (a hsicnn with other widths)."""
-    ck.save_checkpoint(str(folder), SavedState(0.0), {
+    save_fake(folder, SavedState(0.0), {
         "epoch": 1, "step_in_epoch": 0, "model": "hsicnn",
         "build_args": {"channels": [2, 2], "hidden": 4, "dropout": 0.0}})
 

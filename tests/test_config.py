@@ -20,7 +20,12 @@ def test_lists_are_parsed():
 
 
 def test_fault_injection_is_read_from_the_environment_not_the_command_line(monkeypatch):
-    from mpidl.faults import ENV, Fault, fault_from_environment, parse_fault
+    """The tests' fault injection (tests/faults.py, run by tests/faulty_train.py): not a
+    product module, not an option of the command line."""
+    import importlib.util
+
+    from faults import ENV, Fault, fault_from_environment, parse_fault
+    assert importlib.util.find_spec("mpidl.faults") is None
     assert parse_fault("1:5", 4) == Fault(1, 5, "raise") and parse_fault("0:2:nan", 1) == Fault(0, 2, "nan")
     assert Fault(1, 5).at(1, 5) == "raise" and Fault(1, 5).at(0, 5) is None
     for text, message in (("x", "is RANK:STEP"), ("5:1", r"rank must be in \[0, 2\)"), ("1:1:boom", "is RANK:STEP")):

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import launcher
+from faults import ENV as FAULT_ENV
 from mpidl.app.checkpoint import load_model
-from mpidl.faults import ENV as FAULT_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 MPIEXEC = launcher.default_mpiexec()
@@ -21,8 +21,10 @@ FAST = ["--epochs", "1", "--max-steps", "3", "--speeds", "auto"]
 
 
 def train(args, np_=None, timeout=120, fault=None):
-    """Run the command line; ``fault``: the tests' injected fault (mpidl/faults.py)."""
-    cmd = [sys.executable, "-m", "mpidl.train", *args]
+    """Run the command line; ``fault``: the tests' injected fault (tests/faults.py), run by
+    tests/faulty_train.py, the command line with it."""
+    entry = ["-m", "mpidl.train"] if fault is None else [str(ROOT / "tests" / "faulty_train.py")]
+    cmd = [sys.executable, *entry, *args]
     env = dict(os.environ)
     env.pop(FAULT_ENV, None)
     if fault is not None:

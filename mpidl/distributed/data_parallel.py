@@ -104,6 +104,9 @@ class DataParallel:
         self.split = split if split is not None else FixedSplit(batch_size, exchange.topology.size)
         if self.split.batch_size != batch_size:
             raise ValueError(f"the split is of a global batch of {self.split.batch_size}, not {batch_size}")
+        if len(self.split.batch_sizes) != exchange.topology.size:
+            raise ValueError(f"the split shares the batch among {len(self.split.batch_sizes)} ranks, the "
+                             f"exchange's topology has {exchange.topology.size}")
         self.weighting, self.on_nan = weighting, on_nan
         self.clock = clock if clock is not None else ComputeClock()
         #: optimizer steps done through this object

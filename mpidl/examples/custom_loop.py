@@ -1,17 +1,20 @@
 # MPIDL_RANKS_PER_NODE=2 mpiexec -n 4 python -m mpidl.examples.custom_loop   (2 emulated nodes)
-"""Your own training loop on the public distributed API: the built-in scene, node strategy."""
+"""Your own training loop on the distributed core: the built-in scene, the node exchange."""
 import numpy as np
 
 from mpidl.data import synthetic_splits
-from mpidl.distributed import DataParallel
+from mpidl.distributed import DataParallel, Node, Topology
+from mpidl.engine import threads
 from mpidl.engine.models import build_model
 from mpidl.engine.nn import SoftmaxCrossEntropy
 from mpidl.engine.optim import SGD
 
+threads.apply()                                            # threads per rank: cores / ranks here
 train, test, _ = synthetic_splits(seed=0)
 model = build_model("hsicnn", train.sample_shape, train.num_classes, seed=0)
 opt = SGD(model.params, lr=0.02, momentum=0.9)
-dp = DataParallel(model, opt, batch_size=64, strategy="node", sync_every=10)
+topology = Topology.from_comm()                            # world, node and leader communicators
+dp = DataParallel(model, opt, batch_size=64, exchange=Node(topology, sync_every=10))
 loss_fn = SoftmaxCrossEntropy()
 
 for epoch in range(3):
@@ -21,7 +24,7 @@ for epoch in range(3):
         x, y = train.read(local)
         loss = loss_fn.forward(model.forward(x), y)        # the local mean loss
         model.backward(loss_fn.backward())                 # fills model.params.grad
-        dp.step(len(local))                                # weighted reduce, update, K' sync
+        dp.step()                                          # weighted reduce, update, K' sync
         if dp.should_stop:                                 # SIGTERM on any rank, agreed by all
             break
     dp.sync()                                              # every replica identical again
