@@ -120,14 +120,15 @@ class Exchange:
 
     def reduced(self, message) -> bool:
         """After the SUM (the stages, blocking or bucket by bucket): divide by the summed
-        weight; returns whether the gradient is finite. A group of one rank divides nothing."""
+        weight; returns whether the gradient is finite. A group of one rank divides nothing.
+        An exact exchange refuses a step whose summed weight is 0 (no rank computed a sample),
+        whatever the number of ranks."""
         grad = message[:COUNT]
-        if self.group_size > 1:
-            total = float(message[COUNT])
-            if total == 0 and self.exact:
-                raise ValueError("no rank computed a sample this step (every count was 0)")
-            if total > 0:
-                grad /= total
+        total = float(message[COUNT])
+        if total == 0 and self.exact:  # one rank too: the same refusal at any world size
+            raise ValueError("no rank computed a sample this step (every count was 0)")
+        if self.group_size > 1 and total > 0:
+            grad /= total
         return is_finite(grad)
 
     def after_step(self, steps: int, params_data, state_buffers, flags) -> tuple | None:
