@@ -10,7 +10,8 @@ between their options; the core and the three strategies never name the extras::
       around it         sync_overlap: node's sync in the background extras/sync_overlap.py
                         overlap: buckets started by backward       extras/overlap.py
                         intra='shm': the node-shared window        extras/shm.py
-    split             FixedSplit (equal, given speeds) | MeasuredSplit ('auto')   split/
+    split             FixedSplit (equal, given speeds) | MeasuredSplit ('auto', or
+                      rebalance_every: the fixed split re-fitted from the steps)  split/
     clock             ComputeClock | SlowedClock (emulate_slowdown)              emulation/
     on_failure        'shrink': ElasticDataParallel around it                     elastic/
 
@@ -156,6 +157,7 @@ def data_parallel(model, optimizer, *, batch_size: int, topology: Topology | Non
     """
     from mpidl.distributed.emulation import compute_clock  # noqa: PLC0415
     from mpidl.distributed.split import FixedSplit, MeasuredSplit, check_batch_fits  # noqa: PLC0415
+    from mpidl.distributed.split.measured import check_options as check_split_options  # noqa: PLC0415
 
     params = getattr(model, "params", model)
     emulated = topology.emulated_ranks_per_node is not None if topology is not None else None
@@ -167,6 +169,7 @@ def data_parallel(model, optimizer, *, batch_size: int, topology: Topology | Non
         raise ValueError(f"speeds must be 'equal', 'auto' or one number per rank, got {speeds!r}")
     if isinstance(speeds, str) and speeds == "auto" and probe is None:
         raise ValueError("speeds='auto' measures the ranks with probe(n): pass probe=")
+    check_split_options(balance_threshold, rebalance_every)
     topology = topology if topology is not None else Topology.from_comm()
     check_batch_fits(batch_size, min_local_batch, topology.size)
     factors = emulate_slowdown if isinstance(emulate_slowdown, (list, tuple)) else [emulate_slowdown] * topology.size
@@ -192,6 +195,9 @@ def data_parallel(model, optimizer, *, batch_size: int, topology: Topology | Non
                               rebalance_every=rebalance_every)
     else:
         split = FixedSplit(batch_size, topology.size, None if isinstance(speeds, str) else speeds, min_local_batch)
+        if rebalance_every is not None:  # equal or given speeds to start from, re-fitted from the steps
+            split = MeasuredSplit(topology, batch_size, None, clock, threshold=balance_threshold,
+                                  min_local_batch=min_local_batch, rebalance_every=rebalance_every, start=split)
     dp = DataParallel(model, step_optimizer, batch_size=batch_size, exchange=exchange, split=split,
                       weighting=weighting, on_nan=on_nan, clock=clock)
     if on_failure == "shrink":
