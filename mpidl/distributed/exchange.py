@@ -101,9 +101,16 @@ class Exchange:
         return self.topology.size
 
     def describe(self) -> str:
-        """The strategy, and what its channels were wrapped in, for the log."""
-        extras = dict.fromkeys(w.describe() for w in self._wrapped if w.size > 1)
+        """The strategy, and what its channels were wrapped in where that level moves data
+        (the same text on every rank), for the log."""
+        extras = dict.fromkeys(w.describe() for w in self._wrapped if self._level_moves_data(w.level))
         return "; ".join([f"strategy {self.name}", *extras])
+
+    def _level_moves_data(self, level: str) -> bool:
+        """Whether some rank's channel of ``level`` spans several ranks: a fact of the
+        topology, alike on every rank (a rank's own channel may be of one rank, or none)."""
+        topo = self.topology
+        return {"inter": topo.num_nodes > 1, "intra": max(topo.node_sizes) > 1}.get(level, topo.size > 1)
 
     # ------------------------------------------------------------------ the interface
     def reduce(self, message) -> bool:
