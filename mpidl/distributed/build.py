@@ -110,11 +110,20 @@ def check_options(*, strategy: str = "flat", weighting: str = "balanced", sync_e
 def make_exchange(topology: Topology, strategy: str = "flat", *, sync_every: int = 50,
                   sync_optimizer_state: bool = False, compress: str = "none", sync_overlap: int = 0,
                   emulate_link=None):
-    """The strategy over ``topology`` with its channels wrapped (collective)."""
-    from mpidl.distributed.emulation import EmulatedLink, parse_link  # noqa: PLC0415
+    """The strategy over ``topology`` with its channels wrapped (collective). Its options are
+    checked first, by the rules of :func:`check_options` (:class:`OptionError`), alike on every
+    rank: ``emulate_link`` is a LinkModel, a 'LATENCY_US,GBIT_S' string or None."""
+    from mpidl.distributed.emulation import EmulatedLink, LinkModel, parse_link  # noqa: PLC0415
     from mpidl.distributed.extras.compress import Compressed  # noqa: PLC0415
 
-    link = parse_link(emulate_link) if isinstance(emulate_link, str) else emulate_link
+    check_options(strategy=strategy, sync_every=sync_every, compress=compress, sync_overlap=sync_overlap)
+    try:
+        link = parse_link(emulate_link) if isinstance(emulate_link, str) else emulate_link
+    except ValueError as exc:
+        raise OptionError("emulate_link", f"emulate_link: {exc}") from None
+    if link is not None and not isinstance(link, LinkModel):
+        raise OptionError("emulate_link", "emulate_link must be a LinkModel, a 'LATENCY_US,GBIT_S' string or None, "
+                                          f"got {emulate_link!r}")
 
     def wrap(channel):
         inter_node = channel.level == "inter" or (channel.level == "world" and topology.num_nodes > 1)
