@@ -159,7 +159,9 @@ def data_parallel(model, optimizer, *, batch_size: int, topology: Topology | Non
     ``failure_note`` says why).
 
     ``speeds``: 'equal' | 'auto' (measured with ``probe(n)``: one forward + backward on ``n``
-    samples) | one relative speed per rank. ``emulate_slowdown``: one factor (>= 1) or one per
+    samples) | one relative speed per rank. A ``probe`` given with equal or given speeds still
+    runs once untimed on every rank (the JIT compiles then, one rank per node first), so the
+    first timed step measures the model, not the compiler. ``emulate_slowdown``: one factor (>= 1) or one per
     rank; ``emulate_link``: a LinkModel or 'LATENCY_US,GBIT_S' (EMULATION). The other options:
     the module's table, :class:`~mpidl.distributed.DataParallel` and the parts' own docs.
     Every option is checked, alike on every rank, before any MPI call.
@@ -167,6 +169,7 @@ def data_parallel(model, optimizer, *, batch_size: int, topology: Topology | Non
     from mpidl.distributed.emulation import compute_clock  # noqa: PLC0415
     from mpidl.distributed.split import FixedSplit, MeasuredSplit, check_batch_fits  # noqa: PLC0415
     from mpidl.distributed.split.measured import check_options as check_split_options  # noqa: PLC0415
+    from mpidl.distributed.split.probe import warm_up  # noqa: PLC0415
 
     params = getattr(model, "params", model)
     emulated = topology.emulated_ranks_per_node is not None if topology is not None else None
@@ -204,6 +207,8 @@ def data_parallel(model, optimizer, *, batch_size: int, topology: Topology | Non
                               rebalance_every=rebalance_every)
     else:
         split = FixedSplit(batch_size, topology.size, None if isinstance(speeds, str) else speeds, min_local_batch)
+        if probe is not None:
+            warm_up(topology, _keeping_buffers(model, probe), batch_size)
         if rebalance_every is not None:  # equal or given speeds to start from, re-fitted from the steps
             split = MeasuredSplit(topology, batch_size, None, clock, threshold=balance_threshold,
                                   min_local_batch=min_local_batch, rebalance_every=rebalance_every, start=split)
