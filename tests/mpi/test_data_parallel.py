@@ -283,8 +283,9 @@ def test_a_custom_exchange_is_all_the_core_needs():
         ref_model, ref_dp = make(comm=MPI.COMM_SELF)
         reference = train(ref_model, ref_dp, steps=5)
         ok = rel_diff(custom, flat) <= 1e-12 and rel_diff(custom, reference) <= 1e-10 and counted
-        ok = ok and len(set(WORLD.allgather(custom.tobytes()))) == 1
-        ok = ok and dp.any(RANK == 0) and dp.all(True) and dp.sum(np.ones(1))[0] == P
+        collectives = [len(set(WORLD.allgather(custom.tobytes()))) == 1, dp.any(RANK == 0), dp.all(True),
+                       dp.sum(np.ones(1))[0] == P]  # on every rank, whatever ok is here
+        ok = ok and all(collectives)
         state = state_dict(dp)
         ok = ok and (RANK != 0 or (state["strategy"] == "gather" and state["steps"] == 5 and state["nodes"] is None))
         if RANK == P - 1:
@@ -444,7 +445,7 @@ def test_timings_and_counters_per_period():
     ok = ok and counted == (0 if P == 1 else 3 * (dp.topology.local_size > 1) * 2
                             + 3 * (dp.topology.is_leader and dp.topology.num_nodes > 1))
     dp.reset_counters()
-    ok = ok and dp.timings()["steps"] == 0 and dp.counters["intra"]["calls"] == 0
+    ok = dp.timings()["steps"] == 0 and ok and dp.counters["intra"]["calls"] == 0
     assert all_agree(WORLD, ok)
 
 
@@ -601,7 +602,7 @@ def test_a_bad_local_count_is_refused_before_anything_is_recorded(count):
     before = model.params.data.copy()
     with pytest.raises(ValueError, match="local_count must be an integer >= 0"):
         dp.step(count)
-    untouched = dp.steps == 0 and dp.timings()["steps"] == 0 and np.array_equal(model.params.data, before)
+    untouched = dp.timings()["steps"] == 0 and dp.steps == 0 and np.array_equal(model.params.data, before)
     calls = sum(level["calls"] for name, level in dp.counters.items() if name != "control")
     assert all_agree(WORLD, untouched and calls == 0)
 

@@ -9,7 +9,8 @@ rank can compute the expected reduced result itself. Each rank hands the exchang
 message ``[g_r | c_r | stop | nonfinite]``, with its weight ``c_r`` written in as
 :class:`~mpidl.distributed.DataParallel` writes it (balanced: its samples ``b_r``; uniform: 1);
 results are gathered on all ranks before asserting, so a failure on one rank never leaves the
-others waiting in a collective.
+others waiting in a collective (and no collective is ever skipped by a rank-local ``and``: a
+check that failed on one rank would leave the others waiting in it).
 """
 
 import math
@@ -167,7 +168,8 @@ def test_naive_reference_every_ranks_gradient_is_its_rank(topology, strategy, we
         ok = ok and max_error(params.grad, np.full(N, group_mean)) < TOL
         ok = ok and max_error(params.data, np.full(N, -k * lr * world_mean)) < TOL
         ok = ok and synced == (strategy == "node" and topology.num_nodes > 1)
-        ok = ok and all_identical(WORLD, params.data) and all_identical(topology.node, params.grad)
+        same = [all_identical(WORLD, params.data), all_identical(topology.node, params.grad)]  # every rank
+        ok = ok and all(same)
     assert everywhere(ok and dp.steps == 2)
 
 
@@ -355,18 +357,18 @@ def test_node_strategy_parameter_sync_is_the_node_weighted_average(topology):
         params -= 0.1 * reduce(exchange, local_grad(RANK, step) + 0.5 * params, counts[RANK])[:N]
         # before the sync: every rank's parameters, one node's replicas identical
         before = np.array(WORLD.allgather(params))
-        ok = ok and all_identical(topology.node, params)
+        ok = all_identical(topology.node, params) and ok  # the collective first: on every rank
         ok = ok and exchange.weight_since_sync == samples_per_node[topology.node_id]
         expected = sum(w * before[r] for w, r in zip(samples_per_node / samples_per_node.sum(), leaders))
         synced = exchange.after_step(step, params, [], ZERO_FLAGS) is not None
         ok = ok and synced == (step % sync_every == 0 and topology.num_nodes > 1)
         if synced:
-            ok = ok and max_error(params, expected) < TOL and all_identical(WORLD, params)
+            ok = all_identical(WORLD, params) and ok and max_error(params, expected) < TOL
             ok = ok and exchange.weight_since_sync == 0 and exchange.steps_since_sync == 0
             samples_per_node[:] = 0
     # after the steps (one past a sync), a forced sync makes all replicas equal
     exchange.synchronize(params, [], ZERO_FLAGS)
-    ok = ok and all_identical(WORLD, params)
+    ok = all_identical(WORLD, params) and ok
     assert everywhere(ok)
 
 
@@ -388,7 +390,7 @@ def test_node_strategy_parameter_weights_are_the_nodes_summed_weights(topology, 
         ok = ok and v.tolist() == [3.0 * s for s in topology.node_sizes]
     exchange.synchronize(params, [], ZERO_FLAGS)
     expected = float(v @ np.arange(topology.num_nodes) / v.sum()) if topology.num_nodes > 1 else 0.0
-    ok = ok and max_error(params, np.full(N, expected)) < TOL and all_identical(WORLD, params)
+    ok = all_identical(WORLD, params) and ok and max_error(params, np.full(N, expected)) < TOL
     if weighting == "uniform" and len(set(topology.node_sizes)) > 1:
         ok = ok and abs(expected - (topology.num_nodes - 1) / 2) > 1e-3  # not the mean of 0 .. L-1
     ok = ok and (topology.num_nodes == 1 or exchange.weight_since_sync == 0 and exchange.steps_since_sync == 0)
@@ -411,7 +413,7 @@ def test_optimizer_state_travels_with_the_parameters_and_the_same_weights(topolo
     ok = max_error(momentum, np.full(N, weights @ (1.0 + ids))) < TOL
     ok = ok and max_error(second, np.full(N, weights @ (10.0 * (1 + ids)))) < TOL
     ok = ok and max_error(params, np.full(N, weights @ ids)) < TOL
-    ok = ok and all_identical(WORLD, momentum) and all_identical(WORLD, second)
+    ok = all_identical(WORLD, momentum) & all_identical(WORLD, second) and ok
     inter = exchange.traffic.counts["inter"]
     ok = ok and inter["calls"] == int(topology.is_leader and topology.num_nodes > 1)
     assert everywhere(ok)
@@ -423,7 +425,7 @@ def test_optimizer_state_stays_per_node_without_sync_optimizer_state(topology):
     momentum = np.full(N, 1.0 + topology.node_id)
     params = np.full(N, float(topology.node_id))
     exchange.after_step(1, params, [momentum], ZERO_FLAGS)
-    ok = np.array_equal(momentum, np.full(N, 1.0 + topology.node_id)) and all_identical(WORLD, params)
+    ok = all_identical(WORLD, params) and np.array_equal(momentum, np.full(N, 1.0 + topology.node_id))
     assert everywhere(ok)
 
 
