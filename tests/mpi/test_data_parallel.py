@@ -269,8 +269,9 @@ class GatherExchange:
 
 def test_a_custom_exchange_is_all_the_core_needs():
     """A minimal exchange of the interface drives DataParallel: the same training as ``Flat``
-    and as one process, a stop request agreed at the next step, the flags at a sync, the
-    loop's small collectives, the counters and a checkpoint's state."""
+    and as one process, identical replicas, the loop's small collectives (on its control
+    channel), its counters, a checkpoint's state, a stop request agreed at a sync (the flags
+    through its synchronize) and close."""
     topo = Topology.from_comm(WORLD)
     model = tiny_model()
     exchange = GatherExchange(topo)
