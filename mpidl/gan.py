@@ -2,8 +2,11 @@
 """A conditional GAN that generates pixel spectra of a hyperspectral scene, data-parallel.
 
 Built only on the public distributed API: the generator ``G`` and the discriminator ``D`` are
-each a :class:`mpidl.distributed.DataParallel` (same strategy, one topology), and every rank
-runs the loop below on its slice of each global batch. No MPI call is made here.
+each a :class:`mpidl.distributed.DataParallel` over one topology, each with its own exchange of
+the same strategy (:func:`mpidl.distributed.make_exchange`) and the equal split of the global
+batch, and every rank runs the loop below on its slice of each global batch. No MPI call is
+made here. ``--ranks-per-node`` (else ``MPIDL_RANKS_PER_NODE``, read by :mod:`mpidl.settings`)
+emulates nodes.
 
 Data. A pixel's spectrum is the centre pixel of a layout file's patch (``--data FILE.h5``,
 e.g. Samson through ``python -m mpidl.data_tools hsi``), or of the built-in synthetic scene
@@ -69,6 +72,8 @@ __all__ = ["GanConfig", "GanConfigError", "Spectra", "ConditionalGAN", "load_spe
 
 #: spectra read per HDF5 call when the centre pixels are extracted
 READ_CHUNK = 512
+#: real spectra every rank gets at least of a full global batch (the split's minimum)
+MIN_LOCAL_BATCH = 1
 
 
 class GanConfigError(ValueError):
@@ -101,10 +106,10 @@ class GanConfig:
 
     def validate(self, world_size: int = 1) -> "GanConfig":
         """Check every value (no MPI call); raise :class:`GanConfigError` with a one-line message."""
-        from mpidl.distributed import STRATEGIES  # noqa: PLC0415
-        from mpidl.distributed.data_parallel import MIN_LOCAL_BATCH  # noqa: PLC0415
+        from mpidl import settings  # noqa: PLC0415
+        from mpidl.distributed.build import STRATEGIES  # noqa: PLC0415
         from mpidl.distributed.emulation import parse_link  # noqa: PLC0415
-        from mpidl.distributed.hdp import check_split_fits  # noqa: PLC0415
+        from mpidl.distributed.split import check_batch_fits  # noqa: PLC0415
         from mpidl.engine.optim import OPTIMIZERS  # noqa: PLC0415
 
         for name, allowed in (("--optimizer", OPTIMIZERS), ("--strategy", STRATEGIES),
@@ -116,14 +121,21 @@ class GanConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise GanConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
-        if self.ranks_per_node is not None and self.ranks_per_node < 1:
-            raise GanConfigError(f"--ranks-per-node must be an integer >= 1, got {self.ranks_per_node}")
+        if self.ranks_per_node is not None:
+            if isinstance(self.ranks_per_node, bool) or not isinstance(self.ranks_per_node, int) \
+                    or self.ranks_per_node < 1:
+                raise GanConfigError(f"--ranks-per-node must be an integer >= 1, got {self.ranks_per_node}")
+        else:  # the environment's value, read once by mpidl.settings, refused here before any MPI
+            try:
+                settings.SETTINGS.ranks_per_node
+            except ValueError as exc:
+                raise GanConfigError(str(exc)) from None
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise GanConfigError(f"--lr must be a positive number, got {self.lr}")
         if not 0 <= self.beta1 < 1:
             raise GanConfigError(f"--beta1 must be in [0, 1), got {self.beta1}")
-        try:  # the split's one rule (mpidl/distributed/hdp.py); the GAN's loop needs a sample per rank
-            check_split_fits(self.batch_size, MIN_LOCAL_BATCH, world_size)
+        try:  # the split's one rule (mpidl/distributed/split); the GAN's loop needs a sample per rank
+            check_batch_fits(self.batch_size, MIN_LOCAL_BATCH, world_size)
         except ValueError as exc:
             raise GanConfigError(f"--batch-size: {exc}") from None
         if self.emulate_link is not None:
@@ -295,7 +307,8 @@ def one_hot(labels: np.ndarray, classes: int, dtype) -> np.ndarray:
 
 
 class ConditionalGAN:
-    """G and D, their optimizers and their :class:`DataParallel` objects over one topology.
+    """G and D, their optimizers and their :class:`DataParallel` objects over one topology,
+    each with its own exchange (``cfg.strategy``) and the equal split of ``cfg.batch_size``.
 
     Parameters
     ----------
@@ -306,7 +319,7 @@ class ConditionalGAN:
 
     def __init__(self, spectra: Spectra, cfg: GanConfig, topology):
         from mpidl.engine.backend import get_backend  # noqa: PLC0415
-        from mpidl.distributed import DataParallel  # noqa: PLC0415
+        from mpidl.distributed import DataParallel, FixedSplit, make_exchange  # noqa: PLC0415
         from mpidl.engine.nn import BCEWithLogits, LeakyReLU, ReLU  # noqa: PLC0415
         from mpidl.engine.optim import build_optimizer  # noqa: PLC0415
 
@@ -322,11 +335,14 @@ class ConditionalGAN:
                      else {"betas": (cfg.beta1, 0.999)})
             return build_optimizer(cfg.optimizer, params, lr=cfg.lr, **extra)
 
-        common = dict(batch_size=cfg.batch_size, topology=topology, strategy=cfg.strategy,
-                      sync_every=cfg.sync_every, sync_optimizer_state=cfg.sync_optimizer_state,
-                      emulate_link=cfg.emulate_link)
-        self.dp_g = DataParallel(self.g_params, optimizer(self.g_params), **common)
-        self.dp_d = DataParallel(self.d_params, optimizer(self.d_params), **common)
+        def data_parallel(params):
+            exchange = make_exchange(topology, cfg.strategy, sync_every=cfg.sync_every,
+                                     sync_optimizer_state=cfg.sync_optimizer_state, emulate_link=cfg.emulate_link)
+            split = FixedSplit(cfg.batch_size, topology.size, min_local_batch=MIN_LOCAL_BATCH)
+            return DataParallel(params, optimizer(params), batch_size=cfg.batch_size, exchange=exchange, split=split)
+
+        self.dp_g = data_parallel(self.g_params)
+        self.dp_d = data_parallel(self.d_params)
         self.x = spectra.train_x.astype(self.backend.dtype)
         self.y = spectra.train_y
         self.steps = 0
@@ -335,7 +351,7 @@ class ConditionalGAN:
     def _slice(self, dp, batch):
         """This rank's indices of the global batch and their positions ``lo:hi`` in it."""
         local = dp.local_indices(batch)
-        lo = sum(dp.split(len(batch))[: dp.rank])
+        lo = sum(dp.split.counts(len(batch))[: dp.rank])
         return local, lo, lo + len(local)
 
     def noise(self, step: int, stream: int, n: int) -> np.ndarray:
@@ -568,7 +584,7 @@ def main(argv=None) -> int:
             print(f"error: {problem}; training stopped {when}", file=sys.stderr, flush=True)
         return 1
 
-    printer.info(f"mpidl.gan: {gan.dp_g.describe()}")
+    printer.info(f"mpidl.gan: {gan.dp_g.exchange.describe()} (G and D each); {topology.describe()}")
     printer.info(f"data: {spectra.description}: {len(spectra.train_y)} train / {len(spectra.test_y)} test "
                  f"spectra of {spectra.bands} bands, {spectra.num_classes} classes")
     printer.info(f"G {gan.g_params.size} / D {gan.d_params.size} parameters ({cfg.dtype}); "

@@ -28,11 +28,50 @@ ROOT = Path(__file__).resolve().parents[1]
     (["--emulate-link", "fast"], "--emulate-link"),
     (["--plot", "out.svg"], "--plot must name a .png file"),
     (["--dtype", "float16"], "--dtype must be one of float32, float64"),
+    (["--ranks-per-node", "0"], "--ranks-per-node must be an integer >= 1, got 0"),
 ])
 def test_bad_options_are_refused_with_one_line(argv, match):
     with pytest.raises(GanConfigError, match=match) as info:
         parse_config(argv)
     assert "\n" not in str(info.value)
+
+
+def test_ranks_per_node_from_the_environment_goes_through_mpidl_settings(monkeypatch):
+    """MPIDL_RANKS_PER_NODE is read once, by mpidl.settings: a bad value there is refused by
+    the options' check, before any MPI work, naming the variable; --ranks-per-node, when
+    given, is used instead (the environment is then not consulted). os.environ changed later
+    changes nothing, and mpidl/gan.py never reads it."""
+    from mpidl import settings
+
+    monkeypatch.setenv("MPIDL_RANKS_PER_NODE", "zero")  # too late: settings were read at import
+    assert parse_config([]).ranks_per_node is None
+    monkeypatch.setattr(settings, "SETTINGS", settings.Settings.from_environ({"MPIDL_RANKS_PER_NODE": "zero"}))
+    with pytest.raises(GanConfigError, match="environment variable MPIDL_RANKS_PER_NODE must be an integer "
+                                             ">= 1, got 'zero'"):
+        parse_config([])
+    assert parse_config(["--ranks-per-node", "2"]).ranks_per_node == 2
+    source = (ROOT / "mpidl" / "gan.py").read_text()
+    assert "os.environ" not in source and "getenv" not in source
+
+
+def test_a_bad_ranks_per_node_environment_exits_2_with_one_line():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MPIDL_RANKS_PER_NODE="zero")
+    proc = subprocess.run([sys.executable, "-m", "mpidl.gan", "--epochs", "1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: environment variable MPIDL_RANKS_PER_NODE must be an integer >= 1, got 'zero'"]
+
+
+def test_the_docs_excerpt_is_the_code():
+    """docs/gan.md shows how the two DataParallels are built: every code line of its excerpt
+    (comments aside) is a line of mpidl/gan.py."""
+    import re
+
+    excerpt = re.search(r"```python\n(.*?)```", (ROOT / "docs" / "gan.md").read_text(), re.S).group(1)
+    code = {line.strip() for line in (ROOT / "mpidl" / "gan.py").read_text().splitlines()}
+    lines = [line.strip() for line in excerpt.splitlines() if line.strip() and not line.strip().startswith("#")]
+    assert len(lines) >= 8 and [line for line in lines if line not in code] == []
 
 
 def test_batch_smaller_than_the_world_is_refused():

@@ -10,7 +10,8 @@ between their options; the core and the three strategies never name the extras::
       around it         sync_overlap: node's sync in the background extras/sync_overlap.py
                         overlap: buckets started by backward       extras/overlap.py
                         intra='shm': the node-shared window        extras/shm.py
-    split             FixedSplit (equal, given speeds) | MeasuredSplit ('auto')   split/
+    split             FixedSplit (equal, given speeds) | MeasuredSplit ('auto', or
+                      rebalance_every: the fixed split re-fitted from the steps)  split/
     clock             ComputeClock | SlowedClock (emulate_slowdown)              emulation/
     on_failure        'shrink': ElasticDataParallel around it                     elastic/
 
@@ -110,11 +111,20 @@ def check_options(*, strategy: str = "flat", weighting: str = "balanced", sync_e
 def make_exchange(topology: Topology, strategy: str = "flat", *, sync_every: int = 50,
                   sync_optimizer_state: bool = False, compress: str = "none", sync_overlap: int = 0,
                   emulate_link=None):
-    """The strategy over ``topology`` with its channels wrapped (collective)."""
-    from mpidl.distributed.emulation import EmulatedLink, parse_link  # noqa: PLC0415
+    """The strategy over ``topology`` with its channels wrapped (collective). Its options are
+    checked first, by the rules of :func:`check_options` (:class:`OptionError`), alike on every
+    rank: ``emulate_link`` is a LinkModel, a 'LATENCY_US,GBIT_S' string or None."""
+    from mpidl.distributed.emulation import EmulatedLink, LinkModel, parse_link  # noqa: PLC0415
     from mpidl.distributed.extras.compress import Compressed  # noqa: PLC0415
 
-    link = parse_link(emulate_link) if isinstance(emulate_link, str) else emulate_link
+    check_options(strategy=strategy, sync_every=sync_every, compress=compress, sync_overlap=sync_overlap)
+    try:
+        link = parse_link(emulate_link) if isinstance(emulate_link, str) else emulate_link
+    except ValueError as exc:
+        raise OptionError("emulate_link", f"emulate_link: {exc}") from None
+    if link is not None and not isinstance(link, LinkModel):
+        raise OptionError("emulate_link", "emulate_link must be a LinkModel, a 'LATENCY_US,GBIT_S' string or None, "
+                                          f"got {emulate_link!r}")
 
     def wrap(channel):
         inter_node = channel.level == "inter" or (channel.level == "world" and topology.num_nodes > 1)
@@ -150,13 +160,17 @@ def data_parallel(model, optimizer, *, batch_size: int, topology: Topology | Non
     ``failure_note`` says why).
 
     ``speeds``: 'equal' | 'auto' (measured with ``probe(n)``: one forward + backward on ``n``
-    samples) | one relative speed per rank. ``emulate_slowdown``: one factor (>= 1) or one per
+    samples) | one relative speed per rank. A ``probe`` given with equal or given speeds still
+    runs once untimed on every rank (the JIT compiles then, one rank per node first), so the
+    first timed step measures the model, not the compiler. ``emulate_slowdown``: one factor (>= 1) or one per
     rank; ``emulate_link``: a LinkModel or 'LATENCY_US,GBIT_S' (EMULATION). The other options:
     the module's table, :class:`~mpidl.distributed.DataParallel` and the parts' own docs.
     Every option is checked, alike on every rank, before any MPI call.
     """
     from mpidl.distributed.emulation import compute_clock  # noqa: PLC0415
     from mpidl.distributed.split import FixedSplit, MeasuredSplit, check_batch_fits  # noqa: PLC0415
+    from mpidl.distributed.split.measured import check_options as check_split_options  # noqa: PLC0415
+    from mpidl.distributed.split.probe import warm_up  # noqa: PLC0415
 
     params = getattr(model, "params", model)
     emulated = topology.emulated_ranks_per_node is not None if topology is not None else None
@@ -168,6 +182,7 @@ def data_parallel(model, optimizer, *, batch_size: int, topology: Topology | Non
         raise ValueError(f"speeds must be 'equal', 'auto' or one number per rank, got {speeds!r}")
     if isinstance(speeds, str) and speeds == "auto" and probe is None:
         raise ValueError("speeds='auto' measures the ranks with probe(n): pass probe=")
+    check_split_options(balance_threshold, rebalance_every)
     topology = topology if topology is not None else Topology.from_comm()
     check_batch_fits(batch_size, min_local_batch, topology.size)
     factors = emulate_slowdown if isinstance(emulate_slowdown, (list, tuple)) else [emulate_slowdown] * topology.size
@@ -193,6 +208,11 @@ def data_parallel(model, optimizer, *, batch_size: int, topology: Topology | Non
                               rebalance_every=rebalance_every)
     else:
         split = FixedSplit(batch_size, topology.size, None if isinstance(speeds, str) else speeds, min_local_batch)
+        if probe is not None:
+            warm_up(topology, _keeping_buffers(model, probe), batch_size)
+        if rebalance_every is not None:  # equal or given speeds to start from, re-fitted from the steps
+            split = MeasuredSplit(topology, batch_size, None, clock, threshold=balance_threshold,
+                                  min_local_batch=min_local_batch, rebalance_every=rebalance_every, start=split)
     dp = DataParallel(model, step_optimizer, batch_size=batch_size, exchange=exchange, split=split,
                       weighting=weighting, on_nan=on_nan, clock=clock)
     if on_failure == "shrink":

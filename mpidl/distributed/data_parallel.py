@@ -163,12 +163,13 @@ class DataParallel:
         count = self._local_count if local_count is None else local_count
         if count is None:
             raise ValueError("step(): give local_count, or take the slice with local_indices() first")
+        weight = self._weight(count)  # a bad count is refused before anything is recorded
         self._local_count = None
         seconds = self.clock.stop()
         self.split.observe(count, seconds)
         self._compute_s.append(seconds)
         message = self.params.message
-        message[COUNT] = self._weight(count)
+        message[COUNT] = weight
         message[STOP] = float(self._stop_requested)
         finite = self.exchange.reduce(message)                  # g = sum c_i g_i / sum c_i
         if message[STOP] > 0:

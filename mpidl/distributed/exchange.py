@@ -101,9 +101,16 @@ class Exchange:
         return self.topology.size
 
     def describe(self) -> str:
-        """The strategy, and what its channels were wrapped in, for the log."""
-        extras = dict.fromkeys(w.describe() for w in self._wrapped if w.size > 1)
+        """The strategy, and what its channels were wrapped in where that level moves data
+        (the same text on every rank), for the log."""
+        extras = dict.fromkeys(w.describe() for w in self._wrapped if self._level_moves_data(w.level))
         return "; ".join([f"strategy {self.name}", *extras])
+
+    def _level_moves_data(self, level: str) -> bool:
+        """Whether some rank's channel of ``level`` spans several ranks: a fact of the
+        topology, alike on every rank (a rank's own channel may be of one rank, or none)."""
+        topo = self.topology
+        return {"inter": topo.num_nodes > 1, "intra": max(topo.node_sizes) > 1}.get(level, topo.size > 1)
 
     # ------------------------------------------------------------------ the interface
     def reduce(self, message) -> bool:
@@ -120,14 +127,15 @@ class Exchange:
 
     def reduced(self, message) -> bool:
         """After the SUM (the stages, blocking or bucket by bucket): divide by the summed
-        weight; returns whether the gradient is finite. A group of one rank divides nothing."""
+        weight; returns whether the gradient is finite. A group of one rank divides nothing.
+        An exact exchange refuses a step whose summed weight is 0 (no rank computed a sample),
+        whatever the number of ranks."""
         grad = message[:COUNT]
-        if self.group_size > 1:
-            total = float(message[COUNT])
-            if total == 0 and self.exact:
-                raise ValueError("no rank computed a sample this step (every count was 0)")
-            if total > 0:
-                grad /= total
+        total = float(message[COUNT])
+        if total == 0 and self.exact:  # one rank too: the same refusal at any world size
+            raise ValueError("no rank computed a sample this step (every count was 0)")
+        if self.group_size > 1 and total > 0:
+            grad /= total
         return is_finite(grad)
 
     def after_step(self, steps: int, params_data, state_buffers, flags) -> tuple | None:

@@ -4,6 +4,12 @@ Each test is a small training loop of the kind a user writes (a tiny float64 ``h
 softmax cross-entropy, SGD), run on ``MPI.COMM_WORLD`` and, as the reference, on
 ``MPI.COMM_SELF`` over the same global batches. Every rank asserts only after a collective
 agreement, so a failure on one rank never leaves the others waiting.
+
+Two ways to build one, both tested here: the core composed by hand, ``DataParallel(model,
+optimizer, batch_size=, exchange=, split=, clock=)``, and the options path
+``mpidl.distributed.data_parallel(model, optimizer, batch_size=, strategy=, speeds=, ...)``
+(:func:`make`), which returns the same composed core. A custom exchange (any object with the
+interface of :mod:`mpidl.distributed.exchange`) drives the core like the built-in ones.
 """
 
 import math
@@ -15,9 +21,14 @@ import pytest
 from mpi4py import MPI
 
 from mpidl.engine.backend import get_backend
-from mpidl.distributed import DataParallel, NonFiniteGradient, Topology
-from mpidl.distributed.balance import equal_split
-from mpidl.distributed.probe import PROBE_ROUNDS, probe_sizes
+from mpidl.distributed import (DataParallel, FixedSplit, Flat, Hierarchical, MeasuredSplit, Node, NonFiniteGradient,
+                               Topology, data_parallel)
+from mpidl.distributed.channel import Channel, Traffic
+from mpidl.distributed.checkpoint import load_state_dict, state_dict
+from mpidl.distributed.emulation import compute_clock
+from mpidl.distributed.message import COUNT, check_message
+from mpidl.distributed.split.balance import equal_split
+from mpidl.distributed.split.probe import PROBE_ROUNDS, probe_sizes
 from mpidl.engine.models import build_model
 from mpidl.engine.nn import SoftmaxCrossEntropy
 from mpidl.engine.optim import SGD, Adam
@@ -40,11 +51,16 @@ def tiny_model(seed=3):
 
 
 def make(comm=WORLD, ranks_per_node=None, optimizer=SGD, seed=3, **kwargs):
+    """A tiny model and its DataParallel from options (``data_parallel``) on ``comm``."""
     model = tiny_model(seed)
-    opt = optimizer(model.params, lr=0.05, **({"momentum": 0.9} if optimizer is SGD else {}))
+    opt = make_optimizer(optimizer, model)
     topo = Topology.from_comm(comm, ranks_per_node=ranks_per_node)
     kwargs.setdefault("batch_size", B)
-    return model, DataParallel(model, opt, topology=topo, **kwargs)
+    return model, data_parallel(model, opt, topology=topo, **kwargs)
+
+
+def make_optimizer(optimizer, model):
+    return optimizer(model.params, lr=0.05, **({"momentum": 0.9} if optimizer is SGD else {}))
 
 
 def batches(steps, seed=0):
@@ -96,9 +112,9 @@ def test_local_indices_split_every_batch_in_rank_order():
     gathered = WORLD.allgather((dp.local_indices(full), dp.local_indices(short)))
     ok = np.array_equal(np.concatenate([g[0] for g in gathered]), full)
     ok = ok and np.array_equal(np.concatenate([g[1] for g in gathered]), short)
-    ok = ok and [len(g[0]) for g in gathered] == dp.batch_sizes == dp.split(B) and sum(dp.batch_sizes) == B
-    ok = ok and [len(g[1]) for g in gathered] == dp.split(7)
-    ok = ok and dp.speeds == UNEVEN and dp.speeds_source == "given"
+    ok = ok and [len(g[0]) for g in gathered] == dp.batch_sizes == dp.split.counts(B) and sum(dp.batch_sizes) == B
+    ok = ok and [len(g[1]) for g in gathered] == dp.split.counts(7)
+    ok = ok and dp.split.speeds == UNEVEN and dp.split.source == "given"
     assert all_agree(WORLD, ok)
 
 
@@ -123,7 +139,27 @@ def test_custom_loop_equals_one_process(strategy, kwargs, ranks_per_node):
     reference = train(ref_model, ref_dp, steps=5)
     diff = rel_diff(distributed, reference)
     assert all_agree(WORLD, diff <= 1e-10), f"{strategy}: {diff:.3e}"
-    assert all_agree(WORLD, dp.steps == 5 and dp.exact)
+    assert all_agree(WORLD, dp.steps == 5 and dp.exchange.exact)
+
+
+@pytest.mark.parametrize("exchange_class", [Flat, Hierarchical, lambda topo: Node(topo, sync_every=3)],
+                         ids=["flat", "hierarchical", "node"])
+def test_the_core_composed_by_hand_equals_the_options_path(exchange_class):
+    """``DataParallel(model, opt, exchange=, split=)`` is what ``data_parallel`` returns: the
+    same parts give the same bits (node: the launch's own nodes, K' = 3)."""
+    model = tiny_model()
+    topo = Topology.from_comm(WORLD)
+    exchange = exchange_class(topo)
+    dp = DataParallel(model, make_optimizer(SGD, model), batch_size=B, exchange=exchange,
+                      split=FixedSplit(B, P, UNEVEN))
+    by_hand = train(model, dp, steps=5)
+    dp.sync()
+    options_model, options_dp = make(strategy=exchange.name, sync_every=3, speeds=UNEVEN)
+    by_options = train(options_model, options_dp, steps=5)
+    options_dp.sync()
+    same = np.array_equal(model.params.data, options_model.params.data) and np.array_equal(by_hand, by_options)
+    same = same and type(options_dp.exchange) is type(exchange) and options_dp.batch_sizes == dp.batch_sizes
+    assert all_agree(WORLD, same and dp.counters == options_dp.counters)
 
 
 def test_min_local_batch_0_leaves_out_a_rank_too_slow_to_help():
@@ -155,14 +191,16 @@ def test_min_local_batch_is_checked(bad, message):
 
 
 def test_two_objects_over_one_topology_train_independently():
-    """A GAN's shape: two models, two optimizers, one topology, steps interleaved."""
+    """A GAN's shape: two models, two optimizers, one topology, an exchange each, steps
+    interleaved."""
     topo = Topology.from_comm(WORLD)
     models = [tiny_model(3), tiny_model(4)]
-    dps = [DataParallel(m, SGD(m.params, lr=0.05, momentum=0.9), batch_size=B, topology=topo,
-                        speeds=UNEVEN) for m in models]
+    dps = [DataParallel(m, SGD(m.params, lr=0.05, momentum=0.9), batch_size=B, exchange=Flat(topo),
+                        split=FixedSplit(B, P, UNEVEN)) for m in models]
     refs = [tiny_model(3), tiny_model(4)]
-    ref_dps = [DataParallel(m, SGD(m.params, lr=0.05, momentum=0.9), batch_size=B,
-                            topology=Topology.from_comm(MPI.COMM_SELF)) for m in refs]
+    alone = Topology.from_comm(MPI.COMM_SELF)
+    ref_dps = [DataParallel(m, SGD(m.params, lr=0.05, momentum=0.9), batch_size=B, exchange=Flat(alone))
+               for m in refs]
     loss_fn = SoftmaxCrossEntropy()
     for batch in batches(4):
         for group in ((models, dps), (refs, ref_dps)):
@@ -174,6 +212,88 @@ def test_two_objects_over_one_topology_train_independently():
                 dp.step()  # the count of the slice local_indices returned
     diffs = [rel_diff(m.params.data, r.params.data) for m, r in zip(models, refs)]
     assert all_agree(WORLD, max(diffs) <= 1e-10), diffs
+
+
+# ------------------------------------------------------------------ a custom exchange
+class GatherExchange:
+    """An exchange written from the interface alone (``mpidl/distributed/exchange.py``),
+    nothing inherited: every rank gathers every rank's weighted message with mpi4py's object
+    ``allgather`` and sums them in rank order, so every replica gets the same bits. Exact:
+    the step group is the world. Counts one ``world`` call per step, with ``traffic`` and
+    ``control`` built from the public channel module."""
+
+    name = "gather"
+    exact = True
+
+    def __init__(self, topology):
+        self.topology = topology
+        self.traffic = Traffic()
+        self.control = Channel("control", topology.world, self.traffic)
+        self.closed = False
+
+    def describe(self) -> str:
+        return "strategy gather (a test's own)"
+
+    def reduce(self, message) -> bool:
+        check_message(message)
+        mine = message.copy()
+        mine[:COUNT] *= mine[COUNT]
+        everyone = self.topology.world.allgather(mine)
+        self.traffic.add("world", message.nbytes)
+        total = everyone[0].copy()
+        for other in everyone[1:]:
+            total += other
+        if total[COUNT] == 0:
+            raise ValueError("no rank computed a sample this step (every count was 0)")
+        total[:COUNT] /= total[COUNT]
+        message[...] = total
+        return bool(np.isfinite(message[:COUNT]).all())
+
+    def after_step(self, steps, params_data, state_buffers, flags):
+        return None
+
+    def synchronize(self, params_data, state_buffers, flags):
+        buf = np.asarray(flags, dtype=np.float64).copy()
+        self.control.allreduce(buf)
+        return float(buf[0]), float(buf[1])
+
+    def state(self) -> dict:
+        return {}
+
+    def load_state(self, state: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_custom_exchange_is_all_the_core_needs():
+    """A minimal exchange of the interface drives DataParallel: the same training as ``Flat``
+    and as one process, identical replicas, the loop's small collectives (on its control
+    channel), its counters, a checkpoint's state, a stop request agreed at a sync (the flags
+    through its synchronize) and close."""
+    topo = Topology.from_comm(WORLD)
+    model = tiny_model()
+    exchange = GatherExchange(topo)
+    with DataParallel(model, make_optimizer(SGD, model), batch_size=B, exchange=exchange,
+                      split=FixedSplit(B, P, UNEVEN)) as dp:
+        custom = train(model, dp, steps=5)
+        counted = dp.counters["world"] == {"calls": 5, "bytes": 5 * model.params.message.nbytes}
+        flat_model, flat_dp = make(speeds=UNEVEN)
+        flat = train(flat_model, flat_dp, steps=5)
+        ref_model, ref_dp = make(comm=MPI.COMM_SELF)
+        reference = train(ref_model, ref_dp, steps=5)
+        ok = rel_diff(custom, flat) <= 1e-12 and rel_diff(custom, reference) <= 1e-10 and counted
+        collectives = [len(set(WORLD.allgather(custom.tobytes()))) == 1, dp.any(RANK == 0), dp.all(True),
+                       dp.sum(np.ones(1))[0] == P]  # on every rank, whatever ok is here
+        ok = ok and all(collectives)
+        state = state_dict(dp)
+        ok = ok and (RANK != 0 or (state["strategy"] == "gather" and state["steps"] == 5 and state["nodes"] is None))
+        if RANK == P - 1:
+            dp.request_stop()
+        dp.sync()  # the flags travel through synchronize
+        ok = ok and dp.should_stop
+    assert all_agree(WORLD, ok and exchange.closed)
 
 
 # ------------------------------------------------------------------ collective decisions
@@ -270,14 +390,18 @@ def test_any_and_all():
 # ------------------------------------------------------------------ consensus and state
 @pytest.mark.mpi(min_size=2)
 def test_consensus_between_syncs_is_the_node_weighted_average():
+    """Between two syncs the state's ``params`` (what a checkpoint keeps, rank 0's
+    ``state_dict``) is the nodes' sample-weighted average, and taking it leaves the replicas
+    alone; the sync then gives every replica exactly that average."""
     model, dp = make(strategy="node", sync_every=100, ranks_per_node=1, speeds=UNEVEN)
     train(model, dp, steps=3)
     theirs = np.array(WORLD.allgather(model.params.data.copy()))
-    samples = np.array(WORLD.allgather(dp.reducer.samples_since_sync), dtype=np.float64)
+    samples = np.array(WORLD.allgather(dp.exchange.weight_since_sync), dtype=np.float64)
     expected = (samples[:, None] * theirs).sum(axis=0) / samples.sum()
     own = model.params.data.copy()
-    consensus = dp.consensus()
+    consensus = WORLD.bcast(state_dict(dp), root=0)["params"]
     ok = rel_diff(consensus, expected) <= 1e-12 and np.array_equal(own, model.params.data)
+    ok = ok and samples.tolist() == [3.0 * b for b in dp.batch_sizes]  # v_n = b_n x steps
     dp.sync()  # then every replica holds exactly that average
     ok = ok and rel_diff(model.params.data, expected) <= 1e-12
     assert all_agree(WORLD, ok)
@@ -294,9 +418,9 @@ def test_state_dict_then_load_continues_exactly(strategy, ranks_per_node):
 
     model, dp = make(**kwargs)
     train(model, dp, steps=6)  # between two node syncs: the nodes' parameters differ
-    state = WORLD.bcast(dp.state_dict(), root=0)  # what every rank would read from the file
+    state = WORLD.bcast(state_dict(dp), root=0)  # what every rank would read from the file
     fresh_model, fresh_dp = make(**{**kwargs, "speeds": "equal"})
-    fresh_dp.load_state_dict(state)
+    load_state_dict(fresh_dp, state)
     resumed = train(fresh_model, fresh_dp, steps=3, seed=1)
     ok = rel_diff(resumed, reference) <= 1e-12 and fresh_dp.steps == 9
     ok = ok and fresh_dp.batch_sizes == dp.batch_sizes  # the same world: the split is restored
@@ -305,10 +429,10 @@ def test_state_dict_then_load_continues_exactly(strategy, ranks_per_node):
 
 def test_load_state_dict_refuses_a_mismatch_on_every_rank():
     model, dp = make()
-    state = WORLD.bcast(dp.state_dict(), root=0)
+    state = WORLD.bcast(state_dict(dp), root=0)
     state["params"] = np.zeros(3)
     with pytest.raises(ValueError, match=f"3 parameters, the model {model.params.size}"):
-        dp.load_state_dict(state)
+        load_state_dict(dp, state)
 
 
 # ------------------------------------------------------------------ counters, timings, helpers
@@ -322,7 +446,7 @@ def test_timings_and_counters_per_period():
     ok = ok and counted == (0 if P == 1 else 3 * (dp.topology.local_size > 1) * 2
                             + 3 * (dp.topology.is_leader and dp.topology.num_nodes > 1))
     dp.reset_counters()
-    ok = ok and dp.timings()["steps"] == 0 and dp.counters["intra"]["calls"] == 0
+    ok = dp.timings()["steps"] == 0 and ok and dp.counters["intra"]["calls"] == 0
     assert all_agree(WORLD, ok)
 
 
@@ -345,13 +469,13 @@ def test_measured_costs_split_away_from_a_slow_rank_identically_everywhere():
         model.backward(loss_fn.backward())
         time.sleep(SLEEP_PER_SAMPLE * n)  # a cost that a loaded machine cannot blur
 
-    dp = DataParallel(model, SGD(model.params, lr=0.05), batch_size=B, speeds="auto", probe=probe,
-                      emulate_slowdown=[1.0] * (P - 1) + [8.0])
-    gathered = WORLD.allgather((dp.batch_sizes, dp.costs))
+    dp = data_parallel(model, SGD(model.params, lr=0.05), batch_size=B, speeds="auto", probe=probe,
+                       emulate_slowdown=[1.0] * (P - 1) + [8.0])
+    gathered = WORLD.allgather((dp.batch_sizes, dp.split.costs))
     assert all(g == gathered[0] for g in gathered)
-    ok = sum(dp.batch_sizes) == B and dp.speeds_source == "measured"
+    ok = sum(dp.batch_sizes) == B and dp.split.source == "measured" and isinstance(dp.split, MeasuredSplit)
     ok = ok and (P == 1 or dp.batch_sizes[-1] < dp.batch_sizes[0])
-    assert all_agree(WORLD, ok), dp.describe_split()
+    assert all_agree(WORLD, ok), dp.split.describe()
 
 
 def test_a_rank_disturbed_during_the_first_probe_only_keeps_the_equal_split():
@@ -375,17 +499,25 @@ def test_a_rank_disturbed_during_the_first_probe_only_keeps_the_equal_split():
         disturbed = RANK == P - 1 and calls[0] <= first_measurement
         time.sleep(SLEEP_PER_SAMPLE * n * (8 if disturbed else 1))
 
-    dp = DataParallel(model, SGD(model.params, lr=0.05), batch_size=B, speeds="auto", probe=probe,
-                      balance_threshold=0.2)
+    dp = data_parallel(model, SGD(model.params, lr=0.05), batch_size=B, speeds="auto", probe=probe,
+                       balance_threshold=0.2)
     measured_twice = calls[0] == 1 + 2 * (first_measurement - 1)
     ok = dp.batch_sizes == equal_split(B, P) and (P == 1 or measured_twice)
-    assert all_agree(WORLD, ok), (calls[0], dp.describe_split())
+    assert all_agree(WORLD, ok), (calls[0], dp.split.describe())
 
 
 def test_rebalance_follows_the_measured_compute_time():
-    model, dp = make(emulate_slowdown=[1.0] * (P - 1) + [6.0])
+    """The core composed by hand: a measured split that starts from the equal one (no probe),
+    and the last rank's compute EMULATED 6x slower by its clock; a re-fit from the steps moves
+    samples away from it."""
+    model = tiny_model()
+    topo = Topology.from_comm(WORLD)
+    clock = compute_clock(([1.0] * (P - 1) + [6.0])[RANK])
+    split = MeasuredSplit(topo, B, None, clock, start=FixedSplit(B, P))
+    dp = DataParallel(model, make_optimizer(SGD, model), batch_size=B, exchange=Flat(topo), split=split,
+                      clock=clock)
     train(model, dp, steps=8, sleep_per_sample=SLEEP_PER_SAMPLE)
-    change = dp.rebalance()  # re-fits from the eight steps (the same at every rank alike)
+    change = dp.split.rebalance(dp.steps)  # re-fits from the eight steps (the same at every rank alike)
     ok = P == 1 or (change is not None and dp.batch_sizes[-1] < dp.batch_sizes[0])
     assert all_agree(WORLD, ok and sum(dp.batch_sizes) == B)
     assert len(set(map(tuple, WORLD.allgather(dp.batch_sizes)))) == 1
@@ -423,6 +555,8 @@ def test_the_cpu_clock_stretches_work_and_not_waiting():
 # ------------------------------------------------------------------ bad arguments
 @pytest.mark.parametrize("kwargs, match", [
     ({"strategy": "ring"}, "unknown strategy 'ring'"),
+    ({"strategy": "node", "compress": "bf16"}, "compress acts on"),
+    ({"emulate_link": 3}, "emulate_link must be a LinkModel"),
     ({"weighting": "mean"}, "unknown weighting"),
     ({"on_nan": "ignore"}, "on_nan must be one of"),
     ({"batch_size": 0}, "batch_size must be an integer >= 1"),
@@ -451,6 +585,29 @@ def test_the_optimizer_must_own_the_models_parameters():
         DataParallel(object(), SGD(model.params, lr=0.1), batch_size=B)
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    ({"weighting": "mean"}, "weighting must be one of balanced, uniform"),
+    ({"on_nan": "ignore"}, "on_nan must be one of stop, skip"),
+    ({"split": FixedSplit(B + 1, P)}, f"the split is of a global batch of {B + 1}, not {B}"),
+])
+def test_the_core_refuses_bad_parts(kwargs, match):
+    model = tiny_model()
+    with pytest.raises(ValueError, match=match):
+        DataParallel(model, SGD(model.params, lr=0.1), batch_size=B, **kwargs)
+
+
+@pytest.mark.parametrize("count", [-1, 1.5, True])
+def test_a_bad_local_count_is_refused_before_anything_is_recorded(count):
+    model, dp = make()
+    model.params.grad.fill(0.1)
+    before = model.params.data.copy()
+    with pytest.raises(ValueError, match="local_count must be an integer >= 0"):
+        dp.step(count)
+    untouched = dp.timings()["steps"] == 0 and dp.steps == 0 and np.array_equal(model.params.data, before)
+    calls = sum(level["calls"] for name, level in dp.counters.items() if name != "control")
+    assert all_agree(WORLD, untouched and calls == 0)
+
+
 def test_continuous_rebalance_is_a_collective_decision_logged_once():
     model, dp = make(emulate_slowdown=[1.0] * (P - 1) + [6.0], rebalance_every=4)
     changes = []
@@ -462,7 +619,7 @@ def test_continuous_rebalance_is_a_collective_decision_logged_once():
         model.backward(loss_fn.backward())
         time.sleep(SLEEP_PER_SAMPLE * len(local))
         dp.step()
-        changes.append(None if dp.last_rebalance is None else dp.last_rebalance["new"])
+        changes.append(None if dp.split.last_change is None else dp.split.last_change["new"])
     gathered = WORLD.allgather(changes)
     assert all(g == gathered[0] for g in gathered)
     # decisions only every 4 steps; the first moves samples away from the EMULATED slow rank

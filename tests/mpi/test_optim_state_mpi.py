@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from mpidl.distributed.checkpoint import load_state_dict, state_dict
 from mpidl.engine.optim import OPTIMIZERS
 from test_data_parallel import P, WORLD, make, rel_diff, train
 from trainer_harness import all_agree
@@ -35,7 +36,7 @@ def test_synced_state_is_the_node_average_and_identical_on_every_rank(name):
     train(model, dp, steps=3)
     # Before the sync: each node's own state. Its sample-weighted mean is what the sync must give.
     own = [np.array(b) for b in dp.optimizer.state_buffers()]
-    weight = dp.reducer.samples_since_sync
+    weight = dp.exchange.weight_since_sync
     total = WORLD.allreduce(weight)
     expected = [WORLD.allreduce(weight * b) / total for b in own]
     differs = P > 1 and not identical_everywhere(own)
@@ -63,9 +64,9 @@ def test_state_dict_then_load_continues_exactly(name, sync_state):
 
     model, dp = make(**kwargs)
     train(model, dp, steps=6)
-    state = WORLD.bcast(dp.state_dict(), root=0)
+    state = WORLD.bcast(state_dict(dp), root=0)
     fresh_model, fresh_dp = make(**kwargs)
-    fresh_dp.load_state_dict(state)
+    load_state_dict(fresh_dp, state)
     resumed = train(fresh_model, fresh_dp, steps=3, seed=1)
     ok = rel_diff(resumed, reference) <= 1e-12 and fresh_dp.optimizer.step_count == 9
     assert all_agree(WORLD, ok), rel_diff(resumed, reference)

@@ -9,12 +9,15 @@ rank never leaves the others waiting in a collective.
 """
 
 import math
-import os
 
 import pytest
 from mpi4py import MPI
 
-from mpidl.distributed.topology import RANKS_PER_NODE_ENV, Topology
+from mpidl import settings
+from mpidl.distributed.topology import Topology
+
+#: the variable; mpidl reads it once, into mpidl.settings.SETTINGS (never os.environ later)
+RANKS_PER_NODE_ENV = "MPIDL_RANKS_PER_NODE"
 
 pytestmark = pytest.mark.mpi
 
@@ -60,9 +63,8 @@ def structural_checks(topo: Topology) -> dict:
 def test_default_topology_invariants():
     topo = Topology.from_comm()
     checks = structural_checks(topo)
-    env = os.environ.get(RANKS_PER_NODE_ENV, "").strip()
-    if env:  # the launch asked for emulated nodes
-        k = int(env)
+    k = settings.SETTINGS.ranks_per_node
+    if k is not None:  # the launch asked for emulated nodes
         checks["env grouping rank // K"] = topo.node_of_rank == [r // k for r in range(topo.size)]
         checks["describe says EMULATED"] = "EMULATED" in topo.describe()
     else:
@@ -86,8 +88,13 @@ def test_ranks_per_node_groups_consecutive_ranks(ranks_per_node):
     assert failures_anywhere(checks) == {}
 
 
+def with_environment(monkeypatch, value: str) -> None:
+    """This process's settings as if the launch had set MPIDL_RANKS_PER_NODE=value."""
+    monkeypatch.setattr(settings, "SETTINGS", settings.Settings.from_environ({RANKS_PER_NODE_ENV: value}))
+
+
 def test_environment_variable_and_explicit_argument(monkeypatch):
-    monkeypatch.setenv(RANKS_PER_NODE_ENV, "1")
+    with_environment(monkeypatch, "1")
     from_env = Topology.from_comm()
     explicit = Topology.from_comm(ranks_per_node=WORLD.Get_size())  # the argument wins
     checks = {
@@ -107,9 +114,22 @@ def test_bad_ranks_per_node_is_refused_on_every_rank(bad):
 
 
 def test_bad_environment_value_names_the_variable(monkeypatch):
-    monkeypatch.setenv(RANKS_PER_NODE_ENV, "zero")
+    with_environment(monkeypatch, "zero")
     with pytest.raises(ValueError, match=RANKS_PER_NODE_ENV):
         Topology.from_comm()
+
+
+def test_the_environment_is_read_once(monkeypatch):
+    """A change of os.environ after start-up changes nothing: the settings were read at
+    import, alike on every rank (a rank-dependent late change could split the world)."""
+    launched = Topology.from_comm()
+    monkeypatch.setenv(RANKS_PER_NODE_ENV, "1" if launched.num_nodes != WORLD.Get_size() else str(WORLD.Get_size()))
+    again = Topology.from_comm()
+    checks = {"same nodes": again.node_of_rank == launched.node_of_rank,
+              "same emulation": again.emulated_ranks_per_node == launched.emulated_ranks_per_node}
+    launched.free()
+    again.free()
+    assert failures_anywhere(checks) == {}
 
 
 def test_sub_communicator_and_free_twice():

@@ -35,9 +35,13 @@ def reference_plain():
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("strategy", ["flat", "hierarchical"])
-def test_exact_strategies_equal_single_rank(strategy, reference):
-    trainer, end = run(WORLD, BASE + ["--strategy", strategy, "--speeds", speeds_for(P)])
+@pytest.mark.parametrize("strategy, ranks_per_node", [("flat", None), ("hierarchical", None),
+                                                      ("hierarchical", max(1, (P + 1) // 2))],
+                         ids=["flat", "hierarchical", "hierarchical-two-nodes"])
+def test_exact_strategies_equal_single_rank(strategy, ranks_per_node, reference):
+    # the launch's nodes, and (hierarchical) two emulated nodes: 2+2, 2+1, 1+1 ranks
+    trainer, end = run(WORLD, BASE + ["--strategy", strategy, "--speeds", speeds_for(P)],
+                       ranks_per_node=ranks_per_node)
     assert end["step"] == 6  # 50 samples / B=20 -> 3 steps per epoch (the last of 10 samples)
     diff = rel_diff(trainer.params.data, reference)
     assert all_agree(WORLD, diff <= 1e-10), f"{strategy}: relative difference {diff:.3e}"

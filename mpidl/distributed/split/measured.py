@@ -12,10 +12,19 @@ from mpidl.distributed.clock import ComputeClock
 from mpidl.distributed.split import balance, probe as speed_probe
 from mpidl.distributed.split.base import Split, check_batch_fits
 
-__all__ = ["MeasuredSplit", "RECENT_STEPS"]
+__all__ = ["MeasuredSplit", "RECENT_STEPS", "check_options"]
 
 #: steps whose compute times a re-fit may use (a bound on memory, not a tuning knob)
 RECENT_STEPS = 1024
+
+
+def check_options(threshold, rebalance_every) -> None:
+    """``threshold`` in [0, 1), ``rebalance_every`` None or an integer >= 1 (no MPI)."""
+    if isinstance(threshold, bool) or not isinstance(threshold, Real) or not 0 <= threshold < 1:
+        raise ValueError(f"balance_threshold must be a number in [0, 1), got {threshold!r}")
+    if rebalance_every is not None and (isinstance(rebalance_every, bool) or not isinstance(
+            rebalance_every, Integral) or rebalance_every < 1):
+        raise ValueError(f"rebalance_every must be an integer >= 1 or None, got {rebalance_every!r}")
 
 
 class MeasuredSplit(Split):
@@ -26,7 +35,7 @@ class MeasuredSplit(Split):
     topology : Topology
     batch_size : int
         ``B``, the global batch.
-    probe : callable(n)
+    probe : callable(n), or None with ``start``
         One forward + backward of the real model on ``n`` samples, no communication, leaving
         the model as it found it. Run once untimed on every rank first (the Numba JIT compiles
         then, one rank per node writing the on-disk cache), then timed
@@ -41,8 +50,11 @@ class MeasuredSplit(Split):
     rebalance_every : int, optional
         Every ``rebalance_every`` steps, re-fit the cost models from the ranks' own steps and
         re-split when the gain is confirmed (:meth:`rebalance`).
+    start : Split, optional
+        Start from this split and its cost models (e.g. a :class:`~.base.FixedSplit` of given
+        speeds) instead of measuring: no probe, no collective; the steps re-fit it.
 
-    Construction is collective (it measures). An uneven first split is measured twice before
+    Construction is collective (it measures), unless ``start`` is given. An uneven first split is measured twice before
     it is taken: a rank descheduled by another process during its probe passes looks slow in
     all of them alike, so their spread does not reveal it; a rank that is really slower is
     slower the second time too. The split then follows the two fits averaged.
@@ -51,13 +63,16 @@ class MeasuredSplit(Split):
     source = "measured"
 
     def __init__(self, topology, batch_size: int, probe, clock: ComputeClock | None = None, *,
-                 threshold: float = 0.05, min_local_batch: int = 1, rebalance_every: int | None = None):
+                 threshold: float = 0.05, min_local_batch: int = 1, rebalance_every: int | None = None,
+                 start: Split | None = None):
         check_batch_fits(batch_size, min_local_batch, topology.size)
-        if isinstance(threshold, bool) or not isinstance(threshold, Real) or not 0 <= threshold < 1:
-            raise ValueError(f"balance_threshold must be a number in [0, 1), got {threshold!r}")
-        if rebalance_every is not None and (isinstance(rebalance_every, bool) or not isinstance(
-                rebalance_every, Integral) or rebalance_every < 1):
-            raise ValueError(f"rebalance_every must be an integer >= 1 or None, got {rebalance_every!r}")
+        check_options(threshold, rebalance_every)
+        if start is None and probe is None:
+            raise ValueError("a measured split measures the ranks with probe(n), or starts from a given split "
+                             "(start=)")
+        if start is not None and (start.batch_size != batch_size or len(start.batch_sizes) != topology.size):
+            raise ValueError(f"start splits {start.batch_size} over {len(start.batch_sizes)} ranks, not "
+                             f"{batch_size} over {topology.size}")
         self.topology = topology
         self.batch_size = batch_size
         self.threshold = float(threshold)
@@ -68,6 +83,10 @@ class MeasuredSplit(Split):
         self._recent: deque = deque(maxlen=RECENT_STEPS)
         self._previous_period: list = []
         self._resplit_proposed = False
+        if start is not None:
+            self.source = start.source
+            self.costs, self.noise, self.batch_sizes = list(start.costs), 0.0, list(start.batch_sizes)
+            return
         speed_probe.warm_up(topology, probe, batch_size)
         self.costs, self.noise, self.batch_sizes = self._first_split(probe)
 
@@ -162,6 +181,10 @@ class MeasuredSplit(Split):
 
     def describe(self) -> str:
         """One line for the log: how ``B`` is split, each rank's model and predicted time."""
+        if self.source != "measured":  # started from equal or given speeds (start=)
+            speeds = ", ".join(f"{s:.3g}" for s in self.speeds)
+            return (f"split ({self.source} speeds [{speeds}], re-fitted from the steps every "
+                    f"{self.rebalance_every}): batch sizes {self.batch_sizes}")
         times = [cost.time(b) for cost, b in zip(self.costs, self.batch_sizes)]
         equal = balance.step_time(self.costs, balance.equal_split(self.batch_size, self.topology.size))
         a = ", ".join(f"{cost.a * 1e3:.3g}" for cost in self.costs)
