@@ -211,8 +211,9 @@ def data_parallel(model, optimizer, *, batch_size: int, topology: Topology | Non
         if probe is not None:
             warm_up(topology, _keeping_buffers(model, probe), batch_size)
         if rebalance_every is not None:  # equal or given speeds to start from, re-fitted from the steps
-            split = MeasuredSplit(topology, batch_size, None, clock, threshold=balance_threshold,
-                                  min_local_batch=min_local_batch, rebalance_every=rebalance_every, start=split)
+            split = MeasuredSplit.from_costs(topology, batch_size, split.costs, split.batch_sizes, clock,
+                                             threshold=balance_threshold, min_local_batch=min_local_batch,
+                                             rebalance_every=rebalance_every, source=split.source)
     dp = DataParallel(model, step_optimizer, batch_size=batch_size, exchange=exchange, split=split,
                       weighting=weighting, on_nan=on_nan, clock=clock)
     if on_failure == "shrink":

@@ -513,7 +513,8 @@ def test_rebalance_follows_the_measured_compute_time():
     model = tiny_model()
     topo = Topology.from_comm(WORLD)
     clock = compute_clock(([1.0] * (P - 1) + [6.0])[RANK])
-    split = MeasuredSplit(topo, B, None, clock, start=FixedSplit(B, P))
+    equal = FixedSplit(B, P)
+    split = MeasuredSplit.from_costs(topo, B, equal.costs, equal.batch_sizes, clock, source="equal")
     dp = DataParallel(model, make_optimizer(SGD, model), batch_size=B, exchange=Flat(topo), split=split,
                       clock=clock)
     train(model, dp, steps=8, sleep_per_sample=SLEEP_PER_SAMPLE)

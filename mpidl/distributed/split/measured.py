@@ -35,7 +35,7 @@ class MeasuredSplit(Split):
     topology : Topology
     batch_size : int
         ``B``, the global batch.
-    probe : callable(n), or None with ``start``
+    probe : callable(n)
         One forward + backward of the real model on ``n`` samples, no communication, leaving
         the model as it found it. Run once untimed on every rank first (the Numba JIT compiles
         then, one rank per node writing the on-disk cache), then timed
@@ -50,12 +50,8 @@ class MeasuredSplit(Split):
     rebalance_every : int, optional
         Every ``rebalance_every`` steps, re-fit the cost models from the ranks' own steps and
         re-split when the gain is confirmed (:meth:`rebalance`).
-    start : Split, optional
-        Start from this split and its cost models (e.g. a :class:`~.base.FixedSplit` of given
-        speeds) instead of measuring: no probe, no collective; the steps re-fit it.
-
-    Construction is collective (it measures), unless ``start`` is given. An uneven first split is measured twice before
-    it is taken: a rank descheduled by another process during its probe passes looks slow in
+    Construction is collective (it measures); :meth:`from_costs` starts from known cost
+    models instead. An uneven first split is measured twice before it is taken: a rank descheduled by another process during its probe passes looks slow in
     all of them alike, so their spread does not reveal it; a rank that is really slower is
     slower the second time too. The split then follows the two fits averaged.
     """
@@ -63,16 +59,12 @@ class MeasuredSplit(Split):
     source = "measured"
 
     def __init__(self, topology, batch_size: int, probe, clock: ComputeClock | None = None, *,
-                 threshold: float = 0.05, min_local_batch: int = 1, rebalance_every: int | None = None,
-                 start: Split | None = None):
+                 threshold: float = 0.05, min_local_batch: int = 1, rebalance_every: int | None = None):
         check_batch_fits(batch_size, min_local_batch, topology.size)
         check_options(threshold, rebalance_every)
-        if start is None and probe is None:
-            raise ValueError("a measured split measures the ranks with probe(n), or starts from a given split "
-                             "(start=)")
-        if start is not None and (start.batch_size != batch_size or len(start.batch_sizes) != topology.size):
-            raise ValueError(f"start splits {start.batch_size} over {len(start.batch_sizes)} ranks, not "
-                             f"{batch_size} over {topology.size}")
+        if probe is None:
+            raise ValueError("a measured split measures the ranks with probe(n): pass probe, or use "
+                             "MeasuredSplit.from_costs to start from known cost models")
         self.topology = topology
         self.batch_size = batch_size
         self.threshold = float(threshold)
@@ -83,24 +75,22 @@ class MeasuredSplit(Split):
         self._recent: deque = deque(maxlen=RECENT_STEPS)
         self._previous_period: list = []
         self._resplit_proposed = False
-        if start is not None:
-            self.source = start.source
-            self.costs, self.noise, self.batch_sizes = list(start.costs), 0.0, list(start.batch_sizes)
-            return
         speed_probe.warm_up(topology, probe, batch_size)
         self.costs, self.noise, self.batch_sizes = self._first_split(probe)
 
     @classmethod
     def from_costs(cls, topology, batch_size: int, costs, batch_sizes, clock: ComputeClock | None = None, *,
                    threshold: float = 0.05, min_local_batch: int = 1, rebalance_every: int | None = None,
-                   noise: float = 0.0) -> "MeasuredSplit":
-        """A measured split whose cost models are known already: no probe, no collective.
+                   noise: float = 0.0, source: str = "measured") -> "MeasuredSplit":
+        """A measured split whose cost models are known already: no probe, no collective; the
+        steps re-fit it (``rebalance_every``).
 
-        For the survivors of a lost rank (:mod:`mpidl.distributed.elastic`): their models
-        were measured (and re-fitted) before the loss, the lost ranks are ranks of speed 0
-        (:func:`~mpidl.distributed.elastic.recovery.resplit` gives ``batch_sizes``), and the
-        re-fit from the steps goes on over the new ``topology`` as in a split that measured
-        them. ``noise``: the measurements' noise of the split it continues."""
+        For equal or given speeds to start from (``source``: 'equal' | 'given'), and for the
+        survivors of a lost rank (:mod:`mpidl.distributed.elastic`): their models were
+        measured (and re-fitted) before the loss, the lost ranks are ranks of speed 0
+        (:func:`~mpidl.distributed.elastic.recovery.resplit` gives ``batch_sizes``).
+        ``noise``: the measurements' noise of the split it continues."""
+        check_options(threshold, rebalance_every)
         costs, batch_sizes = list(costs), [int(b) for b in batch_sizes]
         if len(costs) != topology.size or len(batch_sizes) != topology.size:
             raise ValueError(f"{len(costs)} costs and {len(batch_sizes)} batch sizes for {topology.size} ranks")
@@ -113,6 +103,7 @@ class MeasuredSplit(Split):
         split.clock = clock if clock is not None else ComputeClock()
         split._recent, split._previous_period, split._resplit_proposed = deque(maxlen=RECENT_STEPS), [], False
         split.costs, split.noise, split.batch_sizes = costs, float(noise), batch_sizes
+        split.source = source
         return split
 
     def _choose(self, costs, noise) -> list[int]:
@@ -181,7 +172,7 @@ class MeasuredSplit(Split):
 
     def describe(self) -> str:
         """One line for the log: how ``B`` is split, each rank's model and predicted time."""
-        if self.source != "measured":  # started from equal or given speeds (start=)
+        if self.source != "measured":  # started from equal or given speeds (from_costs)
             speeds = ", ".join(f"{s:.3g}" for s in self.speeds)
             return (f"split ({self.source} speeds [{speeds}], re-fitted from the steps every "
                     f"{self.rebalance_every}): batch sizes {self.batch_sizes}")
