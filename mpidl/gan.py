@@ -534,6 +534,9 @@ def main(argv=None) -> int:
     with code 2. A metrics write that fails during training (a full disk) is agreed after the
     epoch: every rank stops, rank 0 prints ``error: cannot write PATH: cause``, exit code 1;
     so does a plot that cannot be written at the end (the end record is still written)."""
+    from mpidl.app.cli import start_process  # noqa: PLC0415
+
+    start_process()  # before MPI starts: OMPI_MCA_osc, the thread policy
     from mpidl.distributed import Topology  # noqa: PLC0415
     from mpidl.distributed.launch import (abort_on_uncaught_exception, agree_on_error,  # noqa: PLC0415
                                           allgather, world)

@@ -307,19 +307,16 @@ def draw_map(path: str, pred, truth, class_names, title: str) -> None:
 
 
 def main(argv=None) -> int:
+    from mpidl.app.cli import parse_args, start_process  # noqa: PLC0415
+
+    start_process()  # before MPI starts: OMPI_MCA_osc, the thread policy
     import numpy as np  # noqa: PLC0415
 
     from mpidl.distributed.launch import (abort_on_uncaught_exception, agree_on_error,  # noqa: PLC0415
                                           gather_to_root, world)
 
-    from mpidl.app.cli import parse_args  # noqa: PLC0415
-    from mpidl.engine import threads  # noqa: PLC0415
-
     rank, size = world()
     sys.excepthook = abort_on_uncaught_exception
-    # The thread policy for the ranks the launcher put on this machine, set explicitly as
-    # mpidl.train does (building a model no longer applies it).
-    threads.apply()
     error, prep, removed = None, None, []
     try:
         args = parse_args(build_parser(), argv, rank)

@@ -35,13 +35,9 @@ import sys
 
 
 def main(argv=None) -> int:
-    import os
+    from mpidl.app.cli import start_process
 
-    # Open MPI 5's osc/ucx answers the query of every new one-sided window with an error line
-    # on each rank where UCX has no RMA transport (a container, TCP only), and is then not used;
-    # the only window here is the node-shared one (--intra shm), which is osc/sm's. Set before
-    # MPI starts (mpi4py initialises it on import), unless the user chose the osc components.
-    os.environ.setdefault("OMPI_MCA_osc", "^ucx")
+    start_process()  # before MPI starts: OMPI_MCA_osc, the thread policy
     from mpidl.app.checkpoint import CheckpointError
     from mpidl.app.config import ConfigError, parse_config
     from mpidl.distributed import NonFiniteGradient, Topology
@@ -50,15 +46,11 @@ def main(argv=None) -> int:
                                           world)
     from mpidl.app.log import Printer
 
-    from mpidl.engine import threads
-
     rank, size = world()
     # An unexpected exception anywhere (a bug, not a bad input) must not leave ranks hanging:
     # from the first collective on (a rank lost at start-up fails it on the others).
     sys.excepthook = abort_on_uncaught_exception
-    # The thread policy (BLAS and Numba threads for the ranks the launcher put on this
-    # machine); the rank among the ranks on this machine picks the GPU.
-    threads.apply()
+    # The rank among the ranks on this machine picks the GPU.
     local_rank, _ = machine_rank_and_size()
 
     # ---- set-up: every rank validates the same things, then the ranks agree

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import os
 
 
 class UsageError(ValueError):
@@ -33,3 +34,20 @@ def parse_args(parser: argparse.ArgumentParser, argv, rank: int) -> argparse.Nam
     quiet = contextlib.nullcontext() if rank == 0 else contextlib.redirect_stdout(io.StringIO())
     with quiet:
         return parser.parse_args(argv)
+
+
+def start_process() -> None:
+    """What every command line does first, before MPI starts and before any model is built.
+
+    * ``OMPI_MCA_osc=^ucx`` unless the user chose the osc components: Open MPI 5's osc/ucx
+      answers the query of every new one-sided window with an error line on each rank where
+      UCX has no RMA transport (a container, TCP only), and is then not used; the only window
+      here is the node-shared one (``--intra shm``), which is osc/sm's. MPI reads it when it
+      starts (mpi4py starts it on import), so it is set here, before. MPICH ignores it.
+    * the thread policy (:func:`mpidl.engine.threads.apply`): BLAS and Numba threads for the
+      ranks the launcher put on this machine.
+    """
+    os.environ.setdefault("OMPI_MCA_osc", "^ucx")
+    from mpidl.engine import threads  # noqa: PLC0415
+
+    threads.apply()
