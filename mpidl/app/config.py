@@ -221,7 +221,9 @@ class Config:
                           host_memory=self.device == "cpu", optimizer=OPTIMIZERS.get(self.optimizer),
                           emulated_nodes=emulated)
         except OptionError as exc:
-            message = str(exc).replace("on_failure='shrink'", "shrink").replace("intra='shm'", "--intra shm")
+            message = str(exc)
+            if exc.option == "on_failure":  # said of the command line's own options
+                message = message.replace("on_failure='shrink'", "shrink").replace("intra='shm'", "--intra shm")
             raise ConfigError(f"--{exc.option.replace('_', '-')}: {message}") from None
 
     def to_dict(self) -> dict:

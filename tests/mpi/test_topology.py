@@ -123,7 +123,8 @@ def test_the_environment_is_read_once(monkeypatch):
     """A change of os.environ after start-up changes nothing: the settings were read at
     import, alike on every rank (a rank-dependent late change could split the world)."""
     launched = Topology.from_comm()
-    monkeypatch.setenv(RANKS_PER_NODE_ENV, "1" if launched.num_nodes != WORLD.Get_size() else str(WORLD.Get_size()))
+    late = "1" if launched.num_nodes != WORLD.Get_size() else str(WORLD.Get_size())
+    monkeypatch.setenv(RANKS_PER_NODE_ENV, late)  # too late: settings were read at import
     again = Topology.from_comm()
     checks = {"same nodes": again.node_of_rank == launched.node_of_rank,
               "same emulation": again.emulated_ranks_per_node == launched.emulated_ranks_per_node}
