@@ -31,7 +31,7 @@ side by side.
 4, 16 and 64 MiB float32 model with SGD + momentum: ``mpi`` = ``Flat`` (MPI
 ``Allreduce`` of the message, weighting, division, the gradient's finiteness check) and the
 replicated optimizer step on every rank (what ``DataParallel.step`` does), against ``shm`` =
-:class:`mpidl.distributed.extras.shm.SharedNode` (each rank
+:class:`mpidl.distributed.extras.shm.SharedWindow` around the flat exchange (each rank
 sums its 1/R slice of the gradient slots in the node's window and updates that slice of the
 one shared copy of parameters and momentum, its own finiteness check, two barriers). Rounds alternate the two;
 each cell is the median over the rounds of the slowest rank's time, [min - max]. It also
@@ -200,7 +200,7 @@ def main_shm(args) -> int:
     import common
     from mpidl import kernels
     from mpidl.distributed import Flat
-    from mpidl.distributed.extras.shm import SharedNode
+    from mpidl.distributed.extras.shm import SharedWindow
     from mpidl.distributed.message import COUNT
     from mpidl.distributed.topology import Topology
     from mpidl.engine.optim import SGD
@@ -216,9 +216,16 @@ def main_shm(args) -> int:
     count = 16
     flat = Flat(topo)
 
-    def reduce(message):
+    def reduce(message, exchange=flat):
         message[COUNT] = count  # this rank's weight, as DataParallel writes it
-        flat.reduce(message)  # the weighted allreduce, the division and the finiteness check
+        return exchange.reduce(message)  # the weighted SUM, the division and the finiteness check
+
+    def shared_step(shared, params):
+        """The shared window's step as DataParallel runs it: reduce, the slice update, after_step
+        (the barrier after which every rank may read the new parameters)."""
+        reduce(params.message, shared)
+        shared.optimizer.step()
+        shared.after_step(1, params.data, shared.optimizer.state_buffers(), (0.0, 0.0))
     # Load the shm path's Numba kernel (its finiteness check) before any memory is measured:
     # the JIT runtime is a one-off cost of the process, not node memory held per model.
     kernels.all_finite(np.zeros(8, np.float32))
@@ -250,10 +257,9 @@ def main_shm(args) -> int:
 
         def make_shm():
             params, opt = build(n)
-            shared = SharedNode(params, opt, topo)
+            shared = SharedWindow(Flat(topo), params, opt)
             params.grad[...] = 1.0
-            shared.reduce(count, 0.0)
-            shared.update()
+            shared_step(shared, params)
             return params, opt, shared
 
         held, mpi_bytes = node_pss(make_mpi)
@@ -266,12 +272,12 @@ def main_shm(args) -> int:
 
         p_mpi, o_mpi = build(n)
         p_shm, o_shm = build(n)
-        shared = SharedNode(p_shm, o_shm, topo)
+        shared = SharedWindow(Flat(topo), p_shm, o_shm)
         calls = {
             # Both contenders check the gradient's finiteness, as DataParallel's step does
             # (the exchange's reduce does it).
             "mpi": (lambda: p_mpi.grad.fill(1.0), lambda: (reduce(p_mpi.message), o_mpi.step())),
-            "shm": (lambda: p_shm.grad.fill(1.0), lambda: (shared.reduce(count, 0.0), shared.update())),
+            "shm": (lambda: p_shm.grad.fill(1.0), lambda: shared_step(shared, p_shm)),
         }
         times = {name: [] for name in calls}
         for rnd in range(rounds_for(nbytes, args.quick, args.rounds) + 1):  # round 0: warm-up
