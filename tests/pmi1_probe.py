@@ -53,9 +53,10 @@ def main() -> int:
     reply = ask(f"cmd=get kvsname={kvs} key=pmi1probe-{peer}")
     got = reply.split("value=", 1)[1].split()[0] if "value=" in reply else ""
     whole = got == expected
-    print(f"pmi1_probe: rank {rank} on {socket.gethostname()}: put a request of {len(request) + 1} bytes; "
-          f"rank {peer}'s value came back with {len(got)} of {VALUE_CHARS} characters: "
-          f"{'whole' if whole else 'CUT'}", flush=True)
+    # One write of the whole line: the launcher forwards what each rank writes as it comes.
+    os.write(1, (f"pmi1_probe: rank {rank} on {socket.gethostname()}: put a request of {len(request) + 1} "
+                 f"bytes; rank {peer}'s value came back with {len(got)} of {VALUE_CHARS} characters: "
+                 f"{'whole' if whole else 'CUT'}\n").encode())
     ask("cmd=finalize")
     return 0 if whole else 1
 
