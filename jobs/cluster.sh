@@ -30,8 +30,8 @@
 #   run HOST -- CMD...    run CMD inside HOST (net + uts + mount namespaces, cgroups)
 #   link HOST RATE        change HOST's link rate (both directions; `none` unshaped)
 #   cpu HOST SHARE        change HOST's CPU share (cores; `none` no limit)
-#   cut HOST | restore HOST   pull HOST's link out of the bridge (packets silently lost, as a
-#                         cable cut behind a switch) | put it back
+#   cut HOST | restore HOST   pull HOST's link out of the bridge (packets of both directions
+#                         silently lost, as a cable cut behind a switch) | put it back
 #   freeze HOST | thaw HOST   stop | resume every process of HOST (freezer cgroup)
 #   kill HOST [SIGNAL]    send SIGNAL (default KILL) to every MPI rank of HOST (the processes
 #                         with PMI_RANK, OMPI_COMM_WORLD_RANK or PMIX_RANK in their environment)
@@ -302,6 +302,12 @@ start_cluster() {
     printf 'nameserver 127.0.0.1\noptions timeout:1 attempts:1\n' > "$STATE/resolv.conf"
 
     ip link add "$BRIDGE" type bridge
+    # A MAC of its own (locally administered, from the subnet). Left to itself a bridge takes
+    # the lowest MAC of its ports, and changes it when that port leaves: `cut` of the host
+    # whose veth had it left every other host with the head's old MAC in its ARP cache, so
+    # that they too lost the head (mpiexec, slurmctld) until the entry went stale, tens of
+    # seconds; the cut host's own rank ending the job could not say so in time.
+    ip link set "$BRIDGE" address "$(printf '02:00:0a:4d:%02x:01' "$subnet")"
     ip addr add "10.77.$subnet.1/24" dev "$BRIDGE"
     ip link set "$BRIDGE" up
     local hosts_lines=("10.77.$subnet.1 $NAME-head")
@@ -403,6 +409,26 @@ run_in_host() {
         --mount="$STATE/node$i.mnt" --wd="$PWD" -- "$@"
 }
 
+# A cut loses the packets of both directions. Taking the head's end of the veth out of the
+# bridge alone lost only what went to the host: the end stayed up in the head's namespace,
+# whose IPv4 (rp_filter 0, the machine's default) took what the host sent to a head address
+# (the bridge's), so a host cut off still reached mpiexec and slurmctld on the head, with no
+# answer back. Hydra then read the first part of a message from the cut host's proxy and
+# waited in read() for the rest for ever (the cluster stage's fault (a) ran to its limit).
+# So the detached end also gets strict reverse-path filtering (a packet from the host's
+# address arriving there, not on the bridge, is dropped) and no IPv6; the host's own eth0
+# stays up, as behind a switch.
+cut_link() {  # VETH
+    ip link set "$1" nomaster
+    sysctl -q -w "net.ipv4.conf.$1.rp_filter=1"
+    if [[ -e "/proc/sys/net/ipv6/conf/$1/disable_ipv6" ]]; then sysctl -q -w "net.ipv6.conf.$1.disable_ipv6=1"; fi
+}
+restore_link() {  # VETH
+    if [[ -e "/proc/sys/net/ipv6/conf/$1/disable_ipv6" ]]; then sysctl -q -w "net.ipv6.conf.$1.disable_ipv6=0"; fi
+    sysctl -q -w "net.ipv4.conf.$1.rp_filter=$(sysctl -n net.ipv4.conf.default.rp_filter)"
+    ip link set "$1" master "$BRIDGE"
+}
+
 kill_ranks() {
     load_state
     local i sig=${2:-KILL} pid n=0
@@ -456,10 +482,10 @@ case "$CMD" in
         set_cpu_share "$i" "${2:?cpu HOST SHARE}"; say "$NAME-node$i CPU share: $2" ;;
     cut)
         load_state; i=$(host_index "${1:?cut HOST}")
-        ip link set "$(veth_of "$i")" nomaster; say "$NAME-node$i link cut" ;;
+        cut_link "$(veth_of "$i")"; say "$NAME-node$i link cut" ;;
     restore)
         load_state; i=$(host_index "${1:?restore HOST}")
-        ip link set "$(veth_of "$i")" master "$BRIDGE"; say "$NAME-node$i link restored" ;;
+        restore_link "$(veth_of "$i")"; say "$NAME-node$i link restored" ;;
     freeze|thaw)
         load_state; i=$(host_index "${1:?$CMD HOST}")
         if [[ "$CMD" == freeze ]]; then state=FROZEN; else state=THAWED; fi

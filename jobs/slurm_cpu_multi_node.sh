@@ -5,9 +5,10 @@
 # reduce gradients every step through shared memory, and the nodes average their parameters
 # only every K' = 50 steps, so inter-node traffic falls by about K' x ranks-per-node.
 # Options after the script name go to `python -m mpidl.train`; run from the repository root.
-# LAUNCHER=mpiexec sbatch ... uses mpiexec instead of srun (see the end of the script).
-# Stop it with a checkpoint: `scancel --signal=TERM JOBID` (srun passes SIGTERM to every rank;
-# with LAUNCHER=mpiexec under Open MPI use `scancel --batch --signal=USR1 JOBID`).
+# LAUNCHER=srun|mpiexec sbatch ... chooses what starts the ranks (see the end of the script).
+# Stop it with a checkpoint: `scancel --signal=TERM JOBID` (Slurm signals every process of the
+# job's steps: the ranks, whether srun or hydra's proxies started them; with LAUNCHER=mpiexec
+# under Open MPI use `scancel --batch --signal=USR1 JOBID`).
 #
 # (Each #SBATCH line is explained on the line above it: comments on the line itself are not
 # safe on every Slurm version.)
@@ -34,16 +35,18 @@ train_args=(-m mpidl.train --strategy node --sync-every 50
             --metrics "runs/${SLURM_JOB_ID}.jsonl" "$@")
 mkdir -p runs
 # The launch line for this MPI (jobs/launcher.sh, read from the submission directory: sbatch
-# runs a copy of this script from its spool directory). LAUNCHER=srun (default) starts the
-# ranks with `srun --mpi=pmi2` under MPICH and `srun --mpi=pmix` under Open MPI (mpi4py's
-# library decides; SRUN_MPI=... overrides); LAUNCHER=mpiexec uses the MPI's own launcher
-# inside the allocation instead.
+# runs a copy of this script from its spool directory). By default (mpi4py's library
+# decides) MPICH's ranks are started by its own mpiexec (hydra) inside the allocation, since
+# Slurm's pmi2 plugin cuts MPICH's PMI-1 lines of more than 1024 bytes and MPI_Init then fails
+# across nodes (docs/running.md), and Open MPI's by `srun --mpi=pmix`; LAUNCHER=srun or
+# LAUNCHER=mpiexec chooses, SRUN_MPI=... gives srun's --mpi type (and means srun).
 # shellcheck source=jobs/launcher.sh
 source "${SLURM_SUBMIT_DIR:-.}/jobs/launcher.sh"
 
-# srun: no hostfile, and Slurm's own process binding. mpiexec (LAUNCHER=mpiexec): MPICH's
-# Hydra and Open MPI's mpirun both read the Slurm allocation themselves; the tasks per node
-# are spelled out (MPICH -ppn N, Open MPI --map-by ppr:N:node) to make the placement explicit.
+# srun: no hostfile, and Slurm's own process binding (--cpu-bind, srun only). mpiexec (MPICH's
+# default, or LAUNCHER=mpiexec): MPICH's Hydra and Open MPI's mpirun both read the Slurm
+# allocation themselves; the tasks per node are spelled out (MPICH -ppn N, Open MPI --map-by
+# ppr:N:node) to make the placement explicit.
 mpidl_slurm_launch --cpu-bind=cores -- "$PYTHON" "${train_args[@]}"
 # exec: no shell between Slurm and the launcher, so SIGTERM at the time limit reaches the
 # ranks, which checkpoint and exit 0 (see README, "Resuming, failures, signals").

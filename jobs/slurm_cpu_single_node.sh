@@ -3,10 +3,11 @@
 #
 # One CPU node, one MPI rank per Slurm task. Options after the script name go to
 # `python -m mpidl.train` (sbatch passes them on); run from the repository root.
-# LAUNCHER=mpiexec sbatch ... starts the ranks with mpiexec instead of srun (see below).
-# Stop it with a checkpoint: `scancel --signal=TERM JOBID` (srun passes SIGTERM to every rank;
-# with LAUNCHER=mpiexec under Open MPI use `scancel --batch --signal=USR1 JOBID`, since Open
-# MPI's mpiexec aborts the job on SIGTERM); tests/slurm_stage.sh does this on a real Slurm.
+# LAUNCHER=srun|mpiexec sbatch ... chooses what starts the ranks (see below).
+# Stop it with a checkpoint: `scancel --signal=TERM JOBID` (Slurm signals every process of the
+# job's steps: the ranks, whether srun or hydra's proxies started them; with LAUNCHER=mpiexec
+# under Open MPI use `scancel --batch --signal=USR1 JOBID`, since Open MPI's mpiexec aborts the
+# job on SIGTERM); tests/slurm_stage.sh does this on a real Slurm.
 #
 # (A comment on an #SBATCH line itself is not safe on every Slurm version, so each one is
 # explained on the line above it.)
@@ -36,17 +37,19 @@ export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1} NUMBA_NUM_THREADS=${SLURM_CPUS_
 
 mkdir -p runs
 # The launch line for this MPI (jobs/launcher.sh, read from the submission directory: sbatch
-# runs a copy of this script from its spool directory). LAUNCHER=srun (default) starts the
-# ranks with `srun --mpi=pmi2` under MPICH and `srun --mpi=pmix` under Open MPI (mpi4py's
-# library decides; SRUN_MPI=... overrides); LAUNCHER=mpiexec uses the MPI's own launcher
-# inside the allocation instead.
+# runs a copy of this script from its spool directory). By default (mpi4py's library
+# decides) MPICH's ranks are started by its own mpiexec (hydra) inside the allocation, since
+# Slurm's pmi2 plugin cuts MPICH's PMI-1 lines of more than 1024 bytes and MPI_Init then fails
+# across nodes (docs/running.md), and Open MPI's by `srun --mpi=pmix`; LAUNCHER=srun or
+# LAUNCHER=mpiexec chooses, SRUN_MPI=... gives srun's --mpi type (and means srun).
 # shellcheck source=jobs/launcher.sh
 source "${SLURM_SUBMIT_DIR:-.}/jobs/launcher.sh"
 
 # srun starts the ranks itself and hands them their MPI wiring (PMI-2 or PMIx: `srun
-# --mpi=list` shows what the site supports). --cpu-bind=cores pins each rank to its own cores
-# so the speeds it measures stay stable. The metrics file is named after the job; a --metrics
-# in "$@" comes later and wins.
+# --mpi=list` shows what the site supports); hydra reads the allocation and starts a proxy
+# per node with srun. --cpu-bind=cores (srun only) pins each rank to its own cores so the
+# speeds it measures stay stable. The metrics file is named after the job; a --metrics in
+# "$@" comes later and wins.
 mpidl_slurm_launch --cpu-bind=cores -- \
     "$PYTHON" -m mpidl.train --metrics "runs/${SLURM_JOB_ID}.jsonl" "$@"
 # exec: no shell between Slurm and the launcher, so SIGTERM at the time limit reaches the

@@ -26,10 +26,11 @@ PYTHON=${PYTHON:-python}
 export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1} NUMBA_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
 mkdir -p runs
 # The launch line for this MPI (jobs/launcher.sh, read from the submission directory: sbatch
-# runs a copy of this script from its spool directory). LAUNCHER=srun (default) starts the
-# ranks with `srun --mpi=pmi2` under MPICH and `srun --mpi=pmix` under Open MPI (mpi4py's
-# library decides; SRUN_MPI=... overrides); LAUNCHER=mpiexec uses the MPI's own launcher
-# inside the allocation instead.
+# runs a copy of this script from its spool directory). By default (mpi4py's library
+# decides) MPICH's ranks are started by its own mpiexec (hydra) inside the allocation, since
+# Slurm's pmi2 plugin cuts MPICH's PMI-1 lines of more than 1024 bytes and MPI_Init then fails
+# across nodes (docs/running.md), and Open MPI's by `srun --mpi=pmix`; LAUNCHER=srun or
+# LAUNCHER=mpiexec chooses, SRUN_MPI=... gives srun's --mpi type (and means srun).
 # shellcheck source=jobs/launcher.sh
 source "${SLURM_SUBMIT_DIR:-.}/jobs/launcher.sh"
 

@@ -32,7 +32,10 @@ set -euo pipefail
 PYTHON=${PYTHON:-python}
 mkdir -p runs
 # The srun --mpi type for this MPI (jobs/launcher.sh, from the submission directory): pmi2
-# for MPICH, pmix for Open MPI; SRUN_MPI=... overrides.
+# for MPICH, pmix for Open MPI; SRUN_MPI=... overrides. A heterogeneous step needs srun (no
+# hydra), and its components sit on different nodes: with the `mpich` wheel, whose PMI-1
+# lines Slurm's pmi2 plugin cuts at 1024 bytes, MPI_Init can fail there (docs/running.md);
+# use Open MPI, or an MPICH built with Slurm's PMI-2 library.
 # shellcheck source=jobs/launcher.sh
 source "${SLURM_SUBMIT_DIR:-.}/jobs/launcher.sh"
 mpi=$(mpidl_srun_mpi)

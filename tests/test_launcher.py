@@ -119,6 +119,32 @@ def test_slurm_launch_picks_the_pmi_of_the_library():
     assert shell("mpidl_slurm_launch -- prog", PYTHON=sys.executable, LAUNCHER="ssh").returncode != 0
 
 
+def test_slurm_launch_defaults_to_hydra_under_mpich_and_srun_under_open_mpi():
+    """Without LAUNCHER: MPICH's ranks are started by hydra inside the allocation (Slurm's pmi2
+    plugin cuts MPICH's PMI-1 lines of more than 1024 bytes: tests/pmi1_probe.py), by the
+    mpiexec beside $PYTHON; SRUN_MPI asks for srun with that type; Open MPI uses srun --mpi=pmix."""
+    lib = shell(f'mpidl_library_flavor "{sys.executable}"').stdout.strip()
+    env = {k: v for k, v in os.environ.items() if k not in ("LAUNCHER", "SRUN_MPI", "MPIEXEC")}
+
+    def launch(**extra):
+        proc = subprocess.run(
+            ["bash", "-c", f'set -euo pipefail; source "{SHELL}"; mpidl_slurm_launch --cpu-bind=cores -- prog; '
+                           'printf "%s\\n" "${MPIDL_CMD[@]}"'],
+            capture_output=True, text=True, timeout=60,
+            env={**env, "PYTHON": sys.executable, "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2(x2)", **extra})
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.splitlines()
+
+    if lib == "mpich":
+        beside = Path(sys.executable).parent / "mpiexec"
+        exe = str(beside) if os.access(beside, os.X_OK) else "mpiexec"
+        assert launch() == [exe, "-n", "4", "-ppn", "2", "prog"]
+        assert launch(SRUN_MPI="pmi2") == ["srun", "--mpi=pmi2", "--cpu-bind=cores", "prog"]
+        assert launch(LAUNCHER="srun") == ["srun", "--mpi=pmi2", "--cpu-bind=cores", "prog"]
+    else:
+        assert launch() == ["srun", "--mpi=pmix", "--cpu-bind=cores", "prog"]
+
+
 def test_run_tagged_gives_the_code_and_output_with_the_tag_and_one_thread():
     code = ("import os, sys; print(os.environ['OMP_NUM_THREADS'], bool(os.environ[sys.argv[1]])); "
             "sys.stderr.write('to stderr'); sys.exit(3)")

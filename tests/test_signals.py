@@ -3,7 +3,10 @@
 Each test launches ``python -m mpidl.train`` under ``mpiexec -n 2`` (tests/launcher.py: MPICH
 or Open MPI) or alone, waits until training has started (the metrics file has its ``start``
 record, written after the signal handler is installed), sends the signal, and checks: exit code
-0, an ``end`` record with ``stopped: signal``, a checkpoint. The resumed run must reach the
+0, an ``end`` record with ``stopped: signal``, a checkpoint. A signal sent to the launcher is
+sent while the ranks are stopped (SIGSTOP), and they go on (SIGCONT) once it is pending on
+each of them: the run cannot end before the signal arrives, however long the launcher takes
+to pass it on (it used to race the run's 45 steps on a loaded machine). The resumed run must reach the
 configured epochs and, in float64 with fixed speeds, end with bitwise the parameters of an
 uninterrupted run.
 
@@ -99,6 +102,59 @@ def rank_pids(mpiexec_pid):
     return found
 
 
+def pending_signals(pid) -> int | None:
+    """The signals pending on process ``pid`` (``SigPnd | ShdPnd`` of /proc/PID/status, bit
+    ``n - 1`` for signal ``n``), or None when it is gone (or a zombie)."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    except (OSError, ValueError):
+        return None
+    if fields.get("State", "").split()[:1] == ["Z"]:
+        return None
+    return int(fields["SigPnd"], 16) | int(fields["ShdPnd"], 16)
+
+
+def is_stopped(pid) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text().split("State:", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in ("T", "t")
+
+
+def signal_launcher_while_ranks_wait(proc, signum, metrics, ranks=2, timeout=60.0):
+    """Send ``signum`` to the launcher ``proc`` while its ranks are stopped, and let them go
+    on only once the launcher's doing has reached every rank (the signal pending on it, or
+    the rank gone). The ranks are stopped (SIGSTOP) right after the run loop has started (the
+    metrics' ``start`` record), before the signal is sent: however slowly the launcher passes
+    the signal on, on however loaded a machine, the run cannot reach its end before the signal
+    reaches the ranks. Returns the ranks' pids."""
+    deadline = time.monotonic() + timeout
+    pids = {}
+    while len(pids) < ranks:
+        assert time.monotonic() < deadline, f"found the ranks {pids} of {ranks} only"
+        pids = rank_pids(proc.pid)
+    for pid in pids.values():
+        os.kill(pid, signal.SIGSTOP)
+    while not all(is_stopped(pid) or pending_signals(pid) is None for pid in pids.values()):
+        assert time.monotonic() < deadline, "the ranks did not stop"
+        time.sleep(0.005)
+    assert '"event": "end"' not in metrics.read_text(), \
+        "the run ended before its ranks were stopped: the test's premise (a run of 45 steps) failed"
+    proc.send_signal(signum)
+    mask = (1 << (signum - 1)) | (1 << (signal.SIGKILL - 1))
+    while not all(pending_signals(pid) is None or pending_signals(pid) & mask for pid in pids.values()):
+        assert time.monotonic() < deadline, \
+            f"the launcher did not pass signal {signum} on to the ranks within {timeout} s"
+        time.sleep(0.01)
+    for pid in pids.values():
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    return pids
+
+
 def params_of(saved_model):
     with h5py.File(saved_model) as f:
         return [f[name][()] for name in json.loads(f.attrs["param_order"])]
@@ -118,7 +174,7 @@ def test_signal_checkpoints_exits_0_and_resume_completes(tmp_path, tiny_data, ta
         # prterun aborts on SIGTERM whatever the ranks do: it exits non-zero and kills the
         # ranks about a second later, so a checkpoint is written only when the ranks happen to
         # get there first. This is why docs/running.md and jobs/ send SIGUSR1 to an Open MPI launcher.
-        first.send_signal(signal.SIGTERM)
+        signal_launcher_while_ranks_wait(first, signal.SIGTERM, metrics)
         out, err = first.communicate(timeout=60)
         assert first.returncode != 0, (out, err)
         return
@@ -131,8 +187,11 @@ def test_signal_checkpoints_exits_0_and_resume_completes(tmp_path, tiny_data, ta
             time.sleep(0.05)
         assert 1 in pids, pids
         os.kill(pids[1], signal.SIGTERM)  # rank 1 alone: its next gradient message tells rank 0
+    elif target == "serial":
+        first.send_signal(signal.SIGTERM)  # the process itself: no launcher in between
     else:
-        first.send_signal(signal.SIGUSR1 if target == "launcher-USR1" else signal.SIGTERM)
+        signal_launcher_while_ranks_wait(first, signal.SIGUSR1 if target == "launcher-USR1" else signal.SIGTERM,
+                                         metrics)
     out, err = first.communicate(timeout=60)
     assert first.returncode == 0, (out, err)
     end = records(metrics)[-1]

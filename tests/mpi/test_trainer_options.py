@@ -2,33 +2,74 @@
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from mpi4py import MPI
 
 from mpidl.distributed import NonFiniteGradient
-from trainer_harness import all_agree, run, tiny_dataset
+from trainer_harness import all_agree, make_trainer, run, tiny_dataset
 
 WORLD = MPI.COMM_WORLD
 P = WORLD.Get_size()
 BASE = ["--batch-size", "24", "--epochs", "2", "--lr", "0.05", "--schedule", "constant"]
 
 
+class RecordedClock:
+    """A clock that advances only by what it is told: the compute of ``n`` samples costs
+    ``n * SECONDS_PER_SAMPLE``, an emulated slowdown's sleep its request, and nothing else
+    (other processes, the machine's load) moves it."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+SECONDS_PER_SAMPLE = 1e-3
+
+
 @pytest.mark.mpi(min_size=2)
-def test_rebalance_moves_work_away_from_an_emulated_slow_rank():
-    # equal given speeds, but the last rank is EMULATED 6x slower: after 4 steps the split
-    # must follow the measured compute time per sample, identically on every rank (each step
-    # sleeps 2 ms per sample: the tiny model's ~1 ms steps vary by several times that on a
-    # shared, oversubscribed machine, which the re-fit rightly reads as noise)
+def test_rebalance_moves_work_away_from_an_emulated_slow_rank(monkeypatch):
+    """Equal given speeds, but the last rank is EMULATED 6x slower (--emulate-slowdown): after
+    4 steps the split must follow the measured compute time per sample, identically on every
+    rank. The times are those of a recorded clock (every sample costs the same on every rank,
+    the slowdown's sleep is recorded, not slept), so the measured slowdown is exactly 6 and
+    no load on the machine can blur it: the split must be the balanced one."""
+    import mpidl.distributed.clock as clock_module
+    from mpidl.distributed.emulation import SlowedClock
+
+    clock = RecordedClock()
+    monkeypatch.setattr(clock_module, "time", SimpleNamespace(perf_counter=clock.now))  # ComputeClock's
     slow = ",".join(["1"] * (P - 1) + ["6"])
-    trainer, _ = run(WORLD, BASE + ["--speeds", ",".join(["1"] * P), "--rebalance",
-                                    "--rebalance-every", "4", "--emulate-slowdown", slow],
-                     train=tiny_dataset(n=96), sleep_per_sample=0.002)
+    trainer = make_trainer(WORLD, BASE + ["--speeds", ",".join(["1"] * P), "--rebalance",
+                                          "--rebalance-every", "4", "--emulate-slowdown", slow],
+                           train=tiny_dataset(n=96))
+    compute = trainer.compute
+
+    def recorded_compute(indices):
+        clock.advance(SECONDS_PER_SAMPLE * len(indices))
+        return compute(indices)
+
+    trainer.compute = recorded_compute
+    is_slowed = isinstance(trainer.dp.clock, SlowedClock)
+    assert all_agree(WORLD, is_slowed == (WORLD.rank == P - 1))
+    if is_slowed:
+        trainer.dp.clock.slowdown.sleep = clock.advance
+        trainer.dp.clock.slowdown.clock = clock.now
+    trainer.run()
     sizes = trainer.dp.batch_sizes
     gathered = WORLD.allgather(sizes)
     assert all(g == gathered[0] for g in gathered)
     assert sum(sizes) == 24
-    assert all_agree(WORLD, sizes[-1] < sizes[0]), f"slow rank kept its share: {sizes}"
+    assert all_agree(WORLD, sizes[-1] < min(sizes[:-1])), f"slow rank kept its share: {sizes}"
+    # Balanced for per-sample costs 1 : 6 (within one sample either way): the slow rank's
+    # step is neither the bottleneck nor idle for more than one of its samples.
+    assert all_agree(WORLD, 6 * sizes[-1] <= max(sizes[:-1]) + 6 and max(sizes[:-1]) <= 6 * (sizes[-1] + 1)), sizes
 
 
 @pytest.mark.mpi(min_size=2)
