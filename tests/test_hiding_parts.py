@@ -234,7 +234,7 @@ def test_what_the_extras_combine_with(options):
     (["--intra", "tcp"], "--intra"),
     (["--overlap", "--intra", "shm"], "--overlap: overlap works with intra='mpi'"),
     (["--overlap", "--device", "gpu"], "--overlap: overlap needs the CPU backend"),
-    (["--intra", "shm", "--device", "gpu"], "--intra: --intra shm shares host memory"),
+    (["--intra", "shm", "--device", "gpu"], "--intra: intra='shm' shares host memory"),
     (["--bucket-mb", "0"], "--bucket-mb"),
     (["--compress", "int8"], "--compress"),
     (["--compress", "bf16"], "--compress: compress acts on the leaders' gradient exchange of strategy hierarchical"),
