@@ -338,7 +338,7 @@ class Trainer:
         failures = getattr(self.dp, "failures", [])
         for record in failures[self._failures_written:]:
             done = record.get("first_step_s" if record["event"] == "join" else "recovery_s")
-            if done is None and record is failures[-1] and self.dp.steps <= record["step"]:
+            if done is None and self.dp.steps <= record["step"]:
                 break  # its next step is not done yet
             self.log(self.metrics, record)
             self._failures_written += 1

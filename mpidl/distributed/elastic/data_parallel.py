@@ -126,7 +126,7 @@ class ElasticDataParallel:
         self.failures: list[dict] = []
         self._step_snapshots = StepSnapshots() if on_failure == "shrink" else None
         self._sync_snapshots = StepSnapshots() if on_failure == "shrink" else None
-        self._unreported = None
+        self._unreported: list = []  # (record, perf_counter at its start): closed by the next step
         self._stop_asked = False
         #: True in a process that joined a running job (:meth:`join`)
         self.joined = False
@@ -192,12 +192,11 @@ class ElasticDataParallel:
     def leave(self, code: int = 0) -> None:
         """End this process after a shrink (:func:`~mpidl.distributed.elastic.recovery.leave`):
         a barrier of the survivors, then exit without ``MPI_Finalize``, which may wait for the
-        dead. Close files first. A rank that joined (:meth:`join`) is of a job that lost no
-        process: after the barrier it exits through ``MPI_Finalize`` (``SystemExit``), since
-        mpiexec takes a spawned process that skips it for a failed one."""
-        if self.joined:
-            self._core.topology.world.Barrier()
-            raise SystemExit(code)
+        dead. Close files first. A rank that joined (:meth:`join`) leaves the same way: its
+        ``MPI_Finalize`` disconnects from the job that started it, dead ranks included, and
+        crashed across hosts (a segmentation fault in Open MPI's TCP transport, reaching for a
+        dead rank); Open MPI's mpiexec then returns 1, the job's result is its ``end`` record
+        and checkpoint (docs/failures.md)."""
         leave(self._core.topology.world, code)
 
     def request_stop(self) -> None:
@@ -301,11 +300,10 @@ class ElasticDataParallel:
 
     def _step_completed(self) -> None:
         """The first step completed after a recovery closes its record (``recovery_s``)."""
-        if self._unreported is not None:
-            event, failed_at = self._unreported
+        for event, failed_at in self._unreported:
             event["first_step_s" if event["event"] == "join" else "recovery_s"] = time.perf_counter() - failed_at
             event["first_step_at_unix" if event["event"] == "join" else "next_step_at_unix"] = time.time()
-            self._unreported = None
+        self._unreported = []
 
     # ------------------------------------------------------------------ composing a core
     def _compose(self, exchange, split, like: DataParallel) -> DataParallel:
@@ -424,7 +422,7 @@ class ElasticDataParallel:
                  "recovered_s": time.perf_counter() - failed_at, "recovery_s": None,
                  "seen_at_unix": seen_unix, "next_step_at_unix": None}
         self.failures.append(event)
-        self._unreported = (event, failed_at)
+        self._unreported.append((event, failed_at))
         if sums is not None:
             _apply_flags(new, sums)
         return event
@@ -458,7 +456,7 @@ class ElasticDataParallel:
         event = self._adopt(merged, shipped, core)
         event.update({"host": host, "spawn_s": spawned_s, "join_s": time.perf_counter() - requested,
                       "requested_at_unix": requested_unix})
-        self._unreported = (event, requested)
+        self._unreported.append((event, requested))
         return event
 
     @classmethod
