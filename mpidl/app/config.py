@@ -375,7 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--replace-with", default=d.replace_with, metavar="HOST",
                    help="with --on-failure shrink: when a host is lost, start as many new ranks on HOST "
                         "(a spare host of mpiexec's --host list, given no ranks) and go on with them at "
-                        "the same global batch (Open MPI with ULFM only; docs/failures.md)")
+                        "the same global batch (Open MPI with ULFM only; docs/failures.md; default: none, "
+                        "the survivors go on alone)")
     g.add_argument("--on-failure", default=d.on_failure,
                    help="a lost rank or host: restart (the job ends; resume from --checkpoint) or "
                         "shrink (the survivors drop it, re-split the batch and go on; needs Open MPI "
