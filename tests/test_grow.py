@@ -41,6 +41,16 @@ def test_replace_with_needs_shrink_and_one_host_name():
         parse_config(["--on-failure", "shrink", "--replace-with", "a:2,b"])
 
 
+def test_mpich_is_refused_with_the_reason(monkeypatch):
+    from mpidl.distributed.elastic import recovery
+
+    monkeypatch.setattr(recovery.MPI, "Get_library_version", lambda: "MPICH Version:      5.0.2\nMPICH Release date: x")
+    with pytest.raises(ValueError, match="--replace-with: MPICH Version: 5.0.2 cannot bring a host into a running job"):
+        recovery.check_grow_support()
+    monkeypatch.setattr(recovery.MPI, "Get_library_version", lambda: "Open MPI v5.0.11, package: Open MPI")
+    recovery.check_grow_support()
+
+
 def _needs_ulfm():
     if not available() or flavor() != OPENMPI:
         pytest.skip("growing back needs Open MPI under mpiexec --with-ft ulfm (the MPICH wheel has no "
