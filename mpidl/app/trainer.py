@@ -317,6 +317,12 @@ class Trainer:
             self.metrics = MetricsWriter(self.cfg.metrics, 0, append=True)
         self.printer.warning(f"{lost}")
         if self.cfg.replace_with and not self.replaced and epoch is not None:
+            if self.cfg.replace_with in lost.event["emptied_hosts"]:
+                # Open MPI fails the new ranks' MPI_Init there and ends the whole job
+                self.replaced = True
+                self.printer.warning(f"--replace-with {self.cfg.replace_with}: not replaced, that host lost all its "
+                                     "ranks in this job and cannot take new ones (docs/failures.md)")
+                return
             self.grow_back(len(lost.event["lost_ranks"]), epoch, step_in_epoch)
 
     def grow_back(self, count: int, epoch: int, step_in_epoch: int) -> None:
