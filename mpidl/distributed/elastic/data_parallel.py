@@ -62,6 +62,14 @@ On a process failure every survivor (:meth:`ElasticDataParallel._recover`):
 4. records the event in :attr:`failures` and raises ``RanksLost`` whose ``step`` is
    ``dp.steps``: the loop runs that global batch again with the new split.
 
+Growing back (:meth:`ElasticDataParallel.grow`, on every rank of the job, and
+:meth:`ElasticDataParallel.join` in the processes it starts): new ranks are started on a host
+(``MPI_Comm_spawn``) and merged into the world (``MPI_Intercomm_merge``); rank 0 broadcasts the
+state (parameters, optimizer state, counters, the exchange's state, buffers, the split's cost
+models, the members, the loop's own ``extra``); every rank rebuilds the topology, the exchange,
+the split of the same global batch and a new core, as after a loss. The loop goes on at
+``dp.steps``.
+
 Memory: two copies of the parameters and optimizer state; time: one copy and one agreement
 per step. Where the MPI cannot shrink (:func:`~mpidl.distributed.elastic.recovery.ulfm_available`)
 :attr:`on_failure` falls back to ``'restart'``, :attr:`failure_note` says why, and every call
@@ -100,8 +108,11 @@ class ElasticDataParallel:
         What this job really does when a rank is lost.
     failure_note : str
         One line for the start-up log: shrink, and the MPI's support; or why it fell back.
+    joined : bool
+        True in a process that joined the running job (:meth:`join`).
     failures : list[dict]
-        One record per failure survived: ``step``, ``where`` ('step' | 'sync' | 'outside'),
+        One record per failure survived, and one ``join`` record per :meth:`grow` (its
+        docstring); a failure's: ``step``, ``where`` ('step' | 'sync' | 'outside'),
         ``lost_ranks`` (start-up ranks), ``lost_hosts``, ``emptied_hosts``, ``ranks_left``,
         ``hosts_left``, ``node_sizes``, ``batch_sizes``, ``synced_again``, ``error``,
         ``shrink_s``, ``recovered_s`` (failure seen to state rebuilt), ``recovery_s`` (failure
@@ -526,8 +537,6 @@ class ElasticDataParallel:
             _free(self._core.topology, self._core.exchange, self._world)
         self._world = merged
         self._core = new
-        if self._step_snapshots is None:
-            self._step_snapshots, self._sync_snapshots = StepSnapshots(), StepSnapshots()
         event = {"event": "join", "step": new.steps, "joined_ranks": list(range(old_size, merged.Get_size())),
                  "joined_ids": list(ids[old_size:]), "ranks": merged.Get_size(), "hosts": len(set(hosts)),
                  "node_sizes": list(topology.node_sizes), "batch_sizes": list(new.batch_sizes),
