@@ -46,7 +46,12 @@ def main(argv=None) -> int:
                                           world)
     from mpidl.app.log import Printer
 
+    from mpidl.distributed.elastic.recovery import check_grow_support, is_joiner
+
     rank, size = world()
+    # started into a running job by its --replace-with (grow back): the job has the state, the
+    # outputs and the log; this process only builds its model and data and joins
+    joining = is_joiner()
     # An unexpected exception anywhere (a bug, not a bad input) must not leave ranks hanging:
     # from the first collective on (a rank lost at start-up fails it on the others).
     sys.excepthook = abort_on_uncaught_exception
@@ -61,7 +66,9 @@ def main(argv=None) -> int:
         # --help is printed by rank 0 only (every rank then exits 0)
         with contextlib.nullcontext() if rank == 0 else contextlib.redirect_stdout(io.StringIO()):
             cfg = parse_config(argv, world_size=size)
-        removed = check_outputs(cfg, rank)
+        removed = [] if joining else check_outputs(cfg, rank)
+        if cfg.replace_with:
+            check_grow_support()
         setup = _build(cfg, local_rank)
     except (ConfigError, ValueError, OSError, KeyError, RuntimeError) as exc:
         error = f"{exc}"
@@ -77,8 +84,8 @@ def main(argv=None) -> int:
         return 2
 
     backend, model, train_set, test_set, data_desc = setup
-    topo = Topology.from_comm(ranks_per_node=cfg.ranks_per_node)
-    printer = Printer(rank, cfg.log_level, cfg.quiet)
+    topo = None if joining else Topology.from_comm(ranks_per_node=cfg.ranks_per_node)
+    printer = Printer(1 if joining else rank, cfg.log_level, cfg.quiet)  # a joiner is never rank 0
     if cfg.metrics:  # a failing rank's report is kept beside the metrics too
         report_failures_to(failure_file_for(cfg.metrics))
     if removed:
@@ -87,8 +94,10 @@ def main(argv=None) -> int:
 
     from mpidl.app.trainer import OutputWriteError, Trainer
 
-    trainer = Trainer(cfg, model, train_set, test_set, printer, topology=topo, handle_sigterm=True)
-    if cfg.resume:
+    trainer = Trainer(cfg, model, train_set, test_set, printer, topology=topo, handle_sigterm=True,
+                      joining=joining)
+    printer.rank = trainer.rank
+    if cfg.resume and not joining:
         try:
             trainer.resume()
         except CheckpointError as exc:
@@ -97,8 +106,9 @@ def main(argv=None) -> int:
             if rank == 0:
                 print(f"error: {exc}", file=sys.stderr, flush=True)
             return 2
-    _print_header(printer, cfg, model, train_set, data_desc, trainer)
-    trainer.metrics.write(_start_record(cfg, topo, model, data_desc, trainer))
+    if not joining:
+        _print_header(printer, cfg, model, train_set, data_desc, trainer)
+        trainer.metrics.write(_start_record(cfg, topo, model, data_desc, trainer))
     try:
         end = trainer.run()
     except OutputWriteError as exc:

@@ -19,7 +19,9 @@
 #   4. fault (a): host 2's link cut for good in training: the job ends within
 #      MPIDL_FAULT_TIMEOUT + 30 s (MPIDL_FAULT_TIMEOUT=10 here) with no `end` record, and a
 #      new job resumes from the last checkpoint and completes;
-#   5. fault (d): every rank of host 2 SIGKILLed: the job ends within 10 s.
+#   5. fault (d): every rank of host 2 SIGKILLed: the job ends within 10 s;
+#   6. Open MPI only: grow back (tests/test_grow.py -k another_host): a lost rank replaced by
+#      one that joins on host 2 (--replace-with), the final parameters those of a fault-free run.
 # CLUSTER_FAULTS=all adds (b) link cut for 3 s and restored, (c) host 2 frozen for good,
 # (e) host 2's link lowered to 50 Mbit/s in training; each prints its time to end.
 # Exit code 0 when every check passes, 1 when one fails, 77 when no cluster can run here
@@ -269,6 +271,14 @@ if [[ "${CLUSTER_FAULTS:-}" == all ]]; then
     fault_run slow bash jobs/cluster.sh --name "$NAME" link node2 50mbit
     say "(e) the job ended after $ELAPSED s, exit code $CODE, end record: $(record "$WORK/slow.jsonl" end)"
     bash jobs/cluster.sh --name "$NAME" link node2 1gbit
+fi
+
+if [[ "$kind" == openmpi ]]; then
+    say "6. grow back (Open MPI, ULFM): 2 ranks on host 1, rank 1 killed at step 4, 1 rank joins on host 2 (--replace-with); final parameters = a fault-free run (<= 1e-12)"
+    MPIDL_CLUSTER=$NAME "$PY" -m pytest -q -p no:cacheprovider tests/test_grow.py -k another_host \
+        || fail "growing back onto host 2 failed"
+else
+    say "6. grow back skipped: it needs Open MPI with ULFM (the MPICH wheel has none: docs/failures.md)"
 fi
 
 say "all cluster checks passed ($kind)"

@@ -84,6 +84,8 @@ class Config:
     ranks_per_node: int | None = None
     check_replicas: bool = False
     on_failure: str = "restart"
+    #: a spare host of the job's allocation that takes the place of a lost host (grow back)
+    replace_with: str | None = None
     # communication
     intra: str = "mpi"
     overlap: bool = False
@@ -142,6 +144,12 @@ class Config:
         # the resolved value).
         self._check_exchange(self.sync_every if self.sync_every != SYNC_EVERY_EPOCH else sys.maxsize)
         _choice("--on-failure", self.on_failure, ON_FAILURE)
+        if self.replace_with is not None:
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.replace_with):
+                raise ConfigError(f"--replace-with takes one host name, got {self.replace_with!r}")
+            if self.on_failure != "shrink":
+                raise ConfigError("--replace-with starts new ranks in the place of a lost host, which needs "
+                                  "--on-failure shrink (the survivors go on first, then the new host joins)")
         _choice("--balance", self.balance, BALANCES)
         if self.rebalance and self.balance == "none":
             raise ConfigError("--balance none keeps the equal split, and --rebalance would re-split it "
@@ -364,6 +372,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="group consecutive ranks into emulated nodes of K ranks (default: the real "
                         "nodes, or env MPIDL_RANKS_PER_NODE)")
     g.add_argument("--check-replicas", action="store_true", help="debug: compare parameter checksums after each global sync")
+    g.add_argument("--replace-with", default=d.replace_with, metavar="HOST",
+                   help="with --on-failure shrink: when a host is lost, start as many new ranks on HOST "
+                        "(a spare host of mpiexec's --host list, given no ranks) and go on with them at "
+                        "the same global batch (Open MPI with ULFM only; docs/failures.md; default: none, "
+                        "the survivors go on alone)")
     g.add_argument("--on-failure", default=d.on_failure,
                    help="a lost rank or host: restart (the job ends; resume from --checkpoint) or "
                         "shrink (the survivors drop it, re-split the batch and go on; needs Open MPI "

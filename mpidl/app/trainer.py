@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -40,6 +41,7 @@ import numpy as np
 from mpidl.app.checkpoint import CHECKPOINT_NAME, CheckpointError, load_checkpoint, save_checkpoint, save_model
 from mpidl.app.config import MIN_LOCAL_BATCH, SYNC_EVERY_EPOCH
 from mpidl.distributed import NonFiniteGradient, data_parallel
+from mpidl.distributed.build import join_data_parallel
 from mpidl.distributed.debug import check_replicas
 from mpidl.distributed.elastic.loop import run_surviving
 from mpidl.app.log import MetricsWriter, RankTimingLog
@@ -134,7 +136,8 @@ class Trainer:
     ``handle_sigterm=True`` (the command line) installs the SIGTERM handler first, so that a
     signal that arrives while the ranks warm up and measure their speeds is not lost."""
 
-    def __init__(self, cfg, model, train_set, test_set, printer, topology=None, handle_sigterm=False):
+    def __init__(self, cfg, model, train_set, test_set, printer, topology=None, handle_sigterm=False,
+                 joining=False):
         self._signalled = False
         if handle_sigterm:
             self.install_signal_handler()
@@ -163,7 +166,34 @@ class Trainer:
         #: K' of the node strategy: ``--sync-every``, with ``epoch`` resolved to the steps per epoch
         self.sync_every = self.steps_per_epoch if cfg.sync_every == SYNC_EVERY_EPOCH else cfg.sync_every
         speeds = "equal" if cfg.balance == "none" else (cfg.speed_list or "auto")
-        self.dp = data_parallel(
+        #: whether a host was brought in for a lost one already (--replace-with is used once)
+        self.replaced = False
+        self.start_epoch = 0
+        self.start_step_in_epoch = 0
+        if joining:  # started into the running job by grow: its state, and where its loop is
+            self.dp, where = join_data_parallel(
+                model, self.optimizer, batch_size=cfg.batch_size, strategy=cfg.strategy,
+                sync_every=self.sync_every, sync_optimizer_state=cfg.sync_optimizer_state,
+                weighting=cfg.weighting, on_nan=cfg.on_nan, emulate_link=cfg.emulate_link)
+            self.start_epoch, self.start_step_in_epoch = where["epoch"], where["step_in_epoch"]
+            self.replaced = True
+        else:
+            self.dp = self._data_parallel(model, cfg, speeds, topology)
+        if self._signalled:
+            self.dp.request_stop()
+        self.rank = self.dp.rank
+        #: this rank's rank at start-up (``self.rank`` changes when ranks are lost); a joined
+        #: rank's is the id the job gave it
+        self.startup_rank = self.dp.startup_id if joining else self.dp.rank
+        #: failure records (``dp.failures``) already written to the metrics
+        self._failures_written = 0
+        #: (path, message) of the first failed metrics or timing write on this rank
+        self._log_failure = None
+        self.metrics = MetricsWriter(cfg.metrics, self.rank, append=cfg.resume or joining)
+        self.timing = RankTimingLog(cfg.timing_dir, self.rank, append=cfg.resume or joining)
+
+    def _data_parallel(self, model, cfg, speeds, topology):
+        return data_parallel(
             model, self.optimizer, batch_size=cfg.batch_size, topology=topology,
             strategy=cfg.strategy, sync_every=self.sync_every, weighting=cfg.weighting,
             sync_optimizer_state=cfg.sync_optimizer_state, speeds=speeds, probe=self._probe,
@@ -173,19 +203,6 @@ class Trainer:
             sync_overlap=cfg.sync_overlap, emulate_slowdown=cfg.slowdown_list or 1.0,
             emulate_clock=cfg.emulate_clock, emulate_link=cfg.emulate_link, on_failure=cfg.on_failure,
         )
-        if self._signalled:
-            self.dp.request_stop()
-        self.rank = self.dp.rank
-        #: this rank's rank at start-up (``self.rank`` changes when ranks are lost)
-        self.startup_rank = self.dp.rank
-        #: failure records (``dp.failures``) already written to the metrics
-        self._failures_written = 0
-        self.start_epoch = 0
-        self.start_step_in_epoch = 0
-        #: (path, message) of the first failed metrics or timing write on this rank
-        self._log_failure = None
-        self.metrics = MetricsWriter(cfg.metrics, self.rank, append=cfg.resume)
-        self.timing = RankTimingLog(cfg.timing_dir, self.rank, append=cfg.resume)
 
     @property
     def global_step(self) -> int:
@@ -290,25 +307,52 @@ class Trainer:
             "mpidl.data_tools info FILE finds them all)")
 
     # ------------------------------------------------------------------ lost ranks
-    def ranks_lost(self, lost) -> None:
+    def ranks_lost(self, lost, epoch: int | None = None, step_in_epoch: int | None = None) -> None:
         """After a shrink (``--on-failure shrink``): the survivors' rank 0 takes over the log
-        and the metrics, and says what happened."""
+        and the metrics, and says what happened. With ``--replace-with HOST``, the ranks lost
+        (a host's) are replaced once, by as many on HOST: :meth:`grow_back`."""
         self.rank = self.dp.rank
         self.printer.rank = self.dp.rank
         if self.rank == 0 and self.metrics.file is None and self.cfg.metrics:
             self.metrics = MetricsWriter(self.cfg.metrics, 0, append=True)
         self.printer.warning(f"{lost}")
+        if self.cfg.replace_with and not self.replaced and epoch is not None:
+            if self.cfg.replace_with in lost.event["emptied_hosts"]:
+                # Open MPI fails the new ranks' MPI_Init there and ends the whole job
+                self.replaced = True
+                self.printer.warning(f"--replace-with {self.cfg.replace_with}: not replaced, that host lost all its "
+                                     "ranks in this job and cannot take new ones (docs/failures.md)")
+                return
+            self.grow_back(len(lost.event["lost_ranks"]), epoch, step_in_epoch)
+
+    def grow_back(self, count: int, epoch: int, step_in_epoch: int) -> None:
+        """Start ``count`` ranks on ``--replace-with`` HOST (``python -m mpidl.train`` with this
+        command line) and take them into the job (collective): they get the state and the
+        loop's position (``epoch``, ``step_in_epoch``: where this stretch runs again from), and
+        the global batch is split over every rank again."""
+        self.replaced = True
+        command = [sys.executable, "-m", "mpidl.train", *sys.argv[1:]]
+        event = self.dp.grow(self.cfg.replace_with, count, command,
+                             extra={"epoch": epoch, "step_in_epoch": step_in_epoch})
+        self.printer.warning(f"{count} rank(s) joined on {self.cfg.replace_with} in {event['join_s']:.3f} s "
+                             f"(spawn {event['spawn_s']:.3f} s); {event['ranks']} rank(s) on {event['hosts']} "
+                             f"host(s) go on from step {event['step']} with batch sizes {event['batch_sizes']}")
 
     def write_failures(self) -> None:
         """The failure records of ``dp.failures`` not written yet (each with ``recovery_s``,
         failure to the next completed step, once that step is done)."""
         failures = getattr(self.dp, "failures", [])
         for record in failures[self._failures_written:]:
-            if record.get("recovery_s") is None and record is failures[-1] and self.dp.steps <= record["step"]:
+            done = record.get("first_step_s" if record["event"] == "join" else "recovery_s")
+            if done is None and self.dp.steps <= record["step"]:
                 break  # its next step is not done yet
             self.log(self.metrics, record)
             self._failures_written += 1
-            if record.get("recovery_s") is not None:
+            if record["event"] == "join":
+                if done is not None:
+                    self.printer.info(f"  joined: step {record['step'] + 1} done with the new rank(s) "
+                                      f"{done:.3f} s after the join was requested")
+            elif record.get("recovery_s") is not None:
                 self.printer.info(f"  recovered: step {record['step'] + 1} done {record['recovery_s']:.3f} s "
                                   f"after the failure was seen (shrink {record['shrink_s']:.3f} s)")
 
@@ -489,7 +533,8 @@ class Trainer:
             dp.reset_counters()  # the metrics report traffic and time per epoch
             self.wire = WireCounter()  # and the kernel's bytes on the wire (mpidl/app/netstat.py)
             stopped, record = run_surviving(
-                dp, lambda step: self.run_epoch(epoch, step - epoch_first_step, totals), self.ranks_lost)
+                dp, lambda step: self.run_epoch(epoch, step - epoch_first_step, totals),
+                lambda lost: self.ranks_lost(lost, epoch, lost.step - epoch_first_step))
             last = record or last
             if stopped != "completed":
                 break
@@ -502,7 +547,7 @@ class Trainer:
                "aa": last["aa"], "kappa": last["kappa"], "time_s": time.perf_counter() - t_start,
                "stopped": stopped}
         self.write_failures()
-        end["failures"] = len(getattr(dp, "failures", []))
+        end["failures"] = sum(1 for r in getattr(dp, "failures", []) if r["event"] == "failure")
         self.log(self.metrics, end)
         self.stop_on_log_failure()
         self.metrics.close()

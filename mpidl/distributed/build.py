@@ -225,6 +225,21 @@ def data_parallel(model, optimizer, *, batch_size: int, topology: Topology | Non
     return dp
 
 
+
+def join_data_parallel(model, optimizer, *, batch_size: int, strategy: str = "flat", sync_every: int = 50,
+                       sync_optimizer_state: bool = False, weighting: str = "balanced", on_nan: str = "stop",
+                       emulate_link=None):
+    """In a process started into a running job by
+    :meth:`~mpidl.distributed.elastic.ElasticDataParallel.grow`: the
+    :class:`~mpidl.distributed.elastic.ElasticDataParallel` of the grown job (collective with
+    its ranks), built with the same options as theirs, and the ``extra`` they shipped. Returns
+    ``(dp, extra)``."""
+    from mpidl.distributed.elastic import ElasticDataParallel  # noqa: PLC0415
+
+    return ElasticDataParallel.join(model, optimizer, lambda topo: make_exchange(
+        topo, strategy, sync_every=sync_every, sync_optimizer_state=sync_optimizer_state,
+        emulate_link=emulate_link), batch_size=batch_size, weighting=weighting, on_nan=on_nan)
+
 def _keeping_buffers(model, probe):
     """``probe`` that leaves the model's buffers (batch-norm statistics) as it found them."""
     buffers_host = getattr(model, "buffers_host", None)

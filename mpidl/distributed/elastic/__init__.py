@@ -8,7 +8,8 @@ The core :class:`~mpidl.distributed.DataParallel` knows nothing of failures. Wit
     confirmed.py       the core's exchange as the wrapper sees it: each step and sync confirmed
                        by an agreement, and where the core is when a failure is seen
     data_parallel.py   ElasticDataParallel: guards every collective call of the core; on a lost
-                       rank shrinks, goes back, builds a new core for the survivors, raises RanksLost
+                       rank shrinks, goes back, builds a new core for the survivors, raises RanksLost;
+                       grow/join: new ranks started into the running job take its state
     loop.py            run_surviving: a stretch of steps (an epoch) run again from the step the
                        survivors went back to
 """

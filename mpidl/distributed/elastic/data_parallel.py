@@ -62,6 +62,14 @@ On a process failure every survivor (:meth:`ElasticDataParallel._recover`):
 4. records the event in :attr:`failures` and raises ``RanksLost`` whose ``step`` is
    ``dp.steps``: the loop runs that global batch again with the new split.
 
+Growing back (:meth:`ElasticDataParallel.grow`, on every rank of the job, and
+:meth:`ElasticDataParallel.join` in the processes it starts): new ranks are started on a host
+(``MPI_Comm_spawn``) and merged into the world (``MPI_Intercomm_merge``); rank 0 broadcasts the
+state (parameters, optimizer state, counters, the exchange's state, buffers, the split's cost
+models, the members, the loop's own ``extra``); every rank rebuilds the topology, the exchange,
+the split of the same global batch and a new core, as after a loss. The loop goes on at
+``dp.steps``.
+
 Memory: two copies of the parameters and optimizer state; time: one copy and one agreement
 per step. Where the MPI cannot shrink (:func:`~mpidl.distributed.elastic.recovery.ulfm_available`)
 :attr:`on_failure` falls back to ``'restart'``, :attr:`failure_note` says why, and every call
@@ -71,16 +79,18 @@ passes through to the core unguarded.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from types import SimpleNamespace
+from typing import Callable, Sequence
 
+import numpy as np
 from mpi4py import MPI
 
 from mpidl.distributed.data_parallel import DataParallel, NonFiniteGradient
 from mpidl.distributed.elastic.confirmed import (IN_STEP, IN_SYNC, OUTSIDE, REDO_AFTER_STEP,
                                                  REDO_SYNCHRONIZE, ConfirmedExchange)
 from mpidl.distributed.elastic.recovery import (Members, RanksLost, RecoveryError, StepSnapshots,
-                                                is_process_failure, leave, rebuild_topology, resplit,
-                                                shrink, ulfm_available)
+                                                is_process_failure, join_parent, leave, rebuild_topology,
+                                                resplit, shrink, spawn_joiners, ulfm_available)
 from mpidl.distributed.split import FixedSplit, MeasuredSplit
 from mpidl.distributed.split.balance import RankCost
 
@@ -98,8 +108,11 @@ class ElasticDataParallel:
         What this job really does when a rank is lost.
     failure_note : str
         One line for the start-up log: shrink, and the MPI's support; or why it fell back.
+    joined : bool
+        True in a process that joined the running job (:meth:`join`).
     failures : list[dict]
-        One record per failure survived: ``step``, ``where`` ('step' | 'sync' | 'outside'),
+        One record per failure survived, and one ``join`` record per :meth:`grow` (its
+        docstring); a failure's: ``step``, ``where`` ('step' | 'sync' | 'outside'),
         ``lost_ranks`` (start-up ranks), ``lost_hosts``, ``emptied_hosts``, ``ranks_left``,
         ``hosts_left``, ``node_sizes``, ``batch_sizes``, ``synced_again``, ``error``,
         ``shrink_s``, ``recovered_s`` (failure seen to state rebuilt), ``recovery_s`` (failure
@@ -108,7 +121,8 @@ class ElasticDataParallel:
 
     #: the wrapper's own attributes; writing any other name writes the core's
     _OWN = frozenset({"on_failure", "failure_note", "failures", "_core", "_rebuild", "_members", "_world",
-                      "_step_snapshots", "_sync_snapshots", "_unreported", "_stop_asked"})
+                      "_step_snapshots", "_sync_snapshots", "_unreported", "_stop_asked",
+                      "joined", "_next_id", "_extra"})
 
     def __init__(self, core: DataParallel, rebuild: Callable, *, on_failure: str, failure_note: str,
                  members: Members | None = None):
@@ -123,8 +137,13 @@ class ElasticDataParallel:
         self.failures: list[dict] = []
         self._step_snapshots = StepSnapshots() if on_failure == "shrink" else None
         self._sync_snapshots = StepSnapshots() if on_failure == "shrink" else None
-        self._unreported = None
+        self._unreported: list = []  # (record, perf_counter at its start): closed by the next step
         self._stop_asked = False
+        #: True in a process that joined a running job (:meth:`join`)
+        self.joined = False
+        #: the start-up id the next joiner gets (ids are never reused)
+        self._next_id = members.size if members is not None else 0
+        self._extra = None
 
     @classmethod
     def around(cls, dp: DataParallel, rebuild: Callable) -> "ElasticDataParallel":
@@ -171,15 +190,24 @@ class ElasticDataParallel:
         return self._core
 
     @property
+    def startup_id(self) -> int:
+        """This rank's start-up rank (a rank that joined: the id the job gave it; never reused)."""
+        return self._members.ids[self._core.rank] if self._members is not None else self._core.rank
+
+    @property
     def shrunk(self) -> bool:
         """True once ranks were lost and this process went on without them: end it with
         :meth:`leave` rather than ``MPI_Finalize``."""
-        return bool(self.failures)
+        return bool(self.failures) or self.joined
 
     def leave(self, code: int = 0) -> None:
         """End this process after a shrink (:func:`~mpidl.distributed.elastic.recovery.leave`):
         a barrier of the survivors, then exit without ``MPI_Finalize``, which may wait for the
-        dead. Close files first."""
+        dead. Close files first. A rank that joined (:meth:`join`) leaves the same way: its
+        ``MPI_Finalize`` disconnects from the job that started it, dead ranks included, and
+        crashed across hosts (a segmentation fault in Open MPI's TCP transport, reaching for a
+        dead rank); Open MPI's mpiexec then returns 1, the job's result is its ``end`` record
+        and checkpoint (docs/failures.md)."""
         leave(self._core.topology.world, code)
 
     def request_stop(self) -> None:
@@ -283,11 +311,10 @@ class ElasticDataParallel:
 
     def _step_completed(self) -> None:
         """The first step completed after a recovery closes its record (``recovery_s``)."""
-        if self._unreported is not None:
-            event, failed_at = self._unreported
-            event["recovery_s"] = time.perf_counter() - failed_at
-            event["next_step_at_unix"] = time.time()
-            self._unreported = None
+        for event, failed_at in self._unreported:
+            event["first_step_s" if event["event"] == "join" else "recovery_s"] = time.perf_counter() - failed_at
+            event["first_step_at_unix" if event["event"] == "join" else "next_step_at_unix"] = time.time()
+        self._unreported = []
 
     # ------------------------------------------------------------------ composing a core
     def _compose(self, exchange, split, like: DataParallel) -> DataParallel:
@@ -406,11 +433,139 @@ class ElasticDataParallel:
                  "recovered_s": time.perf_counter() - failed_at, "recovery_s": None,
                  "seen_at_unix": seen_unix, "next_step_at_unix": None}
         self.failures.append(event)
-        self._unreported = (event, failed_at)
+        self._unreported.append((event, failed_at))
         if sums is not None:
             _apply_flags(new, sums)
         return event
 
+
+    # ------------------------------------------------------------------ grow back
+    def grow(self, host: str, count: int, command: Sequence[str], extra=None) -> dict:
+        """Bring ``count`` new ranks on ``host`` into the job (collective over the current
+        world; every rank must call it, after a shrink or at any point between steps).
+
+        ``command`` (``[executable, *args]``) starts the new processes; each of them calls
+        :meth:`join` with the same model, optimizer and options. Rank 0 ships them the
+        parameters, the optimizer state, the step counters, the exchange's state, the model's
+        buffers, the members and ``extra`` (the loop's own position, picklable); then every
+        rank rebuilds the topology with the new ranks, an exchange over it (``rebuild``) and
+        the split of the same global batch (a joiner's cost model is the mean of the old
+        ranks'; a measured split re-fits it), and a new core. Returns the ``join`` record, also
+        appended to :attr:`failures` (``first_step_s``: the request to the first step completed
+        with the new ranks, filled then). Only the step counters travel with the state: the
+        loop goes on at ``dp.steps`` with the same global batches, so no step and no sample is
+        lost."""
+        if self.on_failure != "shrink":
+            raise RecoveryError(f"cannot grow the job: {self.failure_note}")
+        requested, requested_unix = time.perf_counter(), time.time()
+        core = self._core
+        merged = spawn_joiners(core.topology.world, host, count, command)
+        spawned_s = time.perf_counter() - requested
+        shipped = None
+        if merged.Get_rank() == 0:
+            shipped = self._shipment(extra, count)
+        event = self._adopt(merged, shipped, core)
+        event.update({"host": host, "spawn_s": spawned_s, "join_s": time.perf_counter() - requested,
+                      "requested_at_unix": requested_unix})
+        self._unreported.append((event, requested))
+        return event
+
+    @classmethod
+    def join(cls, model, optimizer, rebuild: Callable, *, batch_size: int, weighting: str = "balanced",
+             on_nan: str = "stop", clock=None):
+        """In a process started by :meth:`grow`: merge with the running job and take its state
+        (collective with the ranks in :meth:`grow`). ``model``, ``optimizer`` and the options
+        must be built as the running ranks built theirs (the same command line). Returns
+        ``(dp, extra)``: the wrapper, whose core is at the running job's ``steps``, and what the
+        job shipped as ``extra``."""
+        from mpidl.distributed.emulation import compute_clock  # noqa: PLC0415
+
+        merged = join_parent()
+        if merged is None:
+            raise RecoveryError("ElasticDataParallel.join: this process was not started by grow (no parent)")
+        params = getattr(model, "params", model)
+        if clock is None:
+            clock = compute_clock(1.0, "wall", getattr(getattr(model, "backend", None), "synchronize", None))
+        elastic = cls(None, rebuild, on_failure="shrink",
+                      failure_note="on_failure shrink: joined a running job (ULFM)")
+        elastic.joined = True
+        like = SimpleNamespace(model=model if params is not model else None, params=params, optimizer=optimizer,
+                               batch_size=batch_size, weighting=weighting, on_nan=on_nan, clock=clock,
+                               steps=0, should_stop=False, buffers_host=lambda: {})
+        elastic._adopt(merged, None, like)
+        return elastic, elastic._extra
+
+    def _shipment(self, extra, count: int) -> dict:
+        """What rank 0 sends the joiners (host copies)."""
+        core = self._core
+        split = core.split
+        spec = {"batch_size": split.batch_size, "costs": [(c.a, c.c) for c in split.costs],
+                "equal": getattr(split, "source", None) == "equal", "measured": isinstance(split, MeasuredSplit)}
+        if spec["measured"]:
+            spec.update(threshold=split.threshold, min_local_batch=split.min_local_batch,
+                        rebalance_every=split.rebalance_every, noise=split.noise)
+        ids = list(self._members.ids) + list(range(self._next_id, self._next_id + count))
+        return {"arrays": {k: np.asarray(v) for k, v in self._arrays().items()}, "counters": self._counters(),
+                "buffers": core.buffers_host(), "split": spec, "ids": ids, "extra": extra,
+                "should_stop": bool(core.should_stop or self._stop_asked)}
+
+    def _adopt(self, merged, shipped, like) -> dict:
+        """Every rank of ``merged`` (the old ranks first): take rank 0's shipment, rebuild the
+        topology, the exchange, the split and the core over ``merged``. Returns the join record."""
+        shipped = merged.bcast(shipped, root=0)
+        self._extra = shipped["extra"]
+        if self.joined and self._core is None:  # the joiner takes the state (the old ranks have it)
+            for name, value in self._arrays_of(like).items():
+                value[...] = shipped["arrays"][name]
+            if shipped["buffers"] and like.model is not None:
+                like.model.load_buffers_host(shipped["buffers"])
+            if shipped["should_stop"]:
+                self._stop_asked = True
+        hosts = merged.allgather(MPI.Get_processor_name())
+        ids = shipped["ids"]
+        self._members = Members(ids=tuple(ids), hosts=tuple(hosts))
+        self._next_id = max(ids) + 1
+        old_size = len(shipped["split"]["costs"])
+        topology = rebuild_topology(merged, None if self._core is None else self._core.topology)
+        split = self._joined_split(shipped["split"], topology, like.clock)
+        new = self._compose(self._rebuild(topology), split, like)
+        counters = shipped["counters"]
+        new.steps = int(counters["steps"])
+        new.optimizer.step_count = int(counters["step_count"])
+        new.exchange.load_state(counters["exchange"])
+        if self._core is not None:
+            _free(self._core.topology, self._core.exchange, self._world)
+        self._world = merged
+        self._core = new
+        event = {"event": "join", "step": new.steps, "joined_ranks": list(range(old_size, merged.Get_size())),
+                 "joined_ids": list(ids[old_size:]), "ranks": merged.Get_size(), "hosts": len(set(hosts)),
+                 "node_sizes": list(topology.node_sizes), "batch_sizes": list(new.batch_sizes),
+                 "first_step_s": None, "first_step_at_unix": None}
+        self.failures.append(event)
+        return event
+
+    @staticmethod
+    def _arrays_of(like) -> dict:
+        state = {"params": like.params.data}
+        for i, buffer in enumerate(like.optimizer.state_buffers()):
+            state[f"optimizer{i}"] = buffer
+        return state
+
+    def _joined_split(self, spec: dict, topology, clock):
+        """The split of the same global batch over the grown world: the old ranks' cost models,
+        the mean of them for each new rank."""
+        old = [RankCost(a, c) for a, c in spec["costs"]]
+        mean = RankCost(sum(c.a for c in old) / len(old), sum(c.c for c in old) / len(old))
+        costs = old + [mean] * (topology.size - len(old))
+        sizes = resplit(spec["batch_size"], [1] * topology.size, list(range(topology.size)), costs)
+        if spec["measured"]:
+            return MeasuredSplit.from_costs(topology, spec["batch_size"], costs, sizes, clock,
+                                            threshold=spec["threshold"], min_local_batch=spec["min_local_batch"],
+                                            rebalance_every=spec["rebalance_every"], noise=spec["noise"])
+        split = FixedSplit(spec["batch_size"], topology.size, None if spec["equal"] else [1.0 / c.c for c in costs],
+                           min_local_batch=0)
+        split.costs, split.batch_sizes = costs, sizes
+        return split
 
 def _apply_flags(core: DataParallel, sums) -> None:
     """The world's ``(stop, nonfinite)`` sums of a sync the wrapper redid, applied to ``core``

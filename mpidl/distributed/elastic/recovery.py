@@ -459,3 +459,56 @@ def leave(comm: MPI.Comm, code: int = 0) -> None:
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+# --------------------------------------------------------------------------- grow back
+def spawn_joiners(comm: MPI.Intracomm, host: str, count: int, command: Sequence[str]) -> MPI.Intracomm:
+    """Start ``count`` new processes of ``command`` (``[executable, *args]``) on ``host`` and
+    merge them into ``comm`` (collective over ``comm``): the result holds ``comm``'s ranks
+    first, in their order, then the new ones (errors returned as exceptions).
+
+    ``MPI_Comm_spawn`` with the info key ``host`` (``HOST:count``), then
+    ``MPI_Intercomm_merge``. Under Open MPI the host must be in the job's allocation (a spare
+    host of mpiexec's ``--host`` list); a host whose ranks died cannot take new ones
+    (docs/failures.md). The new processes call :func:`join_parent`.
+    """
+    info = MPI.Info.Create()
+    try:
+        info.Set("host", f"{host}:{count}")
+        inter = comm.Spawn(command[0], list(command[1:]), maxprocs=count, info=info, root=0)
+    finally:
+        info.Free()
+    inter.Set_errhandler(MPI.ERRORS_RETURN)
+    merged = inter.Merge(high=False)
+    merged.Set_errhandler(MPI.ERRORS_RETURN)
+    inter.Free()
+    return merged
+
+
+def join_parent() -> MPI.Intracomm | None:
+    """In a process started by :func:`spawn_joiners`: the merged communicator (collective with
+    the spawning ranks; this process's ranks come last). None in a process started by mpiexec."""
+    parent = MPI.Comm.Get_parent()
+    if parent == MPI.COMM_NULL:
+        return None
+    parent.Set_errhandler(MPI.ERRORS_RETURN)
+    merged = parent.Merge(high=True)
+    merged.Set_errhandler(MPI.ERRORS_RETURN)
+    return merged
+
+
+def check_grow_support() -> None:
+    """ValueError when this MPI cannot bring new ranks into a running job after a loss (local,
+    no communication): that needs Open MPI under ``mpiexec --with-ft ulfm``; the MPICH wheel
+    has no usable ULFM, so its job never survives the loss to grow back."""
+    library = MPI.Get_library_version()
+    if "Open MPI" not in library:
+        name = " ".join(library.splitlines()[0].split(",")[0].split()) if library else "this MPI"
+        raise ValueError(f"--replace-with: {name} cannot bring a host into a running job (it has no usable "
+                         "ULFM to survive the loss first; docs/failures.md): use Open MPI under "
+                         "mpiexec --with-ft ulfm, or resume from --checkpoint on the new hosts")
+
+
+def is_joiner() -> bool:
+    """Whether this process was started into a running job by :func:`spawn_joiners`."""
+    return MPI.Comm.Get_parent() != MPI.COMM_NULL
