@@ -16,6 +16,8 @@ order rotates), on one cluster of ``jobs/cluster.sh`` kept up for all rounds:
 
 ``head``      this machine's own namespace, one process, no thread variable set
               (``benchmarks/step.py``'s environment; the policy decides);
+``head-1``    the same with ``OMP_NUM_THREADS=1`` only (``benchmarks/step.py --threads 1``);
+``head-pin``  ``head-env`` pinned to core 0 (``taskset -c 0``): a host's cpuset without its cgroup;
 ``head-env``  the same with the variables the cluster benchmarks set
               (``OMP/OPENBLAS/MKL/NUMBA_NUM_THREADS=1``, ``cluster_claims.THREADS_ENV``);
 ``host``      one process inside host 1 (``jobs/cluster.sh run 1 --``: its cgroups, its
@@ -47,7 +49,7 @@ THREADS_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "NUMBA_NUM_T
 #: variables a worker must not inherit when a configuration says "nothing set"
 THREAD_VARIABLE_PREFIXES = ("OMP_", "OPENBLAS_", "MKL_", "GOMP_", "KMP_", "NUMBA_NUM_THREADS",
                             "NUMBA_THREADING_LAYER", "MPIDL_")
-CONFIGS = ("head", "head-env", "host", "host-env", "mpi")
+CONFIGS = ("head", "head-1", "head-env", "head-pin", "host", "host-env", "mpi")
 LR, MOMENTUM = 0.01, 0.9
 
 
@@ -186,9 +188,11 @@ def run_config(config: str, args, cluster) -> dict:
     worker_argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--model", args.model,
                    "--shape", args.shape, "--classes", str(args.classes), "--batch", str(args.batch),
                    "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    with_env = config.endswith("-env") or config == "mpi"
-    env = clean_env(THREADS_ENV if with_env else None)
-    if config.startswith("head"):
+    with_env = config.endswith("-env") or config in ("mpi", "head-pin")
+    env = clean_env(THREADS_ENV if with_env else {"OMP_NUM_THREADS": "1"} if config == "head-1" else None)
+    if config == "head-pin":
+        cmd = ["taskset", "-c", "0", *worker_argv]
+    elif config.startswith("head"):
         cmd = worker_argv
     elif config.startswith("host"):
         cmd = ["bash", str(ROOT / "jobs" / "cluster.sh"), "--name", args.name, "run", "1", "--",
@@ -198,7 +202,7 @@ def run_config(config: str, args, cluster) -> dict:
         cmd = cluster.mpiexec([1, 1], worker_argv + ["--dp"], THREADS_ENV)
     load = os.getloadavg()[0]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    results = [r for line in proc.stdout.splitlines() if line.startswith("[{") for r in json.loads(line)]
     if proc.returncode != 0 or not results:
         raise RuntimeError(f"{config}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     result = min(results, key=lambda r: r["rank"])
@@ -210,7 +214,15 @@ def run_config(config: str, args, cluster) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args)), flush=True)
+        result = worker(args)
+        if args.dp:  # one line from rank 0 with every rank's result (ranks' lines would interleave)
+            from mpi4py import MPI
+
+            results = MPI.COMM_WORLD.gather(result)
+            if MPI.COMM_WORLD.Get_rank() == 0:
+                print(json.dumps(results), flush=True)
+        else:
+            print(json.dumps([result]), flush=True)
         return 0
     import common
     from cluster_run import Cluster
