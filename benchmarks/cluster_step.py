@@ -23,6 +23,8 @@ order rotates), on one cluster of ``jobs/cluster.sh`` kept up for all rounds:
 ``host``      one process inside host 1 (``jobs/cluster.sh run 1 --``: its cgroups, its
               CPU quota and cpuset), no thread variable set;
 ``host-env``  the same with ``THREADS_ENV``;
+``host-2``    the same with ``OMP_NUM_THREADS=2``: what the policy chose before it read the
+              cgroup's quota on a host whose cpuset holds both cores (``--own-core no``);
 ``mpi``       2 hosts x 1 rank under ``mpiexec`` with ``THREADS_ENV``, as ``cluster_claims.py``
               starts a training run (rank 0's compute part is the figure to compare).
 
@@ -49,7 +51,7 @@ THREADS_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "NUMBA_NUM_T
 #: variables a worker must not inherit when a configuration says "nothing set"
 THREAD_VARIABLE_PREFIXES = ("OMP_", "OPENBLAS_", "MKL_", "GOMP_", "KMP_", "NUMBA_NUM_THREADS",
                             "NUMBA_THREADING_LAYER", "MPIDL_")
-CONFIGS = ("head", "head-1", "head-env", "head-pin", "host", "host-env", "mpi")
+CONFIGS = ("head", "head-1", "head-env", "head-pin", "host", "host-env", "host-2", "mpi")
 LR, MOMENTUM = 0.01, 0.9
 
 
@@ -195,8 +197,9 @@ def run_config(config: str, args, cluster) -> dict:
     elif config.startswith("head"):
         cmd = worker_argv
     elif config.startswith("host"):
+        host_env = THREADS_ENV if with_env else {"OMP_NUM_THREADS": "2"} if config == "host-2" else {}
         cmd = ["bash", str(ROOT / "jobs" / "cluster.sh"), "--name", args.name, "run", "1", "--",
-               "env", *[f"{k}={v}" for k, v in (THREADS_ENV if with_env else {}).items()], *worker_argv]
+               "env", *[f"{k}={v}" for k, v in host_env.items()], *worker_argv]
         env = clean_env()
     else:
         cmd = cluster.mpiexec([1, 1], worker_argv + ["--dp"], THREADS_ENV)
