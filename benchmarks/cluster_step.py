@@ -150,7 +150,10 @@ def worker(args) -> dict:
     for _ in range(args.warmup):
         compute()
         update()
+    import resource
+
     compute_s, update_s, cpu_s = [], [], []
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     for _ in range(args.steps):
         t0, c0 = time.perf_counter(), time.process_time()
         compute()
@@ -160,6 +163,10 @@ def worker(args) -> dict:
         compute_s.append(t1 - t0)
         update_s.append(t2 - t1)
         cpu_s.append(time.process_time() - c0)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    switches = {"voluntary_per_step": (after.ru_nvcsw - usage.ru_nvcsw) / args.steps,
+                "involuntary_per_step": (after.ru_nivcsw - usage.ru_nivcsw) / args.steps,
+                "os_threads": len(os.listdir("/proc/self/task"))}
     convs = ["winograd" if m._winograd is not None else "im2col" for m in model.net.modules() if isinstance(m, Conv2d)]
     try:
         layer = numba.threading_layer()
@@ -168,7 +175,7 @@ def worker(args) -> dict:
     return {"rank": rank, "host": os.uname().nodename, "setup_s": setup_s, "first_step_s": first_s,
             "compute_ms": 1e3 * statistics.median(compute_s), "update_ms": 1e3 * statistics.median(update_s),
             "step_ms": 1e3 * statistics.median(c + u for c, u in zip(compute_s, update_s)),
-            "cpu_ms": 1e3 * statistics.median(cpu_s), "threads": threads.describe(), "numba_layer": layer,
+            "cpu_ms": 1e3 * statistics.median(cpu_s), "switches": switches, "threads": threads.describe(), "numba_layer": layer,
             "numba_config_threads": numba.config.NUMBA_NUM_THREADS, "convs": convs,
             "env": {k: v for k, v in os.environ.items() if k.startswith(THREAD_VARIABLE_PREFIXES)},
             "affinity": sorted(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(),
