@@ -26,7 +26,8 @@ order rotates), on one cluster of ``jobs/cluster.sh`` kept up for all rounds:
 ``host-2``    the same with ``OMP_NUM_THREADS=2``: what the policy chose before it read the
               cgroup's quota on a host whose cpuset holds both cores (``--own-core no``);
 ``mpi``       2 hosts x 1 rank under ``mpiexec`` with ``THREADS_ENV``, as ``cluster_claims.py``
-              starts a training run (rank 0's compute part is the figure to compare).
+              starts a training run (rank 0's compute part is the figure to compare);
+              ``mpi-RATE`` (e.g. ``mpi-100mbit``, ``mpi-none``) with both links set to RATE first.
 
 Writes ``benchmarks/results/cluster_step.md`` and a JSON beside it (``--tag`` suffixes both).
 """
@@ -66,9 +67,11 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--cpu", default="1", help="each host's CPU share (jobs/cluster.sh --cpu; default 1)")
+    p.add_argument("--rate", default="1gbit", help="each host's link (jobs/cluster.sh --rate; default 1gbit)")
     p.add_argument("--own-core", default="auto", help="jobs/cluster.sh --own-core (default auto)")
     p.add_argument("--name", default="cstep", help="the cluster's name (default cstep)")
     p.add_argument("--tag", default="")
+    p.add_argument("--baseline", default="head-1", help="the configuration the ratios divide by (default head-1)")
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--dp", action="store_true", help=argparse.SUPPRESS)
@@ -98,6 +101,18 @@ def cgroup_cpu_quota() -> dict:
         except (OSError, ValueError):
             pass
     return info
+
+
+def cgroup_throttled() -> tuple[int, float]:
+    """(periods throttled, seconds throttled) of this process's cgroup so far (cgroup v1
+    ``cpu.stat``), (0, 0.0) where there is none."""
+    path = cgroup_cpu_quota().get("path", "/")
+    try:
+        stat = dict(line.split() for line in (Path("/sys/fs/cgroup/cpu") / path.lstrip("/") / "cpu.stat")
+                    .read_text().splitlines())
+        return int(stat["nr_throttled"]), int(stat["throttled_time"]) / 1e9
+    except (OSError, KeyError, ValueError):
+        return 0, 0.0
 
 
 def worker(args) -> dict:
@@ -152,12 +167,14 @@ def worker(args) -> dict:
         update()
     import resource
 
-    compute_s, update_s, cpu_s = [], [], []
+    compute_s, update_s, cpu_s, compute_cpu_s = [], [], [], []
     usage = resource.getrusage(resource.RUSAGE_SELF)
+    throttled_before = cgroup_throttled()
     for _ in range(args.steps):
         t0, c0 = time.perf_counter(), time.process_time()
         compute()
         t1 = time.perf_counter()
+        compute_cpu_s.append(time.process_time() - c0)
         update()
         t2 = time.perf_counter()
         compute_s.append(t1 - t0)
@@ -167,6 +184,19 @@ def worker(args) -> dict:
     switches = {"voluntary_per_step": (after.ru_nvcsw - usage.ru_nvcsw) / args.steps,
                 "involuntary_per_step": (after.ru_nivcsw - usage.ru_nivcsw) / args.steps,
                 "os_threads": len(os.listdir("/proc/self/task"))}
+    throttled_after = cgroup_throttled()
+    switches["throttled_periods_per_step"] = (throttled_after[0] - throttled_before[0]) / args.steps
+    switches["throttled_ms_per_step"] = 1e3 * (throttled_after[1] - throttled_before[1]) / args.steps
+    ticks = os.sysconf("SC_CLK_TCK")
+    thread_cpu = {}
+    for task in os.listdir("/proc/self/task"):  # CPU seconds of each OS thread over the whole process
+        try:
+            fields = Path(f"/proc/self/task/{task}/stat").read_text().rsplit(")", 1)[1].split()
+            name = Path(f"/proc/self/task/{task}/comm").read_text().strip()
+            thread_cpu[f"{task}:{name}"] = (int(fields[11]) + int(fields[12])) / ticks
+        except OSError:
+            pass
+    switches["thread_cpu_s"] = thread_cpu
     convs = ["winograd" if m._winograd is not None else "im2col" for m in model.net.modules() if isinstance(m, Conv2d)]
     try:
         layer = numba.threading_layer()
@@ -175,7 +205,8 @@ def worker(args) -> dict:
     return {"rank": rank, "host": os.uname().nodename, "setup_s": setup_s, "first_step_s": first_s,
             "compute_ms": 1e3 * statistics.median(compute_s), "update_ms": 1e3 * statistics.median(update_s),
             "step_ms": 1e3 * statistics.median(c + u for c, u in zip(compute_s, update_s)),
-            "cpu_ms": 1e3 * statistics.median(cpu_s), "switches": switches, "threads": threads.describe(), "numba_layer": layer,
+            "cpu_ms": 1e3 * statistics.median(cpu_s),
+            "compute_cpu_ms": 1e3 * statistics.median(compute_cpu_s), "switches": switches, "threads": threads.describe(), "numba_layer": layer,
             "numba_config_threads": numba.config.NUMBA_NUM_THREADS, "convs": convs,
             "env": {k: v for k, v in os.environ.items() if k.startswith(THREAD_VARIABLE_PREFIXES)},
             "affinity": sorted(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(),
@@ -208,7 +239,11 @@ def run_config(config: str, args, cluster) -> dict:
         cmd = ["bash", str(ROOT / "jobs" / "cluster.sh"), "--name", args.name, "run", "1", "--",
                "env", *[f"{k}={v}" for k, v in host_env.items()], *worker_argv]
         env = clean_env()
-    else:
+    else:  # mpi, or mpi-RATE: both hosts' links set to RATE first (jobs/cluster.sh link)
+        rate = config.partition("-")[2] or args.rate
+        for host in ("1", "2"):
+            subprocess.run(["bash", str(ROOT / "jobs" / "cluster.sh"), "--name", args.name, "link", host, rate],
+                           check=True, capture_output=True, text=True)
         cmd = cluster.mpiexec([1, 1], worker_argv + ["--dp"], THREADS_ENV)
     load = os.getloadavg()[0]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
@@ -238,14 +273,14 @@ def main(argv=None) -> int:
     from cluster_run import Cluster
 
     configs = [c for c in args.configs.split(",") if c]
-    unknown = set(configs) - set(CONFIGS)
+    unknown = {c for c in configs if c.partition("-")[0] != "mpi"} - set(CONFIGS)
     if unknown:
         raise SystemExit(f"unknown configs {sorted(unknown)}; known: {', '.join(CONFIGS)}")
     cluster = None
     if any(c.startswith("host") or c == "mpi" for c in configs):
         cluster = Cluster(args.name, hosts=2)
         subprocess.run(["bash", str(ROOT / "jobs" / "cluster.sh"), "--name", args.name, "start", "--hosts", "2",
-                        "--ranks", "1", "--cpu", args.cpu, "--own-core", args.own_core, "--rate", "1gbit"],
+                        "--ranks", "1", "--cpu", args.cpu, "--own-core", args.own_core, "--rate", args.rate],
                        check=True, capture_output=True, text=True)
     runs: dict = {c: [] for c in configs}
     try:
@@ -256,10 +291,11 @@ def main(argv=None) -> int:
                 result["round"] = round_index
                 runs[config].append(result)
                 print(f"round {round_index + 1} {config:9s} compute {result['compute_ms']:7.1f} ms  "
-                      f"step {result['step_ms']:7.1f} ms  cpu {result['cpu_ms']:7.1f} ms  first {result['first_step_s']:.2f} s  "
+                      f"step {result['step_ms']:7.1f} ms  cpu {result['cpu_ms']:7.1f} ms  compute cpu {result['compute_cpu_ms']:7.1f} ms  first {result['first_step_s']:.2f} s  "
                       f"load {result['load']:.1f}  threads {result['threads']['threads']} numba {result['threads']['numba']} "
                       f"blas {list(result['threads']['blas'].values())} primed {bool(result['threads']['openblas_primed'])} "
-                      f"affinity {result['affinity']} quota {result['cgroup'].get('cpu.cfs_quota_us')}", flush=True)
+                      f"affinity {result['affinity']} quota {result['cgroup'].get('cpu.cfs_quota_us')} "
+                      f"switches {result['switches']}", flush=True)
     finally:
         if cluster is not None:
             subprocess.run(["bash", str(ROOT / "jobs" / "cluster.sh"), "--name", args.name, "stop"],
@@ -272,15 +308,18 @@ def write_report(args, runs: dict, common) -> None:
     suffix = f"_{args.tag}" if args.tag else ""
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"cluster_step{suffix}.json").write_text(json.dumps(runs, indent=1) + "\n")
-    base = runs.get("head") or next(iter(runs.values()))
+    base = runs.get(args.baseline) or next(iter(runs.values()))
     base_by_round = {r["round"]: r["compute_ms"] for r in base}
+    base_cpu = {r["round"]: r["compute_cpu_ms"] for r in base}
     lines = [f"# mpidl's step: single process vs cluster host ({args.model} {args.shape}, batch {args.batch})", "",
              f"Generated by `python benchmarks/cluster_step.py {' '.join(sys.argv[1:])}`.", "",
              common.machine_md(common.machine_info()), "",
              "Per configuration: medians over rounds of each process's median over its timed steps "
-             "[min-max over rounds]; `vs head`: median of the same round's compute / head's compute.", "",
-             "| config | compute ms | step ms | CPU ms | first step s | vs head (compute) | threads / numba / blas | primed | convs | load |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"[min-max over rounds]; `vs head`: median of the same round's compute (CPU) time / `{args.baseline}`'s. "
+             "CPU ms: the process's CPU time per step (all threads), the measure the machine's other load "
+             "changes least; throttled: the CFS quota's stops of the process's cgroup during the timed steps.", "",
+             "| config | compute ms | step ms | compute CPU ms | step CPU ms | first step s | vs head (compute) | vs head (CPU) | throttled ms/step | voluntary switches/step | threads / numba / blas | primed | convs | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def spread(values, fmt="{:.1f}"):
         return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
@@ -289,10 +328,13 @@ def write_report(args, runs: dict, common) -> None:
         if not rs:
             continue
         ratios = [r["compute_ms"] / base_by_round[r["round"]] for r in rs if r["round"] in base_by_round]
+        cpu_ratios = [r["compute_cpu_ms"] / base_cpu[r["round"]] for r in rs if r["round"] in base_cpu]
         t = rs[0]["threads"]
         lines.append(f"| {config} | {spread([r['compute_ms'] for r in rs])} | {spread([r['step_ms'] for r in rs])} | "
-                     f"{spread([r['cpu_ms'] for r in rs])} | {spread([r['first_step_s'] for r in rs], '{:.2f}')} | "
-                     f"{spread(ratios, '{:.2f}') if ratios else '-'} | {t['threads']} / {t['numba']} / "
+                     f"{spread([r['compute_cpu_ms'] for r in rs])} | {spread([r['cpu_ms'] for r in rs])} | {spread([r['first_step_s'] for r in rs], '{:.2f}')} | "
+                     f"{spread(ratios, '{:.2f}') if ratios else '-'} | {spread(cpu_ratios, '{:.2f}') if cpu_ratios else '-'} | "
+                     f"{spread([r['switches']['throttled_ms_per_step'] for r in rs])} | "
+                     f"{spread([r['switches']['voluntary_per_step'] for r in rs])} | {t['threads']} / {t['numba']} / "
                      f"{list(t['blas'].values())} | {bool(t['openblas_primed'])} | {'/'.join(rs[0]['convs'])} | "
                      f"{spread([r['load'] for r in rs])} |")
     lines += ["", "Environment and limits each process saw (round 1):", ""]
