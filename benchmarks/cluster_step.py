@@ -27,7 +27,9 @@ order rotates), on one cluster of ``jobs/cluster.sh`` kept up for all rounds:
               cgroup's quota on a host whose cpuset holds both cores (``--own-core no``);
 ``mpi``       2 hosts x 1 rank under ``mpiexec`` with ``THREADS_ENV``, as ``cluster_claims.py``
               starts a training run (rank 0's compute part is the figure to compare);
-              ``mpi-RATE`` (e.g. ``mpi-100mbit``, ``mpi-none``) with both links set to RATE first.
+              ``mpi-RATE`` (e.g. ``mpi-100mbit``, ``mpi-none``) with both links set to RATE first;
+              ``mpi-oneweight`` with the cluster's cgroup at ``cpu.shares`` 1024 (the whole
+              cluster weighs as one ordinary process: ``jobs/cluster.sh`` before issue 40).
 
 Writes ``benchmarks/results/cluster_step.md`` and a JSON beside it (``--tag`` suffixes both).
 """
@@ -241,6 +243,12 @@ def run_config(config: str, args, cluster) -> dict:
         env = clean_env()
     else:  # mpi, or mpi-RATE: both hosts' links set to RATE first (jobs/cluster.sh link)
         rate = config.partition("-")[2] or args.rate
+        # mpi-oneweight: the cluster's cgroup back at the kernel's cpu.shares 1024 (one ordinary
+        # process for the whole cluster, as jobs/cluster.sh left it before issue 40); every other
+        # mpi config: what jobs/cluster.sh sets (1024 per rank).
+        shares = 1024 if rate == "oneweight" else 1024 * 2
+        rate = args.rate if rate == "oneweight" else rate
+        Path(f"/sys/fs/cgroup/cpu/mpidl-cluster-{args.name}/cpu.shares").write_text(f"{shares}\n")
         for host in ("1", "2"):
             subprocess.run(["bash", str(ROOT / "jobs" / "cluster.sh"), "--name", args.name, "link", host, rate],
                            check=True, capture_output=True, text=True)
