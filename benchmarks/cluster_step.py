@@ -230,7 +230,10 @@ def run_config(config: str, args, cluster) -> dict:
     worker_argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--model", args.model,
                    "--shape", args.shape, "--classes", str(args.classes), "--batch", str(args.batch),
                    "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    with_env = config.endswith("-env") or config in ("mpi", "head-pin")
+    if cluster is not None:  # jobs/cluster.sh's weight (1024 per rank: 2 hosts x 1) unless mpi-oneweight
+        Path(f"/sys/fs/cgroup/cpu/mpidl-cluster-{args.name}/cpu.shares").write_text(
+            f"{1024 if config == 'mpi-oneweight' else 2048}\n")
+    with_env = config.endswith("-env") or config.startswith("mpi") or config == "head-pin"
     env = clean_env(THREADS_ENV if with_env else {"OMP_NUM_THREADS": "1"} if config == "head-1" else None)
     if config == "head-pin":
         cmd = ["taskset", "-c", "0", *worker_argv]
@@ -243,12 +246,8 @@ def run_config(config: str, args, cluster) -> dict:
         env = clean_env()
     else:  # mpi, or mpi-RATE: both hosts' links set to RATE first (jobs/cluster.sh link)
         rate = config.partition("-")[2] or args.rate
-        # mpi-oneweight: the cluster's cgroup back at the kernel's cpu.shares 1024 (one ordinary
-        # process for the whole cluster, as jobs/cluster.sh left it before issue 40); every other
-        # mpi config: what jobs/cluster.sh sets (1024 per rank).
-        shares = 1024 if rate == "oneweight" else 1024 * 2
+        # mpi-oneweight (cpu.shares written above): the whole cluster weighs as one ordinary process
         rate = args.rate if rate == "oneweight" else rate
-        Path(f"/sys/fs/cgroup/cpu/mpidl-cluster-{args.name}/cpu.shares").write_text(f"{shares}\n")
         for host in ("1", "2"):
             subprocess.run(["bash", str(ROOT / "jobs" / "cluster.sh"), "--name", args.name, "link", host, rate],
                            check=True, capture_output=True, text=True)
