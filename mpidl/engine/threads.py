@@ -30,7 +30,8 @@ The policy
 * ``T`` threads per process: ``OMP_NUM_THREADS`` if set, else the usable cores
   (``sched_getaffinity``, and no more than the cgroup's CPU quota, :func:`usable_cores`: a
   container, a Slurm step or a host of ``jobs/cluster.sh`` may let a process run on every
-  core of the machine yet pay for only one) divided by the processes on this machine, as the launcher says
+  core of the machine yet pay for only one) divided by the processes on this machine, as the
+  launcher says
   (:func:`launcher_local_size`: ``MPI_LOCALNRANKS`` of MPICH's and Intel MPI's ``mpiexec``,
   ``OMPI_COMM_WORLD_LOCAL_SIZE`` of Open MPI's, the step's tasks on this node of ``srun``);
   1 when no launcher says (one process). At least 1. The launcher's count, not the
@@ -83,8 +84,8 @@ import contextlib
 import os
 import re
 
-__all__ = ["apply", "cgroup_cpu_limit", "describe", "gemm_threads", "one_blas_thread", "threads_per_process", "threads_per_stack",
-           "set_wait_policy"]
+__all__ = ["apply", "cgroup_cpu_limit", "describe", "gemm_threads", "one_blas_thread", "threads_per_process",
+           "threads_per_stack", "set_wait_policy"]
 
 #: Environment variables naming the processes a launcher put on this machine: MPICH's (and
 #: Intel MPI's) ``mpiexec``, Open MPI's; ``SLURM_NTASKS_PER_NODE`` is Slurm's
