@@ -1,4 +1,5 @@
 # python benchmarks/step.py [--rounds 3] [--steps 10] [--models hsicnn,resnet8] [--device cpu|gpu]
+#     [--threads N] [--shape C,H,W --batch B --tag TAG]
 """One training step of every model, mpidl against its PyTorch twin, each in a fresh process.
 
 For every model of ``mpidl.engine.models.MODELS`` (each has an entry in ``benchmarks/torch_twins.py``,
@@ -27,6 +28,10 @@ spread, the CPU time per step (``process_time``, all threads), and the peak resi
 during the steps (peak minus the resident size before the first step). On ``--device gpu``
 both frameworks run on the GPU (CuPy / CUDA), time with device synchronization, and report the
 peak device memory their allocators held.
+
+``--shape C,H,W`` and ``--batch B`` time another sample shape and batch than the twin's
+(``--shape 32,9,9 --batch 32``: a rank's step in the cluster runs of ``synthetic_p9.h5``, batch
+64 over 2 hosts); ``--tag`` keeps their result files apart.
 
 ``--threads N`` sets ``OMP_NUM_THREADS=N`` in every worker instead (mpidl's policy and PyTorch
 both follow it): on a loaded machine, one thread each measures the arithmetic without the
@@ -68,6 +73,10 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     p.add_argument("--threads", type=int, default=None,
                    help="set OMP_NUM_THREADS=N in every worker (both frameworks read it); default: nothing set")
+    p.add_argument("--shape", default=None,
+                   help="C,H,W of one sample instead of the twin's (e.g. 32,9,9: the cluster runs' synthetic_p9)")
+    p.add_argument("--batch", type=int, default=BATCH, help=f"samples per step (default {BATCH})")
+    p.add_argument("--tag", default="", help="suffix of the result files (step_TAG.md)")
     p.add_argument("--kinds", default=",".join(KINDS), help=f"which of {','.join(KINDS)} (default all)")
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per worker process (default 600)")
@@ -75,8 +84,8 @@ def parse_args(argv=None):
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
     p.add_argument("--weights", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.rounds < 1 or args.steps < 1 or args.warmup < 0:
-        p.error("--rounds and --steps must be >= 1, --warmup >= 0")
+    if args.rounds < 1 or args.steps < 1 or args.warmup < 0 or args.batch < 1:
+        p.error("--rounds, --steps and --batch must be >= 1, --warmup >= 0")
     return args
 
 
@@ -96,12 +105,17 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
-def _batch(input_shape, num_classes, seed=0):
+def input_shape(args, twin) -> tuple:
+    """``--shape`` if given, else the twin's sample shape."""
+    return tuple(int(v) for v in args.shape.split(",")) if args.shape else tuple(twin.input_shape)
+
+
+def _batch(input_shape, num_classes, batch=BATCH, seed=0):
     import numpy as np  # noqa: PLC0415
 
     rng = np.random.default_rng(seed)
-    x = rng.standard_normal((BATCH, *input_shape)).astype(np.float32)
-    y = rng.integers(0, num_classes, BATCH)
+    x = rng.standard_normal((batch, *input_shape)).astype(np.float32)
+    y = rng.integers(0, num_classes, batch)
     return x, y
 
 
@@ -145,21 +159,21 @@ def worker_mpidl(args) -> dict:
         threads.apply()  # as mpidl.train.main does: explicitly, before the first kernel
         local_rank, _ = machine_rank_and_size()
         backend.select_device(local_rank)
-    model = build_model(args.model, twin.input_shape, twin.num_classes, backend=backend, seed=0, **twin.kwargs)
+    model = build_model(args.model, input_shape(args, twin), twin.num_classes, backend=backend, seed=0, **twin.kwargs)
     opt = SGD(model.params, lr=LR, momentum=MOMENTUM)
     if args.worker == "cli":
         from mpidl.distributed import DataParallel  # noqa: PLC0415
 
-        dp = DataParallel(model, opt, batch_size=BATCH)
+        dp = DataParallel(model, opt, batch_size=args.batch)
     loss_fn = SoftmaxCrossEntropy()
-    x, y = _batch(twin.input_shape, twin.num_classes)
+    x, y = _batch(input_shape(args, twin), twin.num_classes, args.batch)
     x, y = backend.asarray(x), backend.xp.asarray(y)
 
     def step():
         loss_fn.forward(model.forward(x), y)
         model.backward(loss_fn.backward())
         if dp is not None:
-            dp.step(BATCH)
+            dp.step(args.batch)
         else:
             opt.step()
 
@@ -192,7 +206,7 @@ def worker_torch(args) -> dict:
     device = "cuda" if args.device == "gpu" else "cpu"
     net = net.to(device).train()
     opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM)
-    x_np, y_np = _batch(twin.input_shape, twin.num_classes)
+    x_np, y_np = _batch(input_shape(args, twin), twin.num_classes, args.batch)
     x, y = torch.from_numpy(x_np).to(device), torch.from_numpy(y_np).to(device)
 
     def step():
@@ -219,7 +233,7 @@ def worker_export(args) -> dict:
     from mpidl.engine.models import build_model  # noqa: PLC0415
 
     twin = TWINS[args.model]
-    model = build_model(args.model, twin.input_shape, twin.num_classes, seed=0, **twin.kwargs)
+    model = build_model(args.model, input_shape(args, twin), twin.num_classes, seed=0, **twin.kwargs)
     parameters = {name: np.asarray(p.data) for name, p in model.net.named_parameters()}
     buffers = {name: np.asarray(b) for name, b in model.net.named_buffers()}
     layout = {"build_args": model.build_args, "parameters": list(parameters), "buffers": list(buffers)}
@@ -250,7 +264,7 @@ def clean_env(threads: int | None = None) -> dict:
 def run_worker(kind: str, model: str, args, weights: Path) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--model", model,
            "--weights", str(weights), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--device", args.device]
+           "--device", args.device, "--batch", str(args.batch)] + (["--shape", args.shape] if args.shape else [])
     proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(args.threads), capture_output=True, text=True, timeout=args.timeout)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -312,7 +326,7 @@ def report(results: dict, args, info: dict, command: str) -> list[str]:
     threads = {k: next(iter(results.values()))[k][0].get("threads") for k in kinds} if results else {}
     body = [
         f"`{command}`: {args.rounds} rounds, each a fresh process per model and kind, the order "
-        f"rotating; {args.warmup} untimed + {args.steps} timed steps per process, batch {BATCH}, "
+        f"rotating; {args.warmup} untimed + {args.steps} timed steps per process, batch {args.batch}, "
         f"SGD lr {LR} momentum {MOMENTUM}, float32, device {args.device}. "
         + ("No thread or wait-policy variable set in any worker. " if args.threads is None else
            f"Every worker runs with `OMP_NUM_THREADS={args.threads}` and nothing else set. ")
@@ -357,7 +371,8 @@ def main(argv=None) -> int:
     for model in args.model_list:
         weights = work / f"{model}.npz"
         run_worker("export", model, args, weights)
-        results[model] = {"input_shape": list(TWINS[model].input_shape), **{k: [] for k in args.kind_list}}
+        shape = [int(v) for v in args.shape.split(",")] if args.shape else list(TWINS[model].input_shape)
+        results[model] = {"input_shape": shape, **{k: [] for k in args.kind_list}}
     for round_index in range(args.rounds):
         for model in args.model_list:
             order = args.kind_list[round_index % len(args.kind_list):] + args.kind_list[:round_index % len(args.kind_list)]
@@ -367,7 +382,8 @@ def main(argv=None) -> int:
                 print(f"round {round_index + 1} {model:13s} {kind:5s} {1e3 * statistics.median(result['times']):8.1f} ms "
                       f"peak RSS {result['peak_rss'] / 1e6:6.0f} MB", flush=True)
     command = "python benchmarks/step.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    suffix = ("" if args.device == "cpu" else "_gpu") + ("" if args.threads is None else f"_threads{args.threads}")
+    suffix = (("" if args.device == "cpu" else "_gpu") + ("" if args.threads is None else f"_threads{args.threads}")
+              + (f"_{args.tag}" if args.tag else ""))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"step{suffix}.json").write_text(json.dumps({"info": info, "results": results}, indent=1))
     body = report(results, args, info, command.strip())

@@ -312,6 +312,16 @@ start_cluster() {
     ip link set "$BRIDGE" up
     local hosts_lines=("10.77.$subnet.1 $NAME-head")
     for c in "${CG_ROOTS[@]}"; do mkdir -p "$c/$CG"; done
+    # CPU weight: on a machine shared with other work, the cluster's cgroup is ONE entity of the
+    # root's CFS group scheduling, weight 1024 (cpu.shares), the same as one ordinary process,
+    # and that weight is split among the hosts (per CPU, by their load). Two busy hosts each
+    # got half an ordinary process's share of their core: a rank's step ran about 2x slower
+    # in wall time than the same process alone in a host, at the same CPU time (issue 40,
+    # benchmarks/results/cluster_engine.md). Separate machines do not dilute each other, so the
+    # cluster weighs as its ranks (1024 each, R per host) and each host as its own R.
+    local weight=$(( 1024 * hosts * ranks ))
+    (( weight <= 262144 )) || weight=262144  # the kernel's largest cpu.shares
+    echo "$weight" > "/sys/fs/cgroup/cpu/$CG/cpu.shares"
     # A cpuset cgroup v1 starts with no cpus and no mems, and a child may only take what its
     # parent has: the cluster's cpuset gets all of the root's before any host's is written.
     cat /sys/fs/cgroup/cpuset/cpuset.mems > "/sys/fs/cgroup/cpuset/$CG/cpuset.mems"
@@ -347,6 +357,7 @@ start_cluster() {
             cat /sys/fs/cgroup/cpuset/cpuset.mems > "/sys/fs/cgroup/cpuset/$CG/node$i/cpuset.mems"
             cat "/sys/fs/cgroup/cpuset/$CG/cpuset.cpus" > "/sys/fs/cgroup/cpuset/$CG/node$i/cpuset.cpus"
         fi
+        echo $(( 1024 * ranks > 262144 ? 262144 : 1024 * ranks )) > "/sys/fs/cgroup/cpu/$CG/node$i/cpu.shares"
         set_cpu_share "$i" "${cpu_of[i-1]}"
         # The host's own UTS and mount namespaces, kept by bind mounts on files of $STATE.
         # In it: the host name; the failing resolv.conf; a sysfs of the host's own network

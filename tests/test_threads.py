@@ -294,3 +294,70 @@ def test_malloc_policy_is_set_on_glibc(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     expected = platform.libc_ver()[0] == "glibc"
     assert threads.set_malloc_policy() is expected
+
+
+def _fake_cgroup(tmp_path, self_cgroup: str, files: dict) -> tuple[str, str]:
+    """A cgroup mount under ``tmp_path/cgroup`` holding ``files`` (relative path -> text), and a
+    ``/proc/self/cgroup`` of ``self_cgroup``'s lines."""
+    root = tmp_path / "cgroup"
+    root.mkdir()
+    for relative, text in files.items():
+        (root / relative).parent.mkdir(parents=True, exist_ok=True)
+        (root / relative).write_text(text)
+    proc = tmp_path / "self_cgroup"
+    proc.write_text(self_cgroup)
+    return str(root), str(proc)
+
+
+def test_cgroup_v1_quota_of_the_process_and_its_ancestors(tmp_path):
+    """A host of jobs/cluster.sh: cgroup v1, the cpu controller at cpu,cpuacct with a ``cpu``
+    link, the host's cgroup two levels down: 1 core (10 ms per 10 ms)."""
+    from mpidl.engine.threads import cgroup_cpu_limit
+
+    node = "cpu/mpidl-cluster-x/node1"
+    root, proc = _fake_cgroup(tmp_path, "12:freezer:/mpidl-cluster-x/node1\n"
+                              "4:cpu,cpuacct:/mpidl-cluster-x/node1\n3:cpuset:/mpidl-cluster-x/node1\n",
+                              {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n",
+                               "cpu/mpidl-cluster-x/cpu.cfs_quota_us": "-1\n",
+                               "cpu/mpidl-cluster-x/cpu.cfs_period_us": "100000\n",
+                               f"{node}/cpu.cfs_quota_us": "10000\n", f"{node}/cpu.cfs_period_us": "10000\n"})
+    assert cgroup_cpu_limit(root, proc) == 1.0
+    # a parent's quota binds: 0.5 core above the host's 1
+    (tmp_path / "cgroup/cpu/mpidl-cluster-x/cpu.cfs_quota_us").write_text("50000\n")
+    assert cgroup_cpu_limit(root, proc) == 0.5
+    # no quota anywhere (-1): no limit
+    for name in ("cpu/mpidl-cluster-x/cpu.cfs_quota_us", f"{node}/cpu.cfs_quota_us"):
+        (tmp_path / "cgroup" / name).write_text("-1\n")
+    assert cgroup_cpu_limit(root, proc) is None
+
+
+def test_cgroup_v2_cpu_max_and_unreadable_cases(tmp_path):
+    from mpidl.engine.threads import cgroup_cpu_limit
+
+    root, proc = _fake_cgroup(tmp_path, "0::/job/step\n", {"cpu.max": "max 100000\n", "job/cpu.max": "250000 100000\n",
+                                                           "job/step/cpu.max": "max 100000\n"})
+    assert cgroup_cpu_limit(root, proc) == 2.5
+    assert cgroup_cpu_limit(root, str(tmp_path / "missing")) is None  # no /proc/self/cgroup: no limit
+    garbled = tmp_path / "garbled"
+    garbled.mkdir()
+    root2, proc2 = _fake_cgroup(garbled, "0::/\n", {"cpu.max": "lots\n"})
+    assert cgroup_cpu_limit(root2, proc2) is None
+
+
+def test_threads_follow_the_cgroup_quota_not_the_affinity(monkeypatch):
+    """Issue 40: a 1-core-quota host whose cpuset holds 2 cores ran 2 threads and was throttled.
+    T is the affinity's cores capped by the quota, rounded down, at least 1."""
+    from mpidl.engine import threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for name in (*threads.LAUNCHER_LOCAL_SIZE, threads.SLURM_LOCAL_SIZE, "SLURM_STEP_TASKS_PER_NODE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(threads, "affinity_cores", lambda: 8)
+    for quota, expected in ((None, 8), (1.0, 1), (1.5, 1), (0.25, 1), (2.0, 2), (3.99, 3), (16.0, 8)):
+        monkeypatch.setattr(threads, "cgroup_cpu_limit", lambda quota=quota: quota)
+        assert threads.usable_cores() == expected, quota
+        assert threads.threads_per_process(1) == expected
+    monkeypatch.setattr(threads, "cgroup_cpu_limit", lambda: 4.0)
+    assert threads.threads_per_process(2) == 2  # the quota's cores shared by the machine's ranks
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert threads.threads_per_process(1) == 3  # the user's count still wins

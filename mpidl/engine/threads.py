@@ -28,7 +28,10 @@ idle workers must sleep (measurements: benchmarks/results/thread_policy.md).
 The policy
 ----------
 * ``T`` threads per process: ``OMP_NUM_THREADS`` if set, else the usable cores
-  (``sched_getaffinity``) divided by the processes on this machine, as the launcher says
+  (``sched_getaffinity``, and no more than the cgroup's CPU quota, :func:`usable_cores`: a
+  container, a Slurm step or a host of ``jobs/cluster.sh`` may let a process run on every
+  core of the machine yet pay for only one) divided by the processes on this machine, as the
+  launcher says
   (:func:`launcher_local_size`: ``MPI_LOCALNRANKS`` of MPICH's and Intel MPI's ``mpiexec``,
   ``OMPI_COMM_WORLD_LOCAL_SIZE`` of Open MPI's, the step's tasks on this node of ``srun``);
   1 when no launcher says (one process). At least 1. The launcher's count, not the
@@ -81,8 +84,8 @@ import contextlib
 import os
 import re
 
-__all__ = ["apply", "describe", "gemm_threads", "one_blas_thread", "threads_per_process", "threads_per_stack",
-           "set_wait_policy"]
+__all__ = ["apply", "cgroup_cpu_limit", "describe", "gemm_threads", "one_blas_thread", "threads_per_process",
+           "threads_per_stack", "set_wait_policy"]
 
 #: Environment variables naming the processes a launcher put on this machine: MPICH's (and
 #: Intel MPI's) ``mpiexec``, Open MPI's; ``SLURM_NTASKS_PER_NODE`` is Slurm's
@@ -144,11 +147,91 @@ def _positive_int(value) -> int | None:
     return number if number >= 1 else None
 
 
-def usable_cores() -> int:
+def affinity_cores() -> int:
+    """The cores this process may run on (``sched_getaffinity``: its cpuset); all of them where
+    there is no such call (not Linux)."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+def _read_quota_v1(directory: str) -> float | None:
+    try:
+        with open(os.path.join(directory, "cpu.cfs_quota_us")) as quota_file:
+            quota = int(quota_file.read())
+        with open(os.path.join(directory, "cpu.cfs_period_us")) as period_file:
+            period = int(period_file.read())
+    except (OSError, ValueError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def _read_quota_v2(directory: str) -> float | None:
+    try:
+        with open(os.path.join(directory, "cpu.max")) as max_file:
+            quota, _, period = max_file.read().strip().partition(" ")
+        quota, period = (None if quota == "max" else int(quota)), int(period or 100000)
+    except (OSError, ValueError):
+        return None
+    return quota / period if quota is not None and quota > 0 and period > 0 else None
+
+
+def cgroup_cpu_limit(cgroup_root: str = "/sys/fs/cgroup", self_cgroup: str = "/proc/self/cgroup") -> float | None:
+    """The CPU this process's cgroup may use, in cores (quota / period), or None without a limit.
+
+    A container, a Slurm job step's cgroup or a host of ``jobs/cluster.sh`` limits a process's
+    CPU by a CFS quota: ``quota`` microseconds of CPU per ``period``, for all its threads
+    together. ``sched_getaffinity`` does not see it (the process may still run on every core of
+    its cpuset), so a policy that counts only the affinity starts more threads than the quota
+    pays for: they run until the quota of the period is spent, then all of them stop until the
+    next period, so every parallel kernel and every BLAS call waits at its end for the slowest
+    of them (issue 40: a 1-core-quota host whose process saw 2 cores).
+
+    cgroup v1: the ``cpu`` controller's ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` (-1: none);
+    v2: ``cpu.max`` (``max 100000``: none). The process's own cgroup is the line of
+    ``self_cgroup`` for the ``cpu`` controller (v1) or ``0::`` (v2), a path under the
+    controller's mount in ``cgroup_root``; the limit is the smallest of that cgroup's and its
+    ancestors' (a parent's quota binds its children). Inside a cgroup namespace (a container)
+    the path is ``/`` and the mount is the container's own cgroup, read the same way. Anything
+    unreadable counts as no limit: the affinity then decides alone.
+    """
+    try:
+        with open(self_cgroup) as lines:
+            entries = [line.rstrip("\n").split(":", 2) for line in lines if line.count(":") >= 2]
+    except OSError:
+        return None
+    limits: list[float] = []
+    for _, controllers, path in entries:
+        names = controllers.split(",") if controllers else []
+        if "cpu" in names:  # v1: the controller's own mount, e.g. cpu or cpu,cpuacct
+            mounts = [os.path.join(cgroup_root, name) for name in ("cpu", ",".join(names), "cpu,cpuacct")]
+            reader = _read_quota_v1
+        elif not controllers:  # v2: the unified hierarchy at the root
+            mounts, reader = [cgroup_root], _read_quota_v2
+        else:
+            continue
+        mount = next((m for m in mounts if os.path.isdir(m)), None)
+        if mount is None:
+            continue
+        parts = [part for part in path.split("/") if part]
+        for depth in range(len(parts), -1, -1):  # the cgroup, then each ancestor up to the mount
+            limit = reader(os.path.join(mount, *parts[:depth]))
+            if limit is not None:
+                limits.append(limit)
+    return min(limits) if limits else None
+
+
+def usable_cores() -> int:
+    """The cores this process can keep busy: its affinity (:func:`affinity_cores`), and no more
+    than its cgroup's CPU quota (:func:`cgroup_cpu_limit`) rounded down, at least 1. Rounded
+    down: a thread that gets only part of a core is stopped at every period's end while the
+    others wait for it at the end of each parallel kernel (a 1.5-core quota runs 1 thread)."""
+    cores = affinity_cores()
+    limit = cgroup_cpu_limit()
+    if limit is not None:
+        cores = min(cores, max(1, int(limit + 1e-9)))
+    return max(1, cores)
 
 
 def slurm_step_local_size(environ=os.environ) -> int | None:
@@ -366,7 +449,9 @@ def _blas_threads(libraries, count: int):
 
 
 def describe() -> dict:
-    """The thread counts in force: ``threads`` (T), ``numba``, ``gemm_threads``, ``blas``
+    """The thread counts in force: ``threads`` (T), ``affinity_cores`` and ``cpu_quota`` (the
+    cores ``sched_getaffinity`` gives and the cgroup's quota in cores, None without one: what
+    ``T`` was taken from), ``numba``, ``gemm_threads``, ``blas``
     (per library), ``blas_workers_sleep`` (whether OpenBLAS's idle workers sleep right after a
     call; None until it was needed), ``omp_wait_policy``, ``openblas_primed`` (the OpenBLAS
     libraries :func:`_prime_openblas` primed; None before :func:`apply`); and ``malloc_policy``
@@ -374,6 +459,7 @@ def describe() -> dict:
     from threadpoolctl import threadpool_info  # noqa: PLC0415
 
     info: dict = {"threads": _state["applied"], "gemm_threads": _state["gemm_threads"],
+                  "affinity_cores": affinity_cores(), "cpu_quota": cgroup_cpu_limit(),
                   "blas_workers_sleep": _state["openblas_sleeps"],
                   "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
                   "malloc_policy": _state["malloc_policy"], "openblas_primed": _state["openblas_primed"]}
