@@ -334,28 +334,40 @@ class Overlapped(ExchangeWrapper):
         channel, op = self.stages[stage]
         p.request = channel.start(op, p.buf)
 
-    def _done(self, p: _Pending) -> bool:
-        if p.request is not None:
-            if not p.request.Test():
-                return False
-            p.request = None
-        return True
-
     def _progress(self) -> bool:
-        """Test every started stage and start the next ones, in bucket order per stage;
-        True when every bucket has finished its last stage."""
+        """Start what may start and Test until the first request still running, in bucket
+        order per stage; True when every bucket has finished its last stage.
+
+        One ``Test`` that finds a request still running has driven MPI's progress engine for
+        every pending request of the process (MPICH and Open MPI poll all of them in any MPI
+        call); Testing the later ones too would cost a call each (tens of microseconds,
+        taken from the backward on a one-core host) to learn what the next pass learns. So a
+        pass Tests up to the first request still running and treats the later ones as
+        running (buckets of one communicator complete in the order they started anyway)."""
         step = self._step
         last = len(self.stages) - 1
         all_done = True
+        running = False  # a Test of this pass found a request still running
+
+        def done(p: _Pending) -> bool:
+            nonlocal running
+            if p.request is None:
+                return True
+            if running or not p.request.Test():
+                running = True
+                return False
+            p.request = None
+            return True
+
         limit = last  # a bucket may start stage s once the bucket before it has started s
         for p in step.pending:
             if p.stage < 0:
                 if p.bucket.first < step.ready_param:
-                    return False  # neither it nor the later buckets (earlier layers) are ready
+                    return False  # neither it nor the later buckets (earlier parameters) are ready
                 self._start(p, 0)
-            while p.stage < min(last, limit) and self._done(p):
+            while p.stage < min(last, limit) and done(p):
                 self._start(p, p.stage + 1)
-            if not (p.stage == last and self._done(p)):
+            if not (p.stage == last and done(p)):
                 all_done = False
             limit = p.stage
         return all_done
