@@ -171,9 +171,9 @@ class Sequential(Module):
 
     ``backward_hook``: None, or a callable ``hook(k)`` called right after layer ``k``'s
     backward has returned, i.e. when the gradients of layers ``k .. L-1`` are final (layers
-    in reverse order ``L-1, ..., 0``). A training loop's distributed step installs one to
-    start exchanging those gradients while the earlier layers still compute (the layers
-    themselves know nothing about it).
+    in reverse order ``L-1, ..., 0``). It is per top-level layer, i.e. per whole residual
+    stage or transformer block; the overlapped gradient exchange uses the finer
+    :meth:`Module.watch_gradients` (per module owning parameters) instead.
     """
 
     def __init__(self, *layers: Module):
