@@ -82,4 +82,5 @@ def test_quick_interleaved_overlap_steps_run_across_the_hosts(tmp_path, cluster_
         assert all(len(model["rounds"][c]["step_s"]) == 2 for c in ("compute", "blocking", "overlap"))
     assert (tmp_path / "cluster_overlap_steps_quick.md").is_file()
     assert not list(tmp_path.glob("*.tmp")), "the job's raw file is left behind"
-    assert "not up" in _cluster("status").stdout + _cluster("status").stderr
+    assert not Path(f"/run/mpidl-cluster/{NAME}").exists()
+    assert f"{NAME}-node" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
