@@ -340,8 +340,8 @@ class Overlapped(ExchangeWrapper):
 
         One ``Test`` that finds a request still running has driven MPI's progress engine for
         every pending request of the process (MPICH and Open MPI poll all of them in any MPI
-        call); Testing the later ones too would cost a call each (tens of microseconds,
-        taken from the backward on a one-core host) to learn what the next pass learns. So a
+        call); Testing the later ones too would cost a call each (taken from the backward
+        on a one-core host) to learn what the next pass learns. So a
         pass Tests up to the first request still running and treats the later ones as
         running (buckets of one communicator complete in the order they started anyway)."""
         step = self._step
