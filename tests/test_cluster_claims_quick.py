@@ -65,3 +65,22 @@ def test_quick_node_table_counts_the_kernels_bytes(tmp_path, cluster_allowed):
     assert not Path(f"/run/mpidl-cluster/{NAME}").exists()
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert f"{NAME}-node" not in netns
+
+
+def test_quick_interleaved_overlap_steps_run_across_the_hosts(tmp_path, cluster_allowed):
+    """``benchmarks/cluster_overlap_steps.py --quick``: one job on 2 hosts holds compute,
+    blocking and overlap for both models; the record has every round and the bucket plan."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cluster_overlap_steps.py"), "--quick",
+                           "--rate", "1gbit", "--name", NAME, "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = json.loads((tmp_path / "cluster_overlap_steps_quick.json").read_text())
+    assert record["ranks"] == 2 and set(record["models"]) == {"resnet8", "vit"}
+    for model in record["models"].values():
+        assert model["buckets"] >= 5
+        assert all(len(model["rounds"][c]["step_s"]) == 2 for c in ("compute", "blocking", "overlap"))
+    assert (tmp_path / "cluster_overlap_steps_quick.md").is_file()
+    assert not list(tmp_path.glob("*.tmp")), "the job's raw file is left behind"
+    assert not Path(f"/run/mpidl-cluster/{NAME}").exists()
+    assert f"{NAME}-node" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

@@ -14,9 +14,18 @@ from mpidl.distributed.emulation import LinkModel, LinkTimeline
 from mpidl.distributed.exchange import reset_slots
 from mpidl.distributed.extras import ExchangeWrapper, shm, sync_overlap
 from mpidl.distributed.extras.compress import Compressor, from_bf16, to_bf16
-from mpidl.distributed.extras.overlap import MIN_BUCKETS, Bucket, _armed, _disarm, bucket_bytes, plan_buckets
+from mpidl.distributed.extras.overlap import (
+    MIN_BUCKETS,
+    Bucket,
+    _armed,
+    _disarm,
+    bucket_bytes,
+    plan_buckets,
+    small_bucket_bytes,
+)
 from mpidl.distributed.extras.shm import _SliceStepping, move_state, slice_optimizer
 from mpidl.distributed.message import COUNT, NONFINITE
+from mpidl.engine.models import MODELS, build_model
 from mpidl.engine.nn import Linear, ReLU, Sequential
 from mpidl.engine.optim import SGD, Adam, AdamW
 from mpidl.engine.params import FlatParameters, Parameter, uniform
@@ -94,10 +103,52 @@ def test_bucket_plan_covers_the_message_once_in_reverse_layer_order():
 def test_a_message_under_the_bucket_cap_is_still_cut_so_that_its_last_layers_travel_early():
     """One bucket would start only after layer 0's backward, with nothing left to hide it."""
     sizes = [432, 32, 0, 4672, 14528, 57728, 0, 650]  # 78,042 float32: 0.3 MB < 1 MiB
-    plan = plan_buckets(sizes, bucket_bytes(sum(sizes), 4, 1.0), 4)
+    bucket = bucket_bytes(sum(sizes), 4, 1.0)
+    plan = plan_buckets(sizes, bucket, 4, small_bucket_bytes(bucket))
     assert len(plan) >= 3 and plan[0].first > 0 and plan[-1].first == 0
     assert bucket_bytes(sum(sizes), 4, 1.0) == sum(sizes) * 4 / MIN_BUCKETS
     assert bucket_bytes(10 ** 8, 4, 1.0) == 2 ** 20  # the cap still bounds a large message
+
+
+def plan_of(model):
+    sizes = [param.size for param in model.params]
+    bucket = bucket_bytes(sum(sizes), 4, 1.0)
+    return sizes, plan_buckets(sizes, bucket, 4, small_bucket_bytes(bucket))
+
+
+@pytest.mark.parametrize("name, shape", [("resnet8", (3, 9, 9)), ("vit", (3, 9, 9))])
+def test_buckets_are_cut_by_parameter_inside_the_blocks_first_and_last_small(name, shape):
+    """resnet8's top-level layers are whole residual stages, vit's whole transformer blocks:
+    cut by parameter, the first bucket starts after the last few parameters and the last
+    one, exposed whatever the progress, is a few per cent of the message."""
+    sizes, plan = plan_of(build_model(name, shape, 10, seed=0))
+    total = sum(sizes) + 3
+    assert plan[0].hi == total and plan[-1].lo == 0 and all(x.lo == y.hi for x, y in zip(plan, plan[1:]))
+    assert len(plan) >= 5
+    assert (plan[0].hi - plan[0].lo) / total < 0.15 and (plan[-1].hi - plan[-1].lo) / total < 0.05
+    assert all(b.hi - b.lo <= total / MIN_BUCKETS + max(sizes) for b in plan)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_gradients_become_final_from_the_last_parameter_to_the_first(name):
+    """watch_gradients reports every parameter once per backward, in the reverse of the
+    registration order (the message's order): a bucket, a tail of the message, is complete
+    as soon as its own parameters are (residual blocks run the shortcut's backward first)."""
+    shape = (12, 9, 9) if name == "spectral_lstm" else (3, 9, 9)
+    model = build_model(name, shape, 3, seed=0)
+    index = {id(param): k for k, param in enumerate(model.params)}
+    seen = []
+    watched = model.net.watch_gradients(lambda module: seen.append(
+        sorted((index[id(p)] for p in module.parameters()), reverse=True)))
+    logits = model.forward(np.random.default_rng(0).standard_normal((4, *shape)).astype(np.float32))
+    model.backward(np.ones_like(logits))
+    order = [k for group in seen for k in group]
+    assert order == list(range(len(model.params) - 1, -1, -1)), order
+    assert len(seen) == len(watched)
+    model.net.unwatch_gradients()
+    seen.clear()
+    model.backward(np.ones_like(logits))
+    assert seen == [] and all("backward" not in vars(module) for module in model.net.modules())
 
 
 def test_sequential_backward_hook_sees_the_layers_in_reverse():
@@ -197,7 +248,7 @@ RULES = [
     ({"overlap": True, "host_memory": False}, "overlap",
      "overlap needs the CPU backend (host buffers for non-blocking MPI)"),
     ({"overlap": True, "model": FlatParameters([("w", Parameter((2,), uniform(1.0)))], seed=0)}, "overlap",
-     "overlap needs a Model whose net is a Sequential (its backward hook starts the buckets)"),
+     "overlap needs a Model whose net is a Module (its layers' backward tells which gradients are final)"),
     ({"intra": "shm", "host_memory": False}, "intra", "intra='shm' shares host memory: it needs the CPU backend"),
     ({"intra": "shm", "optimizer": LayerWise}, "intra",
      "intra='shm' needs an elementwise optimizer (sgd, adam, adamw): each rank updates its slice of the "

@@ -22,7 +22,7 @@ option              works with
                     window), blocking (no ``overlap``)
 ``sync_overlap``    ``node``, ``intra='mpi'``, no ``compress``; ``< sync_every``
 ``overlap``         any strategy (its stages, bucket by bucket); ``intra='mpi'``, the CPU
-                    backend, a Model whose ``net`` is a Sequential
+                    backend, a Model whose ``net`` is a Module
 ``intra='shm'``     any strategy; the CPU backend and an elementwise optimizer
 ``on_failure``      'shrink': none of the above, and real (not emulated) nodes
 ==================  =====================================================================

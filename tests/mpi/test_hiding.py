@@ -61,13 +61,13 @@ def batches(steps, seed=0):
     return [rng.permutation(N)[:B] for _ in range(steps)]
 
 
-def train(model, dp, steps, seed=0):
+def train(model, dp, steps, seed=0, inputs=X):
     """The loop of the README: local slice, forward, backward, dp.step."""
     loss_fn = SoftmaxCrossEntropy()
     for batch in batches(steps, seed):
         local = dp.local_indices(batch)
         if len(local):
-            loss_fn.forward(model.forward(X[local]), Y[local])
+            loss_fn.forward(model.forward(inputs[local]), Y[local])
             model.backward(loss_fn.backward())
         else:
             model.params.grad.fill(0)
@@ -193,6 +193,51 @@ def test_overlap_buckets_cross_the_emulated_link():
     booked = all(c.timeline.busy_until > 0 for c in inter) or not (dp.topology.is_leader and dp.topology.num_nodes > 1)
     assert all_agree(emulated and booked and rel_diff(got, want) <= 1e-10)
     dp.close()
+
+
+#: models whose top-level layers are whole residual stages (resnet8) or transformer blocks (vit)
+BLOCK_MODELS = {"resnet8": {"widths": (4, 8, 8)}, "vit": {"dim": 8, "depth": 2, "heads": 2, "mlp_dim": 16}}
+X_8x8 = np.random.default_rng(1).standard_normal((N, 3, 8, 8))  # resnet8 needs 8 x 8 pixels
+
+
+@pytest.mark.parametrize("name", sorted(BLOCK_MODELS))
+@pytest.mark.parametrize("strategy, ranks_per_node", [("flat", None), ("hierarchical", max(1, P // 2))],
+                         ids=["flat", "hierarchical-2nodes"])
+def test_overlap_cut_inside_the_blocks_equals_the_blocking_exchange(name, strategy, ranks_per_node):
+    """The product's bucket plan (``bucket_mb`` 1: the cap does not bind) cuts inside the
+    residual stages and transformer blocks, every bucket but the last has started before
+    the backward of layer 0, and the result is the blocking exchange's: bitwise for flat on
+    2 ranks (one ``a + b`` per element either way), else within 1e-10 (float64)."""
+    def build(**kwargs):
+        model = build_model(name, X_8x8.shape[1:], CLASSES, backend=BACKEND, seed=3, **BLOCK_MODELS[name])
+        opt = SGD(model.params, lr=0.05, momentum=0.9)
+        topology = Topology.from_comm(WORLD, ranks_per_node=ranks_per_node)
+        return model, data_parallel(model, opt, batch_size=B, topology=topology, strategy=strategy,
+                                    speeds=UNEVEN, **kwargs)
+
+    model, dp = build(overlap=True, bucket_mb=1.0)
+    started_before_layer_0 = []
+
+    def top_level_hook(k):
+        if k == 1 and dp.exchange._step is not None:
+            started_before_layer_0.append(dp.exchange.started_buckets())
+
+    model.net.backward_hook = top_level_hook
+    got = train(model, dp, steps=3, inputs=X_8x8)
+    ref_model, ref_dp = build()
+    want = train(ref_model, ref_dp, steps=3, inputs=X_8x8)
+    buckets = dp.exchange.buckets
+    # the message offsets where a top-level layer's parameters begin
+    layer_of = [int(param_name.split(".")[0]) for param_name in model.params.names]
+    layer_starts = {off for k, off in enumerate(model.params.offsets) if k == 0 or layer_of[k] != layer_of[k - 1]}
+    inside = any(b.lo not in layer_starts for b in buckets)
+    early = all(n >= len(buckets) - 1 for n in started_before_layer_0)
+    exact = np.array_equal(got, want) if (strategy == "flat" and P == 2) else rel_diff(got, want) <= 1e-10
+    assert all_agree(len(buckets) >= 5 and inside and early and exact), (
+        [(b.lo, b.hi) for b in buckets], sorted(layer_starts), started_before_layer_0, rel_diff(got, want))
+    dp.close()
+    ref_dp.close()
+    assert all_agree(all("backward" not in vars(module) for module in model.net.modules()))
 
 
 # ------------------------------------------------------------------ intra='shm'

@@ -1,21 +1,30 @@
 """Gradient exchange overlapped with the backward pass (``overlap=True``), in buckets.
 
-The flat buffer holds the parameters in registration order, so the parameters of the
-top-level layers ``k .. L-1`` of a :class:`~mpidl.engine.nn.Sequential` are one contiguous tail
-of the gradient. Backward computes them first. The message is cut into *buckets* of about
-``bucket_bytes``, walking the layers from the last to the first (:func:`plan_buckets`);
-bucket ``j`` covers ``message[lo_j:hi_j]`` and is complete once layer ``first_j`` (its
-lowest) has finished its backward. The first bucket (the last layers) also carries the three
-slots ``count | stop | nonfinite``, whose values ``local_indices()`` wrote before backward.
+The flat buffer holds the parameters in registration order, and backward makes their
+gradients final in the reverse of that order (:meth:`~mpidl.engine.nn.Module.watch_gradients`
+reports each module's parameters right after its backward; a residual block runs its
+shortcut's backward first so that this holds inside it too), so the parameters ``k .. n-1``
+are one contiguous tail of the gradient, final before the ones below. The message is cut
+into *buckets* BY PARAMETER, inside residual stages and transformer blocks alike, walking the
+parameters from the last to the first (:func:`plan_buckets`): a small first bucket (the
+exchange starts after the last few parameters, as DDP's small first bucket), buckets of
+about ``bucket_bytes``, and a small last bucket (what is left to send once the backward has
+ended). Bucket ``j`` covers ``message[lo_j:hi_j]`` and is complete once the gradients of
+parameters ``first_j ..`` are final. The first bucket (the last parameters) also carries
+the three slots ``count | stop | nonfinite``, whose values ``local_indices()`` wrote before
+backward. The arrival order is checked per step, not assumed: a bucket starts only when
+every parameter from its lowest up has been reported (a module reporting out of order only
+delays buckets, it never sends a gradient early).
 
 :class:`Overlapped` wraps ANY exchange built of stages (:class:`~mpidl.distributed.exchange.Stage`:
 ``flat`` one world allreduce, ``hierarchical`` node reduce -> leaders allreduce -> node
 bcast, ``node`` one node allreduce) and runs the same stages bucket by bucket::
 
-    Sequential.backward_hook(k)   ->  every bucket with first_j >= k: scale by c_i (the weight
-                                      local_indices() wrote into message[COUNT]) and start its
-                                      stage 0; Test the pending ones, start stage s+1 of a
-                                      bucket whose stage s completed
+    a module's backward returned  ->  every bucket whose parameters first_j .. n-1 are all
+    (watch_gradients)                 final: scale by c_i (the weight local_indices() wrote
+                                      into message[COUNT]) and start its stage 0; Test the
+                                      pending ones, start stage s+1 of a bucket whose stage s
+                                      completed
     DataParallel.step -> reduce   ->  start the rest, wait for all, then the inner exchange's
                                       reduced(): divide by the summed count (node: count v_n)
 
@@ -45,10 +54,9 @@ the process (``MPI_Test``/``MPI_Wait``/any other call) unless an asynchronous pr
 thread is enabled (MPICH ``MPIR_CVAR_ASYNC_PROGRESS=1``, which needs ``MPI_THREAD_MULTIPLE``;
 Open MPI has none for its default ``tuned``/``libnbc`` collectives over TCP/shared memory,
 some network transports progress in hardware). mpidl therefore calls ``Test`` on every
-pending request from the backward hooks: the top-level Sequential's (once per top-level
-layer: it also starts the buckets that became ready) and every nested Sequential's (between
-the layers inside a block), which moves the collectives' rounds forward between layers at a
-cost of microseconds.
+pending request each time a module with parameters has finished its backward (the same
+report that starts the buckets), which moves the collectives' rounds forward between layers,
+inside the blocks too, at a cost of microseconds.
 
 EMULATION: a bucket's inter-node collective goes through the EMULATED link's ``start``,
 which books its modelled time on the link's timeline; its request completes when both MPI
@@ -71,54 +79,73 @@ from mpidl.distributed.extras import ExchangeWrapper, timed
 from mpidl.distributed.extras.shm import POLL_S, self_oversubscribed
 from mpidl.distributed.message import COUNT, NONFINITE, SLOTS, STOP, check_message
 
-__all__ = ["Bucket", "plan_buckets", "bucket_bytes", "MIN_BUCKETS", "Overlapped", "check_options"]
+__all__ = ["Bucket", "plan_buckets", "bucket_bytes", "small_bucket_bytes", "MIN_BUCKETS", "Overlapped", "check_options"]
 
 
 def check_options(intra: str, host_memory: bool, model=None) -> None:
     """ValueError unless ``overlap`` can run: private replicas (``intra='mpi'``: the shared
     window is reduced in place), host buffers for non-blocking MPI (the CPU backend), and a
-    Model whose ``net`` is a Sequential (its backward hook starts the buckets)."""
+    Model whose ``net`` is a Module (its layers' backward tells which gradients are final)."""
     if intra != "mpi":
         raise ValueError("overlap works with intra='mpi' (the shared window is reduced in place)")
     if not host_memory:
         raise ValueError("overlap needs the CPU backend (host buffers for non-blocking MPI)")
     net = getattr(model, "net", None) if model is not None else None
-    if model is not None and (net is None or not hasattr(net, "backward_hook")):
-        raise ValueError("overlap needs a Model whose net is a Sequential (its backward hook starts the buckets)")
+    if model is not None and not hasattr(net, "watch_gradients"):
+        raise ValueError("overlap needs a Model whose net is a Module (its layers' backward tells which gradients are final)")
 
 
 @dataclass(frozen=True)
 class Bucket:
-    """``message[lo:hi]``, complete when layer ``first`` has finished its backward."""
+    """``message[lo:hi]``, complete when the gradients of parameters ``first ..`` (in
+    registration order) are final."""
 
     lo: int
     hi: int
     first: int
 
 
-def plan_buckets(layer_sizes: list[int], bucket_bytes: float, itemsize: int) -> list[Bucket]:
-    """Buckets in sending order (last layers first) over a message of
-    ``sum(layer_sizes) + SLOTS`` elements.
+def plan_buckets(sizes: list[int], bucket_bytes: float, itemsize: int, small_bytes: float | None = None) -> list[Bucket]:
+    """Buckets in sending order (last parameters first) over a message of
+    ``sum(sizes) + SLOTS`` elements; ``sizes``: the parts in registration order (the
+    parameters; or any coarser grouping, e.g. top-level layers, with 0 for a part without
+    parameters).
 
-    Walking the layers from the last to the first, a bucket closes as soon as it holds at
-    least ``bucket_bytes`` of gradients; whatever is left when layer 0 is reached is the last
-    bucket. The first bucket also covers the slots. Layers without parameters join the
-    bucket of the layers before them in the walk.
+    Backward makes the gradients final from the last part to the first (see
+    :meth:`~mpidl.engine.nn.Module.watch_gradients`), so the buckets are cut walking the parts
+    from the last to the first: the FIRST bucket closes as soon as it holds at least
+    ``small_bytes`` (default ``bucket_bytes``), so the first collective starts right after
+    the last few parameters' backward; every other bucket once it holds ``bucket_bytes``.
+    The LAST bucket (the first parts, final only when the backward ends, so nothing hides
+    its exchange) is cut small as well: the shortest prefix of at least ``small_bytes``.
+    The first bucket also covers the slots. Parts of size 0 join the bucket of the parts
+    before them in the walk; a remainder smaller than ``small_bytes`` between the last cut
+    and the last bucket joins the last bucket (both are final only near the backward's end).
     """
     offsets = [0]
-    for size in layer_sizes:
+    for size in sizes:
         offsets.append(offsets[-1] + int(size))
+    small = bucket_bytes if small_bytes is None else min(float(small_bytes), float(bucket_bytes))
+    # the last bucket: parts 0 .. tail-1, the shortest prefix of at least `small` bytes
+    tail = next((k + 1 for k in range(len(sizes)) if offsets[k + 1] * itemsize >= small), len(sizes))
+    if tail >= len(sizes):
+        return [Bucket(0, offsets[-1] + SLOTS, 0)]  # the whole message is a small one
     buckets: list[Bucket] = []
     hi = offsets[-1] + SLOTS
-    for k in range(len(layer_sizes) - 1, -1, -1):
+    for k in range(len(sizes) - 1, tail - 1, -1):
         lo = offsets[k]
-        if hi > lo and (k == 0 or (hi - lo) * itemsize >= bucket_bytes):
+        target = small if not buckets else bucket_bytes
+        if hi > lo and (hi - lo) * itemsize >= target:
             buckets.append(Bucket(lo, hi, k))
             hi = lo
+    if hi > offsets[tail] and (not buckets or (hi - offsets[tail]) * itemsize >= small):
+        buckets.append(Bucket(offsets[tail], hi, tail))  # the parts left before the last bucket
+        hi = offsets[tail]
+    buckets.append(Bucket(0, hi, 0))  # the last bucket (with a remainder under `small`)
     return buckets
 
 
-#: the fewest buckets a message is cut into where its layers allow (see :func:`bucket_bytes`)
+#: the fewest buckets a message is cut into where its parameters allow (see :func:`bucket_bytes`)
 MIN_BUCKETS = 8
 
 
@@ -126,13 +153,20 @@ def bucket_bytes(elements: int, itemsize: int, bucket_mb: float) -> float:
     """The bucket size: ``min(bucket_mb MiB, message bytes / MIN_BUCKETS)``.
 
     ``bucket_mb`` is a cap, as DDP's ``bucket_cap_mb``. A message smaller than the cap would
-    otherwise be ONE bucket, complete only when the backward of layer 0 is done, i.e. when
-    there is nothing left to overlap it with; with at least ``MIN_BUCKETS`` the buckets of
-    the last layers travel while the first layers compute, and only the last bucket (about
-    ``1 / MIN_BUCKETS`` of the message) is exposed. Each bucket costs one collective's
-    latency more, which is why the count stays small.
+    otherwise be ONE bucket, complete only when the backward of the first parameter is done,
+    i.e. when there is nothing left to overlap it with; with at least ``MIN_BUCKETS`` the
+    buckets of the last parameters travel while the first layers compute. Each bucket costs
+    one collective's latency more, which is why the count stays small. The first and the
+    last bucket are cut smaller still (:func:`small_bucket_bytes`).
     """
     return min(float(bucket_mb) * 2 ** 20, elements * itemsize / MIN_BUCKETS)
+
+
+def small_bucket_bytes(bucket: float) -> float:
+    """The first and the last bucket's size, ``bucket / MIN_BUCKETS``: the first starts the
+    exchange right after the last layers' backward (as DDP's small first bucket), the last
+    is what is left to send once the backward has ended (exposed whatever the progress)."""
+    return bucket / MIN_BUCKETS
 
 
 class _Pending:
@@ -150,9 +184,9 @@ class _Pending:
 class _Step:
     """What the hooks started in one step, until :meth:`Overlapped.reduce` completes it."""
 
-    def __init__(self, message, weight: float, slots, pending: list[_Pending], ready_layer: int):
+    def __init__(self, message, weight: float, slots, pending: list[_Pending], ready_param: int):
         self.message, self.weight, self.slots = message, weight, slots
-        self.pending, self.ready_layer = pending, ready_layer
+        self.pending, self.ready_param = pending, ready_param
 
 
 #: the weight slot after an exchange, until ``local_indices()`` writes the next weight
@@ -172,8 +206,8 @@ class Overlapped(ExchangeWrapper):
     """``overlap=True``: ``exchange``'s weighted SUM in buckets started from ``model``'s
     backward hooks, waited for in :meth:`reduce` (see the module docstring).
 
-    ``exchange``: any exchange built of stages; ``model``: a Model whose ``net`` is a
-    Sequential (its ``params.message`` is what travels); ``bucket_mb``: the bucket cap.
+    ``exchange``: any exchange built of stages; ``model``: a Model (its ``params.message``
+    is what travels, its ``net``'s modules report their gradients); ``bucket_mb``: the cap.
     One backward per step. Collective construction (it duplicates the stages'
     communicators); :meth:`close` frees them, removes the hooks and closes ``exchange``.
     """
@@ -185,9 +219,10 @@ class Overlapped(ExchangeWrapper):
                              f"not {type(exchange).__name__}")
         super().__init__(exchange)
         self.model, self.params = model, model.params
-        layers = [sum(p.size for _, p in layer.named_parameters()) for layer in model.net.layers]
+        sizes = [param.size for param in self.params]  # registration order = message order
         itemsize = self.params.data.itemsize
-        self.buckets = plan_buckets(layers, bucket_bytes(sum(layers), itemsize, bucket_mb), itemsize)
+        bucket = bucket_bytes(sum(sizes), itemsize, bucket_mb)
+        self.buckets = plan_buckets(sizes, bucket, itemsize, small_bucket_bytes(bucket))
         # One duplicate per stage, in stage order on every rank (Dup is collective over the
         # stage's communicator; a rank outside one, e.g. a non-leader, has COMM_NULL).
         self._comms = []
@@ -204,10 +239,12 @@ class Overlapped(ExchangeWrapper):
         self.poll_s = POLL_S if self_oversubscribed(exchange.topology.node) else None
         self._step: _Step | None = None
         _disarm(self.params.message)
-        model.net.backward_hook = self._backward_hook
-        for module in model.net.modules():
-            if module is not model.net and hasattr(module, "backward_hook"):
-                module.backward_hook = self._poll  # progress inside the blocks
+        # Which parameters (their indices in the message) each module's backward makes final.
+        index = {id(param): k for k, param in enumerate(self.params)}
+        self._owned = {}
+        for module in model.net.watch_gradients(self._gradients_final):
+            self._owned[id(module)] = [index[id(param)] for param in module.parameters() if id(param) in index]
+        self._final = np.zeros(len(sizes), dtype=bool)  # per parameter: final in this backward
 
     def describe(self) -> str:
         return self.inner.describe() + f"; overlap in {len(self.buckets)} buckets"
@@ -216,23 +253,24 @@ class Overlapped(ExchangeWrapper):
         """Buckets whose exchange has started in this step (for tests and diagnostics)."""
         return 0 if self._step is None else sum(1 for p in self._step.pending if p.stage >= 0)
 
-    # ------------------------------------------------------------------ the hooks
-    def _backward_hook(self, layer: int) -> None:
-        """``model.net.backward_hook``: layers ``layer .. L-1`` have their final gradients."""
+    # ------------------------------------------------------------------ the hook
+    def _gradients_final(self, module) -> None:
+        """Called by :meth:`~mpidl.engine.nn.Module.watch_gradients` right after ``module``'s
+        backward: its parameters' gradients are final. Start every bucket whose parameters
+        are all final (in bucket order), Test the pending ones, start the next stages."""
         if self._step is None:
             message = self.params.message
             if self.group_size <= 1 or not _armed(message):
                 return  # nothing to exchange, or a backward outside a step
             self._begin(message)
         with timed(self.traffic):
-            self._step.ready_layer = layer
+            step = self._step
+            self._final[self._owned[id(module)]] = True
+            ready = step.ready_param  # lowest k with parameters k .. n-1 final
+            while ready > 0 and self._final[ready - 1]:
+                ready -= 1
+            step.ready_param = ready
             self._progress()
-
-    def _poll(self, _layer: int = 0) -> None:
-        """The nested Sequentials' hook: Test the pending requests, start what may start."""
-        if self._step is not None:
-            with timed(self.traffic):
-                self._progress()
 
     # ------------------------------------------------------------------ the step
     def reduce(self, message) -> bool:
@@ -251,7 +289,7 @@ class Overlapped(ExchangeWrapper):
             if self._step is None:
                 self._begin(message)
             step = self._step
-            step.ready_layer = 0
+            step.ready_param = 0  # whatever the hooks saw, every gradient is final now
             while not self._progress():
                 self._wait_one()
             self._end()
@@ -266,9 +304,7 @@ class Overlapped(ExchangeWrapper):
 
     def close(self) -> None:
         """Remove the hooks, free the duplicates, close the inner exchange."""
-        for module in self.model.net.modules():
-            if hasattr(module, "backward_hook"):
-                module.backward_hook = None
+        self.model.net.unwatch_gradients()
         for comm in self._comms:
             comm.Free()
         self._comms = []
@@ -280,7 +316,8 @@ class Overlapped(ExchangeWrapper):
         weight = float(message[COUNT])
         slots = np.array([weight, message[STOP], message[NONFINITE]], dtype=message.dtype)
         pending = [_Pending(b, self._head if k == 0 else message[b.lo:b.hi]) for k, b in enumerate(self.buckets)]
-        self._step = _Step(message, weight, slots, pending, ready_layer=self.buckets[0].first + 1)
+        self._final[:] = False
+        self._step = _Step(message, weight, slots, pending, ready_param=len(self._final))
 
     def _start(self, p: _Pending, stage: int) -> None:
         """Start ``stage`` of bucket ``p`` (stage 0: scale its gradients by the weight first;
@@ -297,28 +334,40 @@ class Overlapped(ExchangeWrapper):
         channel, op = self.stages[stage]
         p.request = channel.start(op, p.buf)
 
-    def _done(self, p: _Pending) -> bool:
-        if p.request is not None:
-            if not p.request.Test():
-                return False
-            p.request = None
-        return True
-
     def _progress(self) -> bool:
-        """Test every started stage and start the next ones, in bucket order per stage;
-        True when every bucket has finished its last stage."""
+        """Start what may start and Test until the first request still running, in bucket
+        order per stage; True when every bucket has finished its last stage.
+
+        One ``Test`` that finds a request still running has driven MPI's progress engine for
+        every pending request of the process (MPICH and Open MPI poll all of them in any MPI
+        call); Testing the later ones too would cost a call each (taken from the backward
+        on a one-core host) to learn what the next pass learns. So a
+        pass Tests up to the first request still running and treats the later ones as
+        running (buckets of one communicator complete in the order they started anyway)."""
         step = self._step
         last = len(self.stages) - 1
         all_done = True
+        running = False  # a Test of this pass found a request still running
+
+        def done(p: _Pending) -> bool:
+            nonlocal running
+            if p.request is None:
+                return True
+            if running or not p.request.Test():
+                running = True
+                return False
+            p.request = None
+            return True
+
         limit = last  # a bucket may start stage s once the bucket before it has started s
         for p in step.pending:
             if p.stage < 0:
-                if p.bucket.first < step.ready_layer:
-                    return False  # neither it nor the later buckets (earlier layers) are ready
+                if p.bucket.first < step.ready_param:
+                    return False  # neither it nor the later buckets (earlier parameters) are ready
                 self._start(p, 0)
-            while p.stage < min(last, limit) and self._done(p):
+            while p.stage < min(last, limit) and done(p):
                 self._start(p, p.stage + 1)
-            if not (p.stage == last and self._done(p)):
+            if not (p.stage == last and done(p)):
                 all_done = False
             limit = p.stage
         return all_done

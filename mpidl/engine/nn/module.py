@@ -91,6 +91,37 @@ class Module:
         for _, child in self.children():
             yield from child.modules()
 
+    # -- gradient reports --------------------------------------------------------------------
+
+    def watch_gradients(self, on_final) -> list["Module"]:
+        """Call ``on_final(module)`` right after every ``backward`` of every module of this
+        tree that owns parameters; returns those modules (depth first).
+
+        Why this is exact: by the contract above, a module's ``backward`` OVERWRITES the
+        gradients of its own parameters, so when it returns they are final for this backward
+        pass, wherever the module sits (inside a residual block, a transformer block, a
+        Sequential of a Sequential) and whichever container called it. A distributed step
+        uses this to send each part of the gradient as soon as it is final, per parameter
+        rather than per top-level layer (``mpidl.distributed.extras.overlap``). The layers
+        know nothing about it: the module's ``backward`` is wrapped on the instance (an
+        instance attribute is found before the class's method). :meth:`unwatch_gradients`
+        removes it.
+        """
+        watched = []
+        for module in self.modules():
+            if module.parameters():
+                if "backward" in vars(module):
+                    raise RuntimeError(f"{type(module).__name__}: its backward is already watched")
+                module.backward = _BackwardThenReport(module, on_final)
+                watched.append(module)
+        return watched
+
+    def unwatch_gradients(self) -> None:
+        """Undo :meth:`watch_gradients` on every module of this tree (the class's backward again)."""
+        for module in self.modules():
+            if isinstance(vars(module).get("backward"), _BackwardThenReport):
+                del module.backward
+
     # -- mode and device ---------------------------------------------------------------------
 
     def train(self, mode: bool = True) -> "Module":
@@ -140,9 +171,9 @@ class Sequential(Module):
 
     ``backward_hook``: None, or a callable ``hook(k)`` called right after layer ``k``'s
     backward has returned, i.e. when the gradients of layers ``k .. L-1`` are final (layers
-    in reverse order ``L-1, ..., 0``). A training loop's distributed step installs one to
-    start exchanging those gradients while the earlier layers still compute (the layers
-    themselves know nothing about it).
+    in reverse order ``L-1, ..., 0``). It is per top-level layer, i.e. per whole residual
+    stage or transformer block; the overlapped gradient exchange uses the finer
+    :meth:`Module.watch_gradients` (per module owning parameters) instead.
     """
 
     def __init__(self, *layers: Module):
@@ -184,6 +215,22 @@ class Sequential(Module):
                         self.backward_hook(j)
                 return None
         return dy
+
+
+class _BackwardThenReport:
+    """A module's own ``backward``, then ``on_final(module)``: installed on the instance by
+    :meth:`Module.watch_gradients`."""
+
+    __slots__ = ("module", "backward", "on_final")
+
+    def __init__(self, module: Module, on_final) -> None:
+        self.module, self.on_final = module, on_final
+        self.backward = type(module).backward.__get__(module)
+
+    def __call__(self, dy):
+        dx = self.backward(dy)
+        self.on_final(self.module)
+        return dx
 
 
 def workspace(cache: dict, key: str, shape: tuple, like):

@@ -35,8 +35,12 @@ class Residual(Module):
         return kernels.add(y, skip)
 
     def backward(self, dy):
-        dx = self.body.backward(dy)
-        return kernels.add(dx, dy if self.shortcut is None else self.shortcut.backward(dy))
+        # The shortcut first: its parameters come after the body's in registration order, so
+        # the gradients become final from the last parameter to the first, the order in which
+        # an overlapped exchange sends the flat gradient (mpidl.distributed.extras.overlap).
+        # The sum is the same either way (addition of two arrays commutes).
+        skip = dy if self.shortcut is None else self.shortcut.backward(dy)
+        return kernels.add(self.body.backward(dy), skip)
 
     def _branches(self, x):
         """``(F(x), S(x))``, checked to have one shape."""
