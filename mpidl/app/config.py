@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field, fields
 from mpidl import settings
 from mpidl.engine.backend import DEVICES, DTYPES
 from mpidl.distributed.build import BUCKET_MB, ON_FAILURE, OptionError, check_options
+from mpidl.distributed.watchdog import parse_failure_timeout
 from mpidl.distributed.data_parallel import ON_NAN
 from mpidl.distributed.emulation import EMULATION_CLOCKS, parse_link, parse_slowdowns
 from mpidl.distributed.extras.compress import COMPRESSIONS
@@ -84,6 +85,8 @@ class Config:
     ranks_per_node: int | None = None
     check_replicas: bool = False
     on_failure: str = "restart"
+    #: the failure bound (mpidl/distributed/watchdog.py): "auto" or seconds without progress
+    failure_timeout: str | float = "auto"
     # communication
     intra: str = "mpi"
     overlap: bool = False
@@ -142,6 +145,10 @@ class Config:
         # the resolved value).
         self._check_exchange(self.sync_every if self.sync_every != SYNC_EVERY_EPOCH else sys.maxsize)
         _choice("--on-failure", self.on_failure, ON_FAILURE)
+        try:
+            parse_failure_timeout(self.failure_timeout)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         _choice("--balance", self.balance, BALANCES)
         if self.rebalance and self.balance == "none":
             raise ConfigError("--balance none keeps the equal split, and --rebalance would re-split it "
@@ -368,6 +375,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a lost rank or host: restart (the job ends; resume from --checkpoint) or "
                         "shrink (the survivors drop it, re-split the batch and go on; needs Open MPI "
                         "under mpiexec --with-ft ulfm, else falls back to restart; docs/failures.md)")
+    g.add_argument("--failure-timeout", default=d.failure_timeout, metavar="SECONDS",
+                   help="the failure bound: a rank that makes no progress (a step, an evaluation batch, "
+                        "a checkpoint) for this long ends the job with exit code 3 and names the host "
+                        "it stopped hearing from; 'auto' (default): max(60 s, 10 x the longest step "
+                        "seen), 300 s while warming up (docs/failures.md)")
 
     g = p.add_argument_group("balance (how the global batch is split over the ranks)")
     g.add_argument("--balance", default=d.balance,

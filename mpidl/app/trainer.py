@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -39,9 +40,10 @@ import numpy as np
 
 from mpidl.app.checkpoint import CHECKPOINT_NAME, CheckpointError, load_checkpoint, save_checkpoint, save_model
 from mpidl.app.config import MIN_LOCAL_BATCH, SYNC_EVERY_EPOCH
-from mpidl.distributed import NonFiniteGradient, data_parallel
+from mpidl.distributed import NonFiniteGradient, data_parallel, launch
 from mpidl.distributed.debug import check_replicas
 from mpidl.distributed.elastic.loop import run_surviving
+from mpidl.distributed.watchdog import ProgressWatchdog, parse_failure_timeout
 from mpidl.app.log import MetricsWriter, RankTimingLog
 from mpidl.app.metrics import classification_report, confusion_matrix
 from mpidl.app.netstat import WireCounter, per_host
@@ -186,6 +188,17 @@ class Trainer:
         self._log_failure = None
         self.metrics = MetricsWriter(cfg.metrics, self.rank, append=cfg.resume)
         self.timing = RankTimingLog(cfg.timing_dir, self.rank, append=cfg.resume)
+        #: the failure bound (:mod:`mpidl.distributed.watchdog`; more than one rank only):
+        #: started by :meth:`run`, marked after every step, evaluation batch and checkpoint
+        self.watchdog = None
+        if launch.world()[1] > 1:
+            self.watchdog = ProgressWatchdog.create(parse_failure_timeout(cfg.failure_timeout), launch.allgather,
+                                                    self.startup_rank, socket.gethostname())
+
+    def progress(self, where: str) -> None:
+        """A progress mark for the failure bound (:mod:`mpidl.distributed.watchdog`)."""
+        if self.watchdog is not None:
+            self.watchdog.mark(where)
 
     @property
     def global_step(self) -> int:
@@ -295,6 +308,8 @@ class Trainer:
         and the metrics, and says what happened."""
         self.rank = self.dp.rank
         self.printer.rank = self.dp.rank
+        if self.watchdog is not None:  # the job went on without them: not named again
+            self.watchdog.forget(lost.event.get("lost_ranks", []))
         if self.rank == 0 and self.metrics.file is None and self.cfg.metrics:
             self.metrics = MetricsWriter(self.cfg.metrics, 0, append=True)
         self.printer.warning(f"{lost}")
@@ -324,6 +339,7 @@ class Trainer:
             x, y = self.test_set.read(np.arange(start, min(start + EVAL_BATCH, hi)))
             logits = self.model.forward(self.backend.asarray(x))
             cm += confusion_matrix(y, self.backend.to_host(logits.argmax(axis=1)), k)
+            self.progress("an evaluation batch")
         self.dp.sum(cm)
         self.model.train()
         return classification_report(cm)
@@ -419,6 +435,7 @@ class Trainer:
         folder = self.cfg.checkpoint
         self._agreed_write(lambda: save_checkpoint(folder, self.dp, self.checkpoint_meta(epoch_done, step_in_epoch)),
                            os.path.join(folder, CHECKPOINT_NAME), "the checkpoint")
+        self.progress(f"the checkpoint of step {self.dp.steps}")
         self.printer.info(f"  checkpoint: {self.cfg.checkpoint} (epoch {epoch_done}, step {self.dp.steps})")
 
     def _agreed_write(self, write, path: str, what: str) -> None:
@@ -482,6 +499,9 @@ class Trainer:
         cfg, dp = self.cfg, self.dp
         t_start = time.perf_counter()
         stopped, last, epoch = "completed", None, self.start_epoch
+        if self.watchdog is not None:
+            self.printer.info(self.watchdog.describe())
+            self.watchdog.start()
         for epoch in range(self.start_epoch, cfg.epochs):
             first = self.start_step_in_epoch if epoch == self.start_epoch else 0
             epoch_first_step = dp.steps - first  # the global step of this epoch's first batch
@@ -507,6 +527,8 @@ class Trainer:
         self.stop_on_log_failure()
         self.metrics.close()
         self.timing.close()
+        if self.watchdog is not None:  # training is over: MPI_Finalize is not bounded here
+            self.watchdog.stop()
         dp.close()  # frees what the exchange holds (the node-shared window); the model stays usable
         return end
 
@@ -527,6 +549,7 @@ class Trainer:
             local = dp.local_indices(batch)
             step = dp.steps
             totals.add(step, self.train_step(local), len(local))
+            self.progress(f"step {dp.steps}")
             if dp.should_stop:
                 stopped = "signal"
                 step_in_epoch += 1
@@ -542,6 +565,7 @@ class Trainer:
         if saved:
             self.save_checkpoint(epochs_done, step_in_epoch)
         dp.sync()  # replicas identical for evaluation; pending stops and NaNs agreed
+        self.progress(f"the epoch-end sync of step {dp.steps}")
         self.report_skips()
         if stopped == "completed" and dp.should_stop:
             stopped = "signal"
