@@ -11,15 +11,17 @@ quorum stops with exit 1 even though the other side finished the job.
 What it does. It runs the launcher command in a session of its own, passes its output through
 line by line, and watches for two lines that only ``mpidl.train``'s rank 0 prints:
 
-* ``done: completed ...`` (the job's result is complete: the training, the final evaluation and
-  ``--save`` are done): from then on the launcher has ``--grace`` seconds to return; the guard
-  then exits **0** whatever the launcher's code (a stopped minority's exit 1 is not the job's);
+* ``done: ...`` (``done: completed``, ``done: max_steps`` or ``done: signal``: the job ended by
+  itself, its final evaluation, ``--save`` and checkpoint written): from then on the launcher
+  has ``--grace`` seconds to return; the guard then exits **0** whatever the launcher's code
+  (a stopped minority's exit 1 is not the job's);
 * ``... Ending the job (exit code 3) ...`` (the failure bound, the result is NOT complete): the
   launcher has ``--grace`` seconds to return; the guard exits **3**.
 
 If the launcher does not return within the grace, the guard kills its session (SIGKILL: hydra
 ignores SIGTERM while ranks hang) and exits as said. With neither line, the launcher's own exit
-code is passed on. The exit codes (docs/failures.md): 0 complete; 1 failed (an error, see the
+code is passed on, except 0, which becomes 3 (prterun returns 0 after losing a host's daemon,
+the job unfinished). The exit codes (docs/failures.md): 0 complete; 1 failed (an error, see the
 output); 2 set-up error; 3 ended by the failure bound (a host lost, frozen or cut off: resume
 with ``--resume``); anything else is the launcher's own (a signal, ``MPI_Abort`` code).
 """
@@ -38,13 +40,15 @@ from mpidl.distributed.watchdog import EXIT_FAILURE_BOUND
 
 #: seconds the launcher has to return after the result line (default of --grace)
 GRACE_S = 30.0
-COMPLETE_LINE = "done: completed"
+#: rank 0's last line when mpidl.train ends by itself (completed, --max-steps, or a signal's
+#: checkpointed stop): the job's own word on its result
+DONE_LINE = "done: "
 BOUND_LINE = f"Ending the job (exit code {EXIT_FAILURE_BOUND})"
 
 
 def verdict(line: str) -> int | None:
     """The exit code a line of the job's output decides (0 complete, 3 bound), or None."""
-    if line.startswith(COMPLETE_LINE) or f">: {COMPLETE_LINE}" in line:  # plain, or tagged: [1,0]<stdout>: done
+    if line.startswith(DONE_LINE) or f">: {DONE_LINE}" in line:  # plain, or tagged: [1,0]<stdout>: done
         return 0
     if BOUND_LINE in line:
         return EXIT_FAILURE_BOUND
@@ -85,6 +89,12 @@ def run(command: list[str], grace_s: float = GRACE_S, out=None) -> int:
     reader.join(timeout=2)
     if decided:
         return decided[0][0]
+    if proc.returncode == 0:
+        # Open MPI's prterun returns 0 after losing a host's daemon, the job unfinished
+        out.write(f"mpidl.guard: the launcher returned 0, but the job never said it was done: its result is "
+                  f"NOT complete (exit code {EXIT_FAILURE_BOUND}); resume from the last --checkpoint\n")
+        out.flush()
+        return EXIT_FAILURE_BOUND
     return proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
 
 

@@ -15,9 +15,11 @@ def sh(script):
 def test_the_lines_that_decide():
     assert verdict("done: completed after 256 steps in 30.1 s; test OA 95.0%\n") == 0
     assert verdict("[1,0]<stdout>: done: completed after 256 steps\n") == 0
-    assert verdict("done: signal after 12 steps\n") is None  # stopped: resume, not complete
+    assert verdict("done: signal after 12 steps\n") == 0  # a clean stop, checkpointed: the job's own end
     assert verdict("mpidl: rank 0: no progress ... Ending the job (exit code 3): its result ...\n") == EXIT_FAILURE_BOUND
     assert verdict("epoch 1/4 loss 0.5\n") is None
+
+
 
 
 def test_a_completed_job_is_0_even_when_a_stopped_minority_made_the_launcher_return_1():
@@ -40,7 +42,9 @@ def test_a_launcher_that_does_not_return_after_the_end_is_ended_after_the_grace(
 
 def test_without_a_deciding_line_the_launcher_code_is_passed_on():
     assert run(sh("echo hello; exit 5"), out=io.StringIO()) == 5
-    assert run(sh("exit 0"), out=io.StringIO()) == 0
+    out = io.StringIO()
+    assert run(sh("exit 0"), out=out) == EXIT_FAILURE_BOUND  # prterun after losing a daemon
+    assert "never said it was done" in out.getvalue()
     assert run(sh("kill -KILL $$"), out=io.StringIO()) == 128 + 9
 
 
