@@ -4,8 +4,18 @@ complete (fake launchers: shell commands; generous grace, nothing timed)."""
 import io
 import sys
 
-from mpidl.guard import main, run, verdict
+import subprocess
+
+from mpidl import guard
 from mpidl.distributed.watchdog import EXIT_FAILURE_BOUND
+from mpidl.guard import main, run, verdict
+
+
+def test_the_guard_is_not_an_mpi_process_and_shares_the_bound_s_exit_code():
+    assert guard.EXIT_FAILURE_BOUND == EXIT_FAILURE_BOUND
+    probe = subprocess.run([sys.executable, "-c", "import sys, mpidl.guard; print('mpi4py.MPI' in sys.modules)"],
+                           capture_output=True, text=True, timeout=60)
+    assert probe.stdout.strip() == "False", probe.stderr
 
 
 def sh(script):
