@@ -68,16 +68,15 @@ def test_silent_ranks_are_the_ones_not_heard_from():
     assert peers.silent(11.0, 2.0) == []
 
 
-def test_the_lowest_rank_still_heard_from_speaks_for_the_job():
+def test_the_first_rank_to_end_speaks_and_is_not_named_as_lost():
     hosts = ["h1", "h2", "h3"]
-    zero, one = Peers(0, hosts, started_at=0.0), Peers(1, hosts, started_at=0.0)
-    for p in (zero, one):
-        for r in range(3):
-            p.heard(r, 10.0)
-    assert zero.speaks_for_job(11.0, 2.0)
-    assert not one.speaks_for_job(11.0, 2.0)  # rank 0 is heard: it speaks
-    one.heard_at[0] = 5.0
-    assert one.speaks_for_job(11.0, 2.0)  # rank 0 is silent: rank 1 speaks
+    one = Peers(1, hosts, started_at=0.0)
+    for r in range(3):
+        one.heard(r, 10.0)
+    assert one.speaks_for_job()
+    one.heard(0, 10.5, ending=True)  # rank 0's bound passed first: it speaks
+    assert not one.speaks_for_job()
+    assert one.silent(30.0, 2.0) == [2]  # rank 0 is alive and ending, not lost
 
 
 def test_the_message_names_the_silent_host_and_says_what_to_do():
@@ -131,7 +130,7 @@ def test_a_rank_that_does_not_speak_for_the_job_still_ends_without_a_message():
     clock, ended = FakeClock(), []
     dog = ProgressWatchdog(1, ["a", "b"], None, None, 5.0, end=ended.append, clock=clock)
     dog.progress.arm(0.0)
-    dog.peers.heard(0, 5.0)  # rank 0 is alive and will say it
+    dog.peers.heard(0, 5.0, ending=True)  # rank 0 ends the job and says why
     assert dog.check(5.5)
     assert ended == [""]
 

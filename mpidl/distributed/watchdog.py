@@ -24,8 +24,10 @@ reports a frozen host. No MPI call can be trusted to return, so the bound lives 
   so far on this rank (a step, an evaluation batch, a checkpoint write); until the loop has
   made :data:`WARMUP_MARKS` marks (compilation, the first steps) ``T = WARMUP_S``.
 
-Only the lowest-ranked rank still heard from prints the message (one line per job, not one
-per rank); every stalled rank ends alike, so the job ends even if that one cannot.
+The first rank whose bound passes prints the message and tells the others (a last datagram),
+which then end quietly (one line per job, not one per rank; two if two ranks pass it within
+the same heartbeat period) and do not name it as lost; every stalled rank ends alike, so the
+job ends even if the first one cannot.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ WARMUP_MARKS = 3
 #: how long end_job waits for MPI_Abort before ending this process itself
 ABORT_WAIT_S = 5.0
 
-_PACKET = struct.Struct("!iQ")  # start-up rank, progress count
+_PACKET = struct.Struct("!iQB")  # start-up rank, progress count, 1 when that rank is ending the job
 
 
 def parse_failure_timeout(value) -> float | None:
@@ -119,10 +121,14 @@ class Peers:
     heard_at: dict = field(default_factory=dict)
     started_at: float = 0.0
     gone: set = field(default_factory=set)
+    #: ranks that said they are ending the job (their bound passed first): alive, not lost
+    ending: set = field(default_factory=set)
 
-    def heard(self, rank: int, now: float) -> None:
+    def heard(self, rank: int, now: float, ending: bool = False) -> None:
         if 0 <= rank < len(self.hosts) and rank != self.rank:
             self.heard_at[rank] = now
+            if ending:
+                self.ending.add(rank)
 
     def forget(self, ranks) -> None:
         """Ranks the job already went on without (a shrink): not named again."""
@@ -132,15 +138,15 @@ class Peers:
         """The other ranks not heard from for more than ``after_s`` (never heard: counted from
         :attr:`started_at`)."""
         return [r for r in range(len(self.hosts)) if r != self.rank and r not in self.gone
-                and now - self.heard_at.get(r, self.started_at) > after_s]
+                and r not in self.ending and now - self.heard_at.get(r, self.started_at) > after_s]
 
     def ever_heard(self) -> bool:
         return bool(self.heard_at)
 
-    def speaks_for_job(self, now: float, after_s: float) -> bool:
-        """Whether this rank is the lowest one still heard from (it prints the message)."""
-        silent = set(self.silent(now, after_s))
-        return all(r in silent or r in self.gone for r in range(self.rank))
+    def speaks_for_job(self) -> bool:
+        """Whether this rank prints the message: no other rank has said it is ending the job
+        (the first rank whose bound passes speaks; the others end quietly)."""
+        return not self.ending
 
 
 def describe_silent(peers: Peers, silent: list[int]) -> str:
@@ -276,15 +282,16 @@ class ProgressWatchdog:
             if self._fired or not self.progress.stalled(now):
                 return False
             self._fired = True
-            speaks = self.peers.speaks_for_job(now, 2 * self.period_s)
+            speaks = self.peers.speaks_for_job()
             message = stall_message(self.progress, self.peers, now, self.period_s) if speaks else ""
+        self._beat(ending=True)
         self._end(message)
         return True
 
-    def _beat(self) -> None:
+    def _beat(self, ending: bool = False) -> None:
         if self._sock is None or not self._addresses:
             return
-        packet = _PACKET.pack(self.peers.rank, self.progress.marks)
+        packet = _PACKET.pack(self.peers.rank, self.progress.marks, 1 if ending else 0)
         for r, address in enumerate(self._addresses):
             if r != self.peers.rank and r not in self.peers.gone:
                 try:
@@ -306,9 +313,9 @@ class ProgressWatchdog:
             except (BlockingIOError, OSError):
                 return
             if len(data) == _PACKET.size:
-                rank, _marks = _PACKET.unpack(data)
+                rank, _marks, ending = _PACKET.unpack(data)
                 with self._lock:
-                    self.peers.heard(rank, self._clock())
+                    self.peers.heard(rank, self._clock(), ending=bool(ending))
 
     # -- ending the job
     def end_job(self, message: str) -> None:
