@@ -321,11 +321,14 @@ class ProgressWatchdog:
     def end_job(self, message: str) -> None:
         """Print ``message`` (if any), ask MPI to end every rank (``MPI_Abort`` with
         :data:`EXIT_FAILURE_BOUND`), and end this process if MPI has not within
-        :data:`ABORT_WAIT_S`."""
+        :data:`ABORT_WAIT_S`. A quiet rank (another one speaks) waits :data:`ABORT_WAIT_S`
+        first: its abort would end the speaker before its line is out (seen under hydra)."""
         if message:
             from mpidl.distributed.launch import report  # noqa: PLC0415
 
             report(message + "\n")
+        else:
+            time.sleep(ABORT_WAIT_S)
 
         def abort():
             try:
