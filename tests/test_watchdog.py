@@ -92,7 +92,20 @@ def test_the_message_names_the_silent_host_and_says_what_to_do():
     text = stall_message(progress, peers, 100.0, 1.0)
     assert "no progress for 12.0 s after step 57 (bound 10.0 s, --failure-timeout)" in text
     assert "rank [4] on c" in text and "(c)" in text
+    assert "for 50.0 s" in text
     assert f"exit code {EXIT_FAILURE_BOUND}" in text and "NOT complete" in text and "--resume" in text
+
+
+def test_ranks_that_fell_silent_later_are_named_apart_from_the_lost_host():
+    peers = Peers(0, ["a", "b", "c"], started_at=0.0)
+    peers.heard(1, 93.0)  # went quiet 3 s after host c
+    peers.heard(2, 90.0)
+    progress = Progress(fixed_s=10.0)
+    progress.arm(0.0)
+    progress.mark(89.0, "step 9")
+    text = stall_message(progress, peers, 100.0, 1.0)
+    assert "no heartbeat from rank [2] on c (all its ranks) for 10.0 s: that host is lost, frozen or cut off (c)" in text
+    assert "rank [1] on b (all its ranks) fell silent 3.0 s later" in text
 
 
 def test_the_message_says_when_it_cannot_name_the_host():

@@ -166,10 +166,19 @@ def stall_message(progress: Progress, peers: Peers, now: float, period_s: float)
     """What the rank that speaks for the job prints when the bound is passed."""
     silent = peers.silent(now, 2 * period_s)
     if silent:
-        hosts = sorted({peers.hosts[r] for r in silent})
-        who = (f"no heartbeat from {describe_silent(peers, silent)} for more than {2 * period_s:.1f} s: "
+        # The lost host fell silent first; ranks that went quiet later (seen after a kill under
+        # MPICH: survivors silent a few seconds after the lost one) are named apart.
+        last = {r: peers.heard_at.get(r, peers.started_at) for r in silent}
+        first = min(last.values())
+        lost = [r for r in silent if last[r] <= first + period_s]
+        later = [r for r in silent if r not in lost]
+        hosts = sorted({peers.hosts[r] for r in lost})
+        who = (f"no heartbeat from {describe_silent(peers, lost)} for {now - first:.1f} s: "
                f"{'that host is' if len(hosts) == 1 else 'those hosts are'} lost, frozen or cut off "
                f"({', '.join(hosts)})")
+        if later:
+            who += (f"; {describe_silent(peers, later)} fell silent "
+                    f"{min(last[r] for r in later) - first:.1f} s later")
     elif len(peers.hosts) > 1 and not peers.ever_heard():
         who = ("no rank's heartbeat ever arrived (UDP between the hosts blocked?), so the lost host "
                "cannot be named")
