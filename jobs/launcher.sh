@@ -221,9 +221,14 @@ mpidl_cluster_cmd() {  # KIND EXE RANKS "SIZES" PROG...: MPIDL_CMD for the clust
                    -genv MPIR_CVAR_PROGRESS_TIMEOUT "$MPIDL_FAULT_TIMEOUT" "$@")
     else
         local net="10.77.$SUBNET.0/24"
+        # prterun's keepalive on its daemons makes it end the job when it loses a host: what
+        # restart wants (no endless wait), but it would also end the survivors of a cut link
+        # under --with-ft ulfm; there the failure bound and mpidl.guard end the launcher.
+        local keepalive=(--prtemca oob_tcp_keepalive_time 5 --prtemca oob_tcp_keepalive_intvl 1
+                         --prtemca oob_tcp_keepalive_probes 5)
+        [[ "${MPIDL_FT:-}" == ulfm ]] && keepalive=()
         MPIDL_CMD=("$exe" ${MPIDL_FT_FLAGS[@]+"${MPIDL_FT_FLAGS[@]}"} -n "$ranks" --host "$hosts" --prtemca plm_ssh_agent "$jobs_dir/cluster_ssh.sh"
-                   --prtemca oob_tcp_if_include "$net" --prtemca oob_tcp_keepalive_time 5
-                   --prtemca oob_tcp_keepalive_intvl 1 --prtemca oob_tcp_keepalive_probes 5
+                   --prtemca oob_tcp_if_include "$net" ${keepalive[@]+"${keepalive[@]}"}
                    --mca btl_tcp_if_include "$net"
                    --mca pml ob1 --mca btl tcp,sm,self
                    --oversubscribe --bind-to none --mca mpi_yield_when_idle 1)

@@ -20,7 +20,10 @@
 #      MPIDL_FAULT_TIMEOUT + 30 s (MPIDL_FAULT_TIMEOUT=10 here) with no `end` record, and a
 #      new job resumes from the last checkpoint and completes;
 #   5. fault (d): every rank of host 2 SIGKILLed: the job ends within 10 s;
-#   6. Open MPI only: grow back (tests/test_grow.py -k another_host): a lost rank replaced by
+#   6. the failure bound, with the MPI's time-out off, under python -m mpidl.guard: (MPICH)
+#      host 2's ranks SIGKILLed under mpiexec -disable-auto-cleanup, and (both) host 2 frozen
+#      for good: exit code 3 within 30 s / 45 s, and the message names host 2.
+#   7. Open MPI only: grow back (tests/test_grow.py -k another_host): a lost rank replaced by
 #      one that joins on host 2 (--replace-with), the final parameters those of a fault-free run.
 # CLUSTER_FAULTS=all adds (b) link cut for 3 s and restored, (c) host 2 frozen for good,
 # (e) host 2's link lowered to 50 Mbit/s in training; each prints its time to end.
@@ -258,6 +261,54 @@ say "(d) ranks killed: the job ended after $ELAPSED s, exit code $CODE"
 (( CODE != 0 )) || fail "(d): exit code 0 after ranks were killed"
 awk -v e="$ELAPSED" 'BEGIN { exit !(e <= 10) }' || fail "(d): ended after $ELAPSED s, bound 10 s"
 
+# ---- 6. the failure bound (mpidl/distributed/watchdog.py) and the guard (mpidl/guard.py):
+# with the MPI's own time-outs off (MPIR_CVAR_PROGRESS_TIMEOUT=0) and launcher flags that make
+# it wait for ever (MPICH: -disable-auto-cleanup; Open MPI: a frozen host's daemon), the job
+# still ends within --failure-timeout + the guard's grace, with exit code 3 and a line that
+# names host 2.
+# bound_run LABEL FAULT...: like fault_run, under python -m mpidl.guard, --failure-timeout 10.
+bound_run() {
+    local label=$1 pid t0 extra=()
+    shift
+    rm -f "$WORK/$label.jsonl"
+    [[ "$kind" == mpich ]] && extra=(-disable-auto-cleanup)
+    MPIDL_FAULT_TIMEOUT=0 mpidl_mpiexec 2 2 "$PY" -m mpidl.train "${common[@]}" --epochs 40 --failure-timeout 10 \
+        --metrics "$WORK/$label.jsonl"
+    "$PY" -m mpidl.guard --grace 10 -- "${MPIDL_CMD[0]}" ${extra[@]+"${extra[@]}"} "${MPIDL_CMD[@]:1}" \
+        > "$WORK/$label.out" 2>&1 &
+    pid=$!
+    for ((i = 0; i < 600; i++)); do
+        grep -qs '"event": "epoch"' "$WORK/$label.jsonl" && break
+        kill -0 "$pid" 2>/dev/null || { cat "$WORK/$label.out"; fail "$label: the job ended before training"; }
+        sleep 0.2
+    done
+    t0=$(now)
+    "$@"
+    local waited=0
+    while kill -0 "$pid" 2>/dev/null && (( waited < 1200 )); do sleep 0.1; waited=$((waited + 1)); done
+    if kill -0 "$pid" 2>/dev/null; then kill -KILL "$pid"; fi
+    CODE=0
+    wait "$pid" || CODE=$?
+    ELAPSED=$(seconds "$t0" "$(now)")
+}
+bound_checks() {  # bound_checks LABEL WHAT LIMIT: exit code 3, ended within LIMIT s, host 2 named
+    say "$2: the job ended after $ELAPSED s, exit code $CODE"
+    grep -a "Ending the job" "$WORK/$1.out" | head -n 1 || true
+    (( CODE == 3 )) || { cat "$WORK/$1.out"; fail "$2: exit code $CODE, not 3 (the failure bound)"; }
+    grep -aq "no heartbeat from rank \[1\] on $NAME-node2" "$WORK/$1.out" || { cat "$WORK/$1.out"; fail "$2: host 2 not named"; }
+    awk -v e="$ELAPSED" -v b="$3" 'BEGIN { exit !(e <= b) }' || fail "$2: ended after $ELAPSED s, bound $3 s"
+}
+if [[ "$kind" == mpich ]]; then
+    say "6. the failure bound: every rank of host 2 SIGKILLed under mpiexec -disable-auto-cleanup"
+    bound_run bound-kill bash jobs/cluster.sh --name "$NAME" kill node2 KILL
+    bound_checks bound-kill "(6) ranks killed, -disable-auto-cleanup" 30
+fi
+say "6. the failure bound: host 2 frozen for good (--failure-timeout 10, the guard's grace 10 s)"
+bound_run bound-freeze bash jobs/cluster.sh --name "$NAME" freeze node2
+bash jobs/cluster.sh --name "$NAME" kill node2 KILL >/dev/null || true
+bash jobs/cluster.sh --name "$NAME" thaw node2
+bound_checks bound-freeze "(6) host frozen" 45
+
 if [[ "${CLUSTER_FAULTS:-}" == all ]]; then
     say "(b) link cut for 3 s, then restored"
     fault_run blip bash -c "bash jobs/cluster.sh --name $NAME cut node2 && sleep 3 && bash jobs/cluster.sh --name $NAME restore node2"
@@ -274,11 +325,11 @@ if [[ "${CLUSTER_FAULTS:-}" == all ]]; then
 fi
 
 if [[ "$kind" == openmpi ]]; then
-    say "6. grow back (Open MPI, ULFM): 2 ranks on host 1, rank 1 killed at step 4, 1 rank joins on host 2 (--replace-with); final parameters = a fault-free run (<= 1e-12)"
+    say "7. grow back (Open MPI, ULFM): 2 ranks on host 1, rank 1 killed at step 4, 1 rank joins on host 2 (--replace-with); final parameters = a fault-free run (<= 1e-12)"
     MPIDL_CLUSTER=$NAME "$PY" -m pytest -q -p no:cacheprovider tests/test_grow.py -k another_host \
         || fail "growing back onto host 2 failed"
 else
-    say "6. grow back skipped: it needs Open MPI with ULFM (the MPICH wheel has none: docs/failures.md)"
+    say "7. grow back skipped: it needs Open MPI with ULFM (the MPICH wheel has none: docs/failures.md)"
 fi
 
 say "all cluster checks passed ($kind)"

@@ -4,8 +4,8 @@
 (the command line of ``python -m mpidl.train`` with :func:`inject` applied) makes rank
 ``RANK``, at global step ``STEP``, raise :class:`InjectedFault` (``raise``, the default),
 put NaN into its local gradient (``nan``: the collective non-finite decision), send itself
-SIGTERM (``term``: the real signal handler at a known step), or SIGKILL (``kill``: a lost
-rank, for ``--on-failure shrink``).
+SIGTERM (``term``: the real signal handler at a known step), SIGKILL (``kill``: a lost
+rank, for ``--on-failure shrink``), or SIGSTOP (``stop``: a frozen rank, for the failure bound).
 Several, comma-separated (``4:9:kill,5:9:kill``: a host of two ranks lost at once).
 ``RANK`` is the rank at start-up (a survivor of a shrink keeps it). The tests use it to check that a
 failure on one rank ends, or stops, every rank alike.
@@ -18,7 +18,7 @@ import signal
 from dataclasses import dataclass
 
 ENV = "MPIDL_INJECT_FAULT"
-KINDS = ("raise", "nan", "term", "kill")
+KINDS = ("raise", "nan", "term", "kill", "stop")
 
 __all__ = ["ENV", "KINDS", "Fault", "InjectedFault", "parse_fault", "fault_from_environment", "inject"]
 
@@ -85,6 +85,8 @@ def inject(trainer_class, faults) -> None:
         kind = faults.at(self.startup_rank, self.dp.steps)
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if kind == "stop":  # frozen, as a frozen host: alive, silent, never stepping again
+            os.kill(os.getpid(), signal.SIGSTOP)
         if kind == "raise":
             raise InjectedFault(f"injected fault on rank {self.rank} at step {self.dp.steps} ({ENV})")
         if kind == "term":

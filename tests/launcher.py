@@ -224,9 +224,13 @@ def cluster_command(name: str, kind: str, exe: str, ranks: int, sizes: list[int]
                 "-genv", "MPIR_CVAR_PROGRESS_TIMEOUT", timeout, *program]
     if kind == OPENMPI:
         net = f"10.77.{state['SUBNET']}.0/24"
+        # prterun's keepalive on its daemons ends the job when a host is lost: not under ULFM,
+        # where it would end the survivors of a cut link (jobs/launcher.sh does the same)
+        keepalive = [] if "--with-ft" in flags else [
+            "--prtemca", "oob_tcp_keepalive_time", "5", "--prtemca", "oob_tcp_keepalive_intvl", "1",
+            "--prtemca", "oob_tcp_keepalive_probes", "5"]
         cmd = [exe, *flags, "-n", str(ranks), "--host", hosts, "--prtemca", "plm_ssh_agent", agent,
-               "--prtemca", "oob_tcp_if_include", net, "--prtemca", "oob_tcp_keepalive_time", "5",
-               "--prtemca", "oob_tcp_keepalive_intvl", "1", "--prtemca", "oob_tcp_keepalive_probes", "5",
+               "--prtemca", "oob_tcp_if_include", net, *keepalive,
                "--mca", "btl_tcp_if_include", net,
                "--mca", "pml", "ob1", "--mca", "btl", "tcp,sm,self",
                "--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1"]

@@ -188,3 +188,21 @@ def test_save_failing_at_the_end_rescues_the_model(data, tmp_path):
     from mpidl.app.checkpoint import load_model
 
     assert load_model(str(rescued)).name == "hsicnn"
+
+
+def test_a_frozen_rank_ends_the_job_within_the_failure_bound_naming_it(data):
+    """Rank 1 SIGSTOPs itself at step 3 (a frozen host, on one machine): rank 0 waits in the
+    step's allreduce, which never returns; its failure bound (--failure-timeout 5) ends the job
+    with exit code 3 and a line that names rank 1. The time is not asserted beyond the
+    subprocess's generous limit (a loaded machine)."""
+    if not Path(MPIEXEC).exists():
+        pytest.skip(f"no mpiexec at {MPIEXEC}")
+    cmd = [MPIEXEC, "-n", "2", "-launcher", "fork", sys.executable, str(ROOT / "tests" / "faulty_train.py"),
+           "--data", data, "--epochs", "3", "--batch-size", "8", "--speeds", "1,1", "--failure-timeout", "5"]
+    env = dict(os.environ, MPIDL_INJECT_FAULT="1:3:stop")
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 3, out
+    assert "failure bound: a rank without progress for 5 s (--failure-timeout)" in out
+    assert "no heartbeat from rank [1] on" in out and "Ending the job (exit code 3)" in out, out
+    assert out.count("Ending the job") == 1, out  # one line for the job, by rank 0

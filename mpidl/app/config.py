@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field, fields
 from mpidl import settings
 from mpidl.engine.backend import DEVICES, DTYPES
 from mpidl.distributed.build import BUCKET_MB, ON_FAILURE, OptionError, check_options
+from mpidl.distributed.watchdog import parse_failure_timeout
 from mpidl.distributed.data_parallel import ON_NAN
 from mpidl.distributed.emulation import EMULATION_CLOCKS, parse_link, parse_slowdowns
 from mpidl.distributed.extras.compress import COMPRESSIONS
@@ -86,6 +87,8 @@ class Config:
     on_failure: str = "restart"
     #: a spare host of the job's allocation that takes the place of a lost host (grow back)
     replace_with: str | None = None
+    #: the failure bound (mpidl/distributed/watchdog.py): "auto" or seconds without progress
+    failure_timeout: str | float = "auto"
     # communication
     intra: str = "mpi"
     overlap: bool = False
@@ -150,6 +153,10 @@ class Config:
             if self.on_failure != "shrink":
                 raise ConfigError("--replace-with starts new ranks in the place of a lost host, which needs "
                                   "--on-failure shrink (the survivors go on first, then the new host joins)")
+        try:
+            parse_failure_timeout(self.failure_timeout)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         _choice("--balance", self.balance, BALANCES)
         if self.rebalance and self.balance == "none":
             raise ConfigError("--balance none keeps the equal split, and --rebalance would re-split it "
@@ -381,6 +388,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a lost rank or host: restart (the job ends; resume from --checkpoint) or "
                         "shrink (the survivors drop it, re-split the batch and go on; needs Open MPI "
                         "under mpiexec --with-ft ulfm, else falls back to restart; docs/failures.md)")
+    g.add_argument("--failure-timeout", default=d.failure_timeout, metavar="SECONDS",
+                   help="the failure bound: a rank that makes no progress (a step, an evaluation batch, "
+                        "a checkpoint) for this long ends the job with exit code 3 and names the host "
+                        "it stopped hearing from; 'auto' (default): max(60 s, 10 x the longest step "
+                        "seen), 300 s while warming up (docs/failures.md)")
 
     g = p.add_argument_group("balance (how the global batch is split over the ranks)")
     g.add_argument("--balance", default=d.balance,

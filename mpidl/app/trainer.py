@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -40,10 +41,11 @@ import numpy as np
 
 from mpidl.app.checkpoint import CHECKPOINT_NAME, CheckpointError, load_checkpoint, save_checkpoint, save_model
 from mpidl.app.config import MIN_LOCAL_BATCH, SYNC_EVERY_EPOCH
-from mpidl.distributed import NonFiniteGradient, data_parallel
+from mpidl.distributed import NonFiniteGradient, data_parallel, launch
 from mpidl.distributed.build import join_data_parallel
 from mpidl.distributed.debug import check_replicas
 from mpidl.distributed.elastic.loop import run_surviving
+from mpidl.distributed.watchdog import ProgressWatchdog, parse_failure_timeout
 from mpidl.app.log import MetricsWriter, RankTimingLog
 from mpidl.app.metrics import classification_report, confusion_matrix
 from mpidl.app.netstat import WireCounter, per_host
@@ -191,6 +193,14 @@ class Trainer:
         self._log_failure = None
         self.metrics = MetricsWriter(cfg.metrics, self.rank, append=cfg.resume or joining)
         self.timing = RankTimingLog(cfg.timing_dir, self.rank, append=cfg.resume or joining)
+        #: the failure bound (:mod:`mpidl.distributed.watchdog`; more than one rank only):
+        #: started by :meth:`run`, marked after every step, evaluation batch and checkpoint. A
+        #: rank that joined a running job (--replace-with) runs without one: its world is not
+        #: the job's start-up world the heartbeats are addressed by.
+        self.watchdog = None
+        if launch.world()[1] > 1 and not joining:
+            self.watchdog = ProgressWatchdog.create(parse_failure_timeout(cfg.failure_timeout), launch.allgather,
+                                                    self.startup_rank, socket.gethostname())
 
     def _data_parallel(self, model, cfg, speeds, topology):
         return data_parallel(
@@ -203,6 +213,11 @@ class Trainer:
             sync_overlap=cfg.sync_overlap, emulate_slowdown=cfg.slowdown_list or 1.0,
             emulate_clock=cfg.emulate_clock, emulate_link=cfg.emulate_link, on_failure=cfg.on_failure,
         )
+
+    def progress(self, where: str) -> None:
+        """A progress mark for the failure bound (:mod:`mpidl.distributed.watchdog`)."""
+        if self.watchdog is not None:
+            self.watchdog.mark(where)
 
     @property
     def global_step(self) -> int:
@@ -313,6 +328,8 @@ class Trainer:
         (a host's) are replaced once, by as many on HOST: :meth:`grow_back`."""
         self.rank = self.dp.rank
         self.printer.rank = self.dp.rank
+        if self.watchdog is not None:  # the job went on without them: not named again
+            self.watchdog.forget(lost.event.get("lost_ranks", []))
         if self.rank == 0 and self.metrics.file is None and self.cfg.metrics:
             self.metrics = MetricsWriter(self.cfg.metrics, 0, append=True)
         self.printer.warning(f"{lost}")
@@ -332,8 +349,12 @@ class Trainer:
         the global batch is split over every rank again."""
         self.replaced = True
         command = [sys.executable, "-m", "mpidl.train", *sys.argv[1:]]
+        # The join takes the new processes' start-up (seconds): the bound counts from here,
+        # and a --failure-timeout shorter than the join ends the job (docs/failures.md).
+        self.progress("the shrink, before the join")
         event = self.dp.grow(self.cfg.replace_with, count, command,
                              extra={"epoch": epoch, "step_in_epoch": step_in_epoch})
+        self.progress("the join")
         self.printer.warning(f"{count} rank(s) joined on {self.cfg.replace_with} in {event['join_s']:.3f} s "
                              f"(spawn {event['spawn_s']:.3f} s); {event['ranks']} rank(s) on {event['hosts']} "
                              f"host(s) go on from step {event['step']} with batch sizes {event['batch_sizes']}")
@@ -368,6 +389,7 @@ class Trainer:
             x, y = self.test_set.read(np.arange(start, min(start + EVAL_BATCH, hi)))
             logits = self.model.forward(self.backend.asarray(x))
             cm += confusion_matrix(y, self.backend.to_host(logits.argmax(axis=1)), k)
+            self.progress("an evaluation batch")
         self.dp.sum(cm)
         self.model.train()
         return classification_report(cm)
@@ -463,6 +485,7 @@ class Trainer:
         folder = self.cfg.checkpoint
         self._agreed_write(lambda: save_checkpoint(folder, self.dp, self.checkpoint_meta(epoch_done, step_in_epoch)),
                            os.path.join(folder, CHECKPOINT_NAME), "the checkpoint")
+        self.progress(f"the checkpoint of step {self.dp.steps}")
         self.printer.info(f"  checkpoint: {self.cfg.checkpoint} (epoch {epoch_done}, step {self.dp.steps})")
 
     def _agreed_write(self, write, path: str, what: str) -> None:
@@ -526,6 +549,9 @@ class Trainer:
         cfg, dp = self.cfg, self.dp
         t_start = time.perf_counter()
         stopped, last, epoch = "completed", None, self.start_epoch
+        if self.watchdog is not None:
+            self.printer.info(self.watchdog.describe())
+            self.watchdog.start()
         for epoch in range(self.start_epoch, cfg.epochs):
             first = self.start_step_in_epoch if epoch == self.start_epoch else 0
             epoch_first_step = dp.steps - first  # the global step of this epoch's first batch
@@ -552,6 +578,8 @@ class Trainer:
         self.stop_on_log_failure()
         self.metrics.close()
         self.timing.close()
+        if self.watchdog is not None:  # training is over: MPI_Finalize is not bounded here
+            self.watchdog.stop()
         dp.close()  # frees what the exchange holds (the node-shared window); the model stays usable
         return end
 
@@ -572,6 +600,7 @@ class Trainer:
             local = dp.local_indices(batch)
             step = dp.steps
             totals.add(step, self.train_step(local), len(local))
+            self.progress(f"step {dp.steps}")
             if dp.should_stop:
                 stopped = "signal"
                 step_in_epoch += 1
@@ -587,6 +616,7 @@ class Trainer:
         if saved:
             self.save_checkpoint(epochs_done, step_in_epoch)
         dp.sync()  # replicas identical for evaluation; pending stops and NaNs agreed
+        self.progress(f"the epoch-end sync of step {dp.steps}")
         self.report_skips()
         if stopped == "completed" and dp.should_stop:
             stopped = "signal"

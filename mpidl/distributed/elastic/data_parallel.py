@@ -166,7 +166,7 @@ class ElasticDataParallel:
         if not ok:
             return cls(dp, rebuild, on_failure="restart", failure_note=(
                 f"on_failure shrink is not available ({reason}): falling back to restart (a lost rank "
-                "ends the job; resume from the checkpoint)"))
+                "ends the job within the failure bound, exit code 3; resume from the checkpoint)"))
         elastic = cls(dp, rebuild, on_failure="shrink", members=Members.gather(topology.world),
                       failure_note=f"on_failure shrink: the survivors of a lost rank go on ({reason})")
         elastic._core = elastic._compose(dp.exchange, dp.split, dp)
