@@ -1,6 +1,6 @@
 # python benchmarks/cluster_step.py [--rounds 5] [--model resnet8] [--shape 32,9,9] [--batch 32]
 #     [--configs head,head-env,host,host-env,mpi] [--cpu 1] [--name cstep]
-"""Is mpidl's step on a cluster host the same as its own single-process step? (issue 40, engine)
+"""Is mpidl's step on a cluster host the same as its own single-process step?
 
 One worker (``--worker``) times a training step of one model the way ``python -m mpidl.train``
 runs it: ``app.cli.start_process()`` first (the thread policy), the model, SGD with momentum,
@@ -29,7 +29,7 @@ order rotates), on one cluster of ``jobs/cluster.sh`` kept up for all rounds:
               starts a training run (rank 0's compute part is the figure to compare);
               ``mpi-RATE`` (e.g. ``mpi-100mbit``, ``mpi-none``) with both links set to RATE first;
               ``mpi-oneweight`` with the cluster's cgroup at ``cpu.shares`` 1024 (the whole
-              cluster weighs as one ordinary process: ``jobs/cluster.sh`` before issue 40).
+              cluster weighs as one ordinary process: the old ``jobs/cluster.sh``).
 
 Writes ``benchmarks/results/cluster_step.md`` and a JSON beside it (``--tag`` suffixes both).
 """

@@ -316,7 +316,7 @@ start_cluster() {
     # root's CFS group scheduling, weight 1024 (cpu.shares), the same as one ordinary process,
     # and that weight is split among the hosts (per CPU, by their load). Two busy hosts each
     # got half an ordinary process's share of their core: a rank's step ran about 2x slower
-    # in wall time than the same process alone in a host, at the same CPU time (issue 40,
+    # in wall time than the same process alone in a host, at the same CPU time (measured:
     # benchmarks/results/cluster_engine.md). Separate machines do not dilute each other, so the
     # cluster weighs as its ranks (1024 each, R per host) and each host as its own R.
     local weight=$(( 1024 * hosts * ranks ))

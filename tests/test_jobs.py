@@ -159,11 +159,11 @@ def test_cluster_start_and_stop_leave_nothing(cluster_name, start_args, hosts):
         status = [line for line in _cluster(cluster_name, "status").stdout.splitlines()
                   if f"{cluster_name}-node2" in line]
         assert status and shown in status[0], status
-    # The thread policy inside a host reads its quota (issue 40): 0.05 core -> 1 thread.
+    # The thread policy inside a host reads its quota: 0.05 core -> 1 thread.
     policy = _cluster(cluster_name, "run", "2", "--", sys.executable, "-c",
                       "from mpidl.engine import threads; print(threads.cgroup_cpu_limit(), threads.usable_cores())")
     assert policy.returncode == 0 and policy.stdout.split() == ["0.05", "1"], policy.stdout + policy.stderr
-    # CPU weight (issue 40): the cluster weighs as its ranks (2 per host by default), each host
+    # CPU weight: the cluster weighs as its ranks (2 per host by default), each host
     # as its own, not the whole cluster as one ordinary process (cpu.shares 1024).
     weight = Path(f"/sys/fs/cgroup/cpu/mpidl-cluster-{cluster_name}")
     assert int((weight / "cpu.shares").read_text()) == 1024 * hosts * 2

