@@ -151,16 +151,6 @@ def test_gradients_become_final_from_the_last_parameter_to_the_first(name):
     assert seen == [] and all("backward" not in vars(module) for module in model.net.modules())
 
 
-def test_sequential_backward_hook_sees_the_layers_in_reverse():
-    net = Sequential(Linear(3, 4), ReLU(), Linear(4, 2))
-    FlatParameters(net.named_parameters(), seed=0)
-    seen = []
-    net.backward_hook = seen.append
-    net.forward(np.ones((2, 3), np.float32))
-    net.backward(np.ones((2, 2), np.float32))
-    assert seen == [2, 1, 0]
-
-
 def test_link_timeline_serializes_and_overlaps():
     now = [0.0]
     slept = []

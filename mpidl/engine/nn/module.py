@@ -168,12 +168,6 @@ class Sequential(Module):
     ``y = f_L(... f_2(f_1(x)))``; backward runs the chain rule in reverse:
     ``dx = f_1'(... f_L'(dy))``. If a layer returns ``None`` from backward (an input layer told
     not to compute its input gradient), the chain stops there and ``None`` is returned.
-
-    ``backward_hook``: None, or a callable ``hook(k)`` called right after layer ``k``'s
-    backward has returned, i.e. when the gradients of layers ``k .. L-1`` are final (layers
-    in reverse order ``L-1, ..., 0``). It is per top-level layer, i.e. per whole residual
-    stage or transformer block; the overlapped gradient exchange uses the finer
-    :meth:`Module.watch_gradients` (per module owning parameters) instead.
     """
 
     def __init__(self, *layers: Module):
@@ -182,7 +176,6 @@ class Sequential(Module):
             if not isinstance(layer, Module):
                 raise TypeError(f"Sequential item {k} is a {type(layer).__name__}, not a Module")
         self.layers = list(layers)
-        self.backward_hook = None
 
     def _members(self):
         return ((str(k), layer) for k, layer in enumerate(self.layers))
@@ -201,18 +194,13 @@ class Sequential(Module):
     def backward(self, dy):
         """Back through the layers, last first. A layer may return None (it was told not to
         compute its input gradient) only if no layer before it has parameters: those layers
-        are then skipped (their hooks still run), as nothing upstream needs a gradient."""
+        are then skipped, as nothing upstream needs a gradient."""
         for k in range(len(self.layers) - 1, -1, -1):
             dy = self.layers[k].backward(dy)
-            if self.backward_hook is not None:
-                self.backward_hook(k)
             if dy is None and k > 0:
                 if any(layer.named_parameters() for layer in self.layers[:k]):
                     # The layers before it would keep stale gradients: a silent training bug.
                     raise RuntimeError(f"layer {k} returned no input gradient but layers before it have parameters")
-                if self.backward_hook is not None:
-                    for j in range(k - 1, -1, -1):
-                        self.backward_hook(j)
                 return None
         return dy
 
