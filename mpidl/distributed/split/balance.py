@@ -61,6 +61,13 @@ the median over steps of ``seconds_k / t_i(b_k)`` (:func:`scale_cost`). The shap
 by the probe over a wide span, and a re-split moves the sizes only near the points that scale
 it.
 
+A re-fit's steps are the current period and the one before it (so that a move's old and new
+sizes are two points of the line). When the rank's speed changed between them (its CPU share
+was lowered, another job started: :func:`speed_changed`, the model's typical error differs
+by more than :data:`CHANGE_RATIO` between the periods) the older period describes a machine
+that is gone, and only the current one is used: a share change is followed one re-fit
+sooner than by the window's median.
+
 A re-split must beat the *current* split by the same margin, ``1 - T(opt) / T(current) >
 max(threshold, noise)`` (hysteresis), and, since the steps of one period share a slow phase
 of the machine that the noise of their median does not show, it must do so in two

@@ -249,9 +249,11 @@ class MeasuredSplit(Split):
         times = [cost.time(b) for cost, b in zip(self.costs, self.batch_sizes)]
         equal = balance.step_time(self.costs, balance.equal_split(self.batch_size, self.topology.size))
         a = ", ".join(f"{cost.a * 1e3:.3g}" for cost in self.costs)
+        u = ", ".join(f"{outside * 1e3:.3g}" for outside in self.outside_s)
         c = ", ".join(f"{cost.c * 1e3:.3g}" for cost in self.costs)
         t = ", ".join(f"{x * 1e3:.3g}" for x in times)
-        return (f"split (measured cost t_i(b) = a_i + c_i b; a [{a}] ms, c [{c}] ms/sample): "
+        return (f"split (measured cost t_i(b) = a_i + c_i b; a [{a}] ms (of which outside the compute "
+                f"[{u}] ms), c [{c}] ms/sample): "
                 f"batch sizes {self.batch_sizes}, predicted step [{t}] ms (equal split "
                 f"{equal * 1e3:.3g} ms; kept unless {100 * max(self.threshold, self.noise):.3g} % "
                 f"faster: threshold {100 * self.threshold:g} %, measurement noise {100 * self.noise:.3g} %)"
