@@ -258,3 +258,30 @@ def test_cpu_quota_and_throttling_are_read_from_the_cgroup(tmp_path):
     (v2 / "job" / "cpu.max").write_text("max 100000\n")
     assert speed_probe.cpu_quota(str(v2), str(proc2)) is None
     assert speed_probe.cpu_quota(str(v2), str(tmp_path / "missing")) is None
+
+
+def test_proposals_pulling_opposite_ways_confirm_nothing():
+    """A re-fit proposing to move a sample one way, the next the other way (each gain above
+    the margin but below twice it): noise, the split stays; two the same way: it moves."""
+    def drive(first_slower, second_slower):
+        splits = make_splits([COMPUTE, COMPUTE], [32, 32], threshold=0.02)
+        moves = []
+        for step, slower in ((settle_every(EVERY), first_slower), (2 * settle_every(EVERY), second_slower)):
+            for r, split in enumerate(splits):  # 10 steps since the last re-fit, rank `slower` 6 % slower
+                for _ in range(settle_every(EVERY)):
+                    split.observe(32, COMPUTE.time(32) * (1.06 if r == slower else 1.0), 0.0)
+                split._previous_period = []  # each re-fit sees its own period only
+            results = [None, None]
+            threads = [threading.Thread(target=lambda r=r: results.__setitem__(r, splits[r].rebalance(step)))
+                       for r in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            moves.append(results[0])
+        return moves, splits[0].batch_sizes
+
+    moves, sizes = drive(1, 0)
+    assert moves == [None, None] and sizes == [32, 32]
+    moves, sizes = drive(1, 1)
+    assert moves[0] is None and moves[1] is not None and sizes[0] > sizes[1]

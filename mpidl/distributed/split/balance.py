@@ -71,8 +71,10 @@ sooner than by the window's median.
 A re-split must beat the *current* split by the same margin, ``1 - T(opt) / T(current) >
 max(threshold, noise)`` (hysteresis), and, since the steps of one period share a slow phase
 of the machine that the noise of their median does not show, it must do so in two
-consecutive re-fits, unless its gain is more than twice the margin (:func:`confirm_resplit`):
-a split moves at once for a large change, and not back and forth on one noisy period.
+consecutive re-fits that move samples the same way (the caller compares the two proposals),
+unless its gain is more than twice the margin (:func:`confirm_resplit`): a split moves at
+once for a large change, and not back and forth on one noisy period, nor on two that pull
+opposite ways.
 
 Everything here is a pure function of numbers every rank holds alike (after a gather), so all
 ranks compute the same split without further communication, and a bad value is refused on

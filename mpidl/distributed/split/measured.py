@@ -97,7 +97,8 @@ class MeasuredSplit(Split):
         #: (samples, seconds) of this rank's steps since the last re-fit, and the period before
         self._recent: deque = deque(maxlen=RECENT_STEPS)
         self._previous_period: list = []
-        self._resplit_proposed = False
+        #: the split the last re-fit proposed (gain above the margin, not yet taken), or None
+        self._resplit_proposed: list | None = None
         self._next_refit: int | None = None
         speed_probe.warm_up(topology, probe, batch_size)
         self.costs, self.noise, self.batch_sizes = self._first_split(probe)
@@ -125,7 +126,7 @@ class MeasuredSplit(Split):
         split.threshold, split.min_local_batch = float(threshold), min_local_batch
         split.rebalance_every = rebalance_every
         split.clock = clock if clock is not None else ComputeClock()
-        split._recent, split._previous_period, split._resplit_proposed = deque(maxlen=RECENT_STEPS), [], False
+        split._recent, split._previous_period, split._resplit_proposed = deque(maxlen=RECENT_STEPS), [], None
         split._next_refit = None
         split.quotas = [(None, None)] * topology.size
         split.costs, split.noise, split.batch_sizes = costs, float(noise), batch_sizes
@@ -187,7 +188,7 @@ class MeasuredSplit(Split):
         if steps < self._next_refit:
             return None
         change = self.rebalance(steps)
-        settling = change is not None or self._resplit_proposed
+        settling = change is not None or self._resplit_proposed is not None
         self._next_refit = steps + (settle_every(self.rebalance_every) if settling else self.rebalance_every)
         return change
 
@@ -201,7 +202,7 @@ class MeasuredSplit(Split):
         (:func:`~.balance.refit_cost`): when its batch sizes span at least half of the
         largest, their medians separate ``a_i`` from ``c_i``; otherwise the model keeps its
         shape and is scaled through the window's steps. A gain must pass the margin in two
-        consecutive calls, or twice the margin in one (:func:`~.balance.confirm_resplit`):
+        consecutive calls moving samples the same way, or twice the margin in one (:func:`~.balance.confirm_resplit`):
         no move on one noisy period."""
         rank = self.topology.rank
         recent = list(self._recent)
@@ -223,8 +224,12 @@ class MeasuredSplit(Split):
         predicted_old, predicted = balance.step_time(self.costs, old), balance.step_time(self.costs, best)
         gain = 1.0 - predicted / predicted_old if predicted_old > 0 else 0.0
         margin = max(self.threshold, self.noise)
-        taken = best != old and balance.confirm_resplit(gain, margin, self._resplit_proposed)
-        self._resplit_proposed = best != old and gain > margin and not taken
+        # a proposal confirms only one that moves samples the same way (a positive dot product
+        # of the two moves): two noisy periods pulling opposite ways confirm nothing
+        before = self._resplit_proposed
+        same_way = before is not None and sum((n - o) * (p - o) for n, o, p in zip(best, old, before)) > 0
+        taken = best != old and balance.confirm_resplit(gain, margin, same_way)
+        self._resplit_proposed = best if best != old and gain > margin and not taken else None
         if not taken:
             return None
         self.batch_sizes = best
