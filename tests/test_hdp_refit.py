@@ -195,18 +195,35 @@ class QuotaClock:
 
     def __init__(self, cores: float, period_s: float):
         self.quota, self.period, self.t, self.used = cores * period_s, period_s, 0.0, 0.0
+        self.cpu = 0.0
+
+    def cpu_now(self) -> float:
+        return self.cpu
+
+    def _period(self) -> int:
+        return int(self.t / self.period + 1e-9)
+
+    def _advance(self, seconds: float) -> None:
+        """Time passes: a new period brings a fresh quota."""
+        before = self._period()
+        self.t += seconds
+        if self._period() != before:
+            self.used = 0.0
 
     def work(self, seconds: float) -> None:
+        self.cpu += seconds
         while seconds > 1e-15:
-            period_end = (int(self.t / self.period + 1e-9) + 1) * self.period
+            period_end = (self._period() + 1) * self.period
             run = min(seconds, self.quota - self.used, period_end - self.t)
-            self.t, self.used, seconds = self.t + run, self.used + run, seconds - run
-            if seconds > 1e-15 and (self.used >= self.quota - 1e-15 or self.t >= period_end - 1e-15):
-                self.t, self.used = period_end, 0.0
+            if run <= 1e-15:  # the quota is spent: wait for the next period
+                self._advance(period_end - self.t)
+                continue
+            self.used += run
+            seconds -= run
+            self._advance(run)
 
-    def idle(self, seconds: float) -> None:  # a barrier's wait: the next period starts fresh
-        self.t += seconds
-        self.used = 0.0
+    def idle(self, seconds: float) -> None:  # a barrier's wait
+        self._advance(seconds)
 
     def now(self) -> float:
         return self.t
@@ -229,6 +246,8 @@ def test_the_probe_sees_the_quota_over_several_periods():
     clock.idle(0.05)
     per_pass = speed_probe.timed_pass(probe, clock, 3, speed_probe.QUOTA_PERIODS * 0.010)
     assert per_pass == pytest.approx(0.006, rel=0.15)
+    clock.idle(0.05)  # with the quota's cores known: the CPU seconds over them, exactly
+    assert speed_probe.timed_pass(probe, clock, 3, speed_probe.QUOTA_PERIODS * 0.010, 0.5) == pytest.approx(0.006)
 
 
 def test_cpu_quota_and_throttling_are_read_from_the_cgroup(tmp_path):
@@ -285,3 +304,78 @@ def test_proposals_pulling_opposite_ways_confirm_nothing():
     assert moves == [None, None] and sizes == [32, 32]
     moves, sizes = drive(1, 1)
     assert moves[0] is None and moves[1] is not None and sizes[0] > sizes[1]
+
+
+class SimulatedRanks:
+    """Ranks as threads with recorded clocks in one simulated time: a barrier (``Ibarrier``)
+    brings every rank's clock to the latest one (the early ones idle, and a quota refills
+    while idle), ``allgather`` gathers. Each rank's ``topology`` is enough for the probe."""
+
+    def __init__(self, clocks):
+        self.clocks, self.size = clocks, len(clocks)
+        self.world = LockstepWorld(self.size)
+
+    def topology(self, rank: int):
+        world = self.world
+
+        def ibarrier():
+            times = world.comm(rank).allgather(self.clocks[rank].now())
+            self.clocks[rank].idle(max(times) - self.clocks[rank].now())
+            return SimpleNamespace(Test=lambda: True)
+        comm = SimpleNamespace(allgather=world.comm(rank).allgather, Ibarrier=ibarrier)
+        node = SimpleNamespace(Ibarrier=lambda: SimpleNamespace(Test=lambda: True))  # one rank per node
+        return SimpleNamespace(rank=rank, size=self.size, world=comm, node=node, is_leader=True)
+
+    def measured_splits(self, probe_of, monkeypatch, quota_of=lambda rank: None, threshold=0.05):
+        """A MeasuredSplit built on every simulated rank (collective: threads)."""
+        ranks = {}
+        monkeypatch.setattr(speed_probe, "cpu_quota", lambda *a: quota_of(ranks[threading.get_ident()]))
+        monkeypatch.setattr(speed_probe, "throttled_s", lambda *a: None)
+        splits = [None] * self.size
+
+        def build(rank):
+            ranks[threading.get_ident()] = rank
+            splits[rank] = MeasuredSplit(self.topology(rank), B, probe_of(rank), self.clocks[rank],
+                                         threshold=threshold, rebalance_every=EVERY)
+        threads = [threading.Thread(target=build, args=(r,)) for r in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return splits
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_identical_hosts_start_with_the_equal_split_through_the_probe(seed, monkeypatch):
+    """The whole start (warm-up, timed passes, fit, noise margin, a second measurement when
+    the first is uneven) on two identical simulated ranks with 10 % noise per pass: 32:32
+    on both ranks, in 5 of 5 seeds."""
+    rngs = [random.Random(400 + 10 * seed + r) for r in range(2)]
+    clocks = [QuotaClock(1.0, 0.010) for _ in range(2)]
+    ranks = SimulatedRanks(clocks)
+    splits = ranks.measured_splits(
+        lambda r: (lambda n: clocks[r].work(COMPUTE.time(n) * rngs[r].lognormvariate(0.0, 0.10))), monkeypatch)
+    assert [s.batch_sizes for s in splits] == [[32, 32], [32, 32]], splits[0].describe()
+
+
+def test_the_probe_measures_a_capped_host_at_its_share(monkeypatch):
+    """Host 2 at half a core, 10 ms quota period, passes of 2 - 6.8 ms (shorter than the
+    period: timed one by one, part of each runs at full speed).
+    Timed over QUOTA_PERIODS periods and at least its CPU seconds over the quota's cores, its
+    cost is measured at 2x host 1's and the split is the best one of the true costs."""
+    clocks = [QuotaClock(1.0, 0.010), QuotaClock(0.5, 0.010)]
+    cost = balance.RankCost(0.0004, 0.0001)
+    ranks = SimulatedRanks(clocks)
+    splits = ranks.measured_splits(lambda r: (lambda n: clocks[r].work(cost.time(n))), monkeypatch,
+                                   quota_of=lambda r: (1.0, 0.010) if r == 0 else (0.5, 0.010))
+    fast, slow = splits[0].costs
+    assert slow.c / fast.c == pytest.approx(2.0, rel=0.02), splits[0].describe()
+    assert slow.a / fast.a == pytest.approx(2.0, rel=0.02), splits[0].describe()
+    truth = [cost, balance.RankCost(2 * cost.a, 2 * cost.c)]
+    assert splits[0].batch_sizes == splits[1].batch_sizes == balance.solve_split(truth, B, 1)
+    # the same passes timed one by one (no quota known): the capped host's per-step part fits
+    # in the quota's slice of a period and is measured at the uncapped host's: it is missed
+    clocks = [QuotaClock(1.0, 0.010), QuotaClock(0.5, 0.010)]
+    ranks = SimulatedRanks(clocks)
+    splits = ranks.measured_splits(lambda r: (lambda n: clocks[r].work(cost.time(n))), monkeypatch)
+    assert splits[0].costs[1].a / splits[0].costs[0].a < 1.5, splits[0].describe()

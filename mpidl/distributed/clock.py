@@ -20,6 +20,10 @@ class ComputeClock:
         """Seconds on this clock (an arbitrary origin; differences only)."""
         return time.perf_counter()
 
+    def cpu_now(self) -> float:
+        """CPU seconds this process has used (all its threads: what a CPU quota charges)."""
+        return time.process_time()
+
     def start(self) -> None:
         self._mark = time.perf_counter()
 

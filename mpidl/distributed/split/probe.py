@@ -13,7 +13,9 @@ communication, leaving the model's buffers as it found them). Every rank:
    runs at full speed until its quota of the period is spent and then stalls until the next
    period, so a pass shorter than the period may run unthrottled and look as fast as an
    uncapped one (the 10 ms quota of a half core: a 5 ms pass either takes 5 ms or 10 ms); only
-   over several periods is the rate the share. The quota's own throttling counter
+   over several periods is the rate the share. Below one core the time is also at least the
+   CPU seconds used over the quota's cores (exact over many periods, whatever the phase). The
+   quota's own throttling counter
    (:func:`throttled_s`, ``cpu.stat``) over the probe is reported with the split;
 3. fits ``t_i(b) = a_i + c_i b`` to its passes (:func:`~.balance.fit_cost`); the fits and
    each rank's timing noise are gathered on every rank.
@@ -141,17 +143,26 @@ def warm_up(topology, probe, batch_size: int) -> None:
             sleeping_barrier(topology.node, 0.005)
 
 
-def timed_pass(probe, clock, b: int, window_s: float) -> float:
+def timed_pass(probe, clock, b: int, window_s: float, cores: float | None = None) -> float:
     """Seconds per ``probe(b)``: one pass, or back-to-back passes until they span ``window_s``
-    (at most :data:`MAX_REPEATS`), their total over their number."""
+    (at most :data:`MAX_REPEATS`), their total over their number.
+
+    ``cores``: the CPU quota in cores. Below one core, the time is at least the CPU seconds
+    used over ``cores``: the rate the quota allows over many periods, whatever the phase of
+    the period the passes started in (a window of ``k`` periods alone may be off by up to
+    ``(1 - cores) / k`` of it)."""
     clock.start()
     begin, passes = clock.now(), 0
+    cpu_begin = clock.cpu_now() if cores is not None and cores < 1 else None
     while True:
         probe(b)
         passes += 1
         if clock.now() - begin >= window_s or passes >= MAX_REPEATS:
             break
-    return clock.stop() / passes
+    seconds = clock.stop()
+    if cpu_begin is not None:
+        seconds = max(seconds, (clock.cpu_now() - cpu_begin) / cores)
+    return seconds / passes
 
 
 def measure_costs(topology, probe, clock, batch_size: int, quota=None) -> tuple[list[balance.RankCost], float]:
@@ -168,7 +179,7 @@ def measure_costs(topology, probe, clock, batch_size: int, quota=None) -> tuple[
     for round_ in range(PROBE_ROUNDS + 1):
         for b in sizes[round_ % len(sizes):] + sizes[:round_ % len(sizes)]:  # rotate the order
             sleeping_barrier(topology.world, 0.0005)
-            seconds = timed_pass(probe, clock, b, window_s)
+            seconds = timed_pass(probe, clock, b, window_s, quota[0] if quota else None)
             if round_ > 0:
                 measured_sizes.append(b)
                 measured_times.append(max(seconds, 1e-9))
