@@ -94,7 +94,8 @@ class MeasuredSplit(Split):
         self.min_local_batch = min_local_batch
         self.rebalance_every = rebalance_every
         self.clock = clock if clock is not None else ComputeClock()
-        #: (samples, seconds) of this rank's steps since the last re-fit, and the period before
+        #: (samples, compute seconds, outside seconds) of this rank's steps since the last re-fit,
+        #: and the period before
         self._recent: deque = deque(maxlen=RECENT_STEPS)
         self._previous_period: list = []
         #: the split the last re-fit proposed (gain above the margin, not yet taken), or None
@@ -201,9 +202,11 @@ class MeasuredSplit(Split):
         Each rank re-fits from the steps since the last call and the ones of the call before
         (:func:`~.balance.refit_cost`): when its batch sizes span at least half of the
         largest, their medians separate ``a_i`` from ``c_i``; otherwise the model keeps its
-        shape and is scaled through the window's steps. A gain must pass the margin in two
-        consecutive calls moving samples the same way, or twice the margin in one (:func:`~.balance.confirm_resplit`):
-        no move on one noisy period."""
+        shape and is scaled through the window's steps; a rank whose speed changed between the
+        two periods re-fits from the last one. ``u_i``: the median of the last period's outside
+        work. A gain must pass the margin in two consecutive calls moving samples the same way,
+        or twice the margin in one (:func:`~.balance.confirm_resplit`): no move on one noisy
+        period."""
         rank = self.topology.rank
         recent = list(self._recent)
         window = list(self._previous_period) + recent
@@ -247,10 +250,12 @@ class MeasuredSplit(Split):
                     f"{self.rebalance_every}): batch sizes {self.batch_sizes}")
         quotas = ""
         if any(cores is not None for cores, _ in self.quotas):
-            quotas = "; CPU quota " + ", ".join(
-                "none" if cores is None else f"{cores:.3g} cores" + ("" if throttled is None else
-                                                                    f" (throttled {100 * throttled:.0f} % of the probe)")
-                for cores, throttled in self.quotas)
+            def quota(cores, throttled):
+                if cores is None:
+                    return "none"
+                return f"{cores:.3g} cores" + ("" if throttled is None else
+                                               f" (throttled {100 * throttled:.0f} % of the probe)")
+            quotas = "; CPU quota " + ", ".join(quota(cores, throttled) for cores, throttled in self.quotas)
         times = [cost.time(b) for cost, b in zip(self.costs, self.batch_sizes)]
         equal = balance.step_time(self.costs, balance.equal_split(self.batch_size, self.topology.size))
         a = ", ".join(f"{cost.a * 1e3:.3g}" for cost in self.costs)
