@@ -118,6 +118,10 @@ class DataParallel:
         self.skip_agreed = False
         self._stop_requested = self._nonfinite_pending = False
         self._local_count: int | None = None
+        #: this rank's own work per step outside the compute clock (the optimizer update, the
+        #: loop between steps): seconds so far, and when the current stretch of it began
+        self._outside_s = 0.0
+        self._outside_mark: float | None = None
         self._broadcast_initial_state()
         self.reset_counters()
 
@@ -149,6 +153,9 @@ class DataParallel:
         self._local_count = counts[self.rank]
         self.params.message[COUNT] = self._weight(self._local_count)
         reset_slots(self.params.message, self._stop_requested)
+        if self._outside_mark is not None:  # the loop's own time since the last step
+            self._outside_s += self.clock.now() - self._outside_mark
+            self._outside_mark = None
         self.clock.start()
         return batch[lo: lo + self._local_count]
 
@@ -166,7 +173,9 @@ class DataParallel:
         weight = self._weight(count)  # a bad count is refused before anything is recorded
         self._local_count = None
         seconds = self.clock.stop()
-        self.split.observe(count, seconds)
+        # the step's critical path on this rank: the previous update and loop, then the compute
+        outside, self._outside_s = self._outside_s, 0.0
+        self.split.observe(count, seconds, outside)
         self._compute_s.append(seconds)
         message = self.params.message
         message[COUNT] = weight
@@ -177,7 +186,9 @@ class DataParallel:
             self.should_stop = self.should_stop or self.exchange.exact   # ...the world if exact
         self.last_step_skipped, self.skip_agreed = not finite, False
         if finite:
+            update_start = self.clock.now()
             self.optimizer.step()
+            self._outside_s = self.clock.now() - update_start
         elif not self.exchange.exact:
             self._nonfinite_pending = True                      # the other nodes hear at the sync
         elif self.on_nan == "stop":
@@ -189,6 +200,7 @@ class DataParallel:
         if agreed is not None:
             self._agree(agreed)
         self.split.after_step(self.steps)
+        self._outside_mark = self.clock.now()
         self.clock.start()
         return agreed is not None
 
@@ -205,6 +217,7 @@ class DataParallel:
         self._agree(self.exchange.synchronize(self.params.data, self.optimizer.state_buffers(),
                                               self._flags()))
         self._average_buffers()
+        self._outside_mark = None  # what follows a sync (evaluation, checkpoint) is no step's work
         self.clock.start()
 
     def _weight(self, count) -> int:

@@ -24,6 +24,7 @@ from mpidl.engine.backend import get_backend
 from mpidl.distributed import (DataParallel, FixedSplit, Flat, Hierarchical, MeasuredSplit, Node, NonFiniteGradient,
                                Topology, data_parallel)
 from mpidl.distributed.channel import Channel, Traffic
+from mpidl.distributed.clock import ComputeClock
 from mpidl.distributed.checkpoint import load_state_dict, state_dict
 from mpidl.distributed.emulation import compute_clock
 from mpidl.distributed.message import COUNT, check_message
@@ -627,3 +628,57 @@ def test_continuous_rebalance_is_a_collective_decision_logged_once():
     assert all(changes[k] is None for k in (0, 1, 2)), changes
     if P > 1:
         assert changes[3] is not None and changes[3][-1] < changes[3][0], changes
+
+
+class RecordedComputeClock(ComputeClock):
+    """A compute clock that only moves when told (recorded timings, no real time)."""
+
+    def __init__(self):
+        self.t = 0.0
+        super().__init__()
+
+    def now(self):
+        return self.t
+
+    def start(self):
+        self._mark = self.t
+
+    def stop(self):
+        return self.t - self._mark
+
+
+def test_the_split_observes_the_update_and_the_loop_outside_the_compute():
+    """Step k's critical path on a rank: the previous step's optimizer update and the loop up
+    to ``local_indices``, then the compute. The split is told both (recorded times): the
+    compute 0.010 s; outside it the update 0.003 s plus the loop 0.002 s (none before the first
+    step; after a ``sync`` only the update: the loop's time then (evaluation, checkpoint) is no
+    step's work)."""
+    model = tiny_model()
+    clock = RecordedComputeClock()
+    split = FixedSplit(B, P)
+    observed = []
+    split.observe = lambda count, seconds, outside_s=0.0: observed.append((seconds, outside_s))
+    optimizer = make_optimizer(SGD, model)
+    update = optimizer.step
+
+    def timed_update():
+        clock.t += 0.003
+        update()
+    optimizer.step = timed_update
+    dp = DataParallel(model, optimizer, batch_size=B, exchange=Flat(Topology.from_comm(WORLD)), split=split,
+                      clock=clock)
+    loss_fn = SoftmaxCrossEntropy()
+    for k, batch in enumerate(batches(4)):
+        if k == 2:
+            dp.sync()
+            clock.t += 1.0  # an evaluation after the sync
+        clock.t += 0.002  # the loop
+        local = dp.local_indices(batch)
+        x, y = DATA.read(local)
+        loss_fn.forward(model.forward(x), y)
+        model.backward(loss_fn.backward())
+        clock.t += 0.010  # the compute
+        dp.step()
+    expected = [(0.010, 0.0), (0.010, 0.005), (0.010, 0.003), (0.010, 0.005)]
+    ok = all(s == pytest.approx(es) and u == pytest.approx(eu) for (s, u), (es, eu) in zip(observed, expected))
+    assert all_agree(WORLD, ok and len(observed) == 4), observed

@@ -61,11 +61,20 @@ the median over steps of ``seconds_k / t_i(b_k)`` (:func:`scale_cost`). The shap
 by the probe over a wide span, and a re-split moves the sizes only near the points that scale
 it.
 
+A re-fit's steps are the current period and the one before it (so that a move's old and new
+sizes are two points of the line). When the rank's speed changed between them (its CPU share
+was lowered, another job started: :func:`speed_changed`, the model's typical error differs
+by more than :data:`CHANGE_RATIO` between the periods) the older period describes a machine
+that is gone, and only the current one is used: a share change is followed one re-fit
+sooner than by the window's median.
+
 A re-split must beat the *current* split by the same margin, ``1 - T(opt) / T(current) >
 max(threshold, noise)`` (hysteresis), and, since the steps of one period share a slow phase
 of the machine that the noise of their median does not show, it must do so in two
-consecutive re-fits, unless its gain is more than twice the margin (:func:`confirm_resplit`):
-a split moves at once for a large change, and not back and forth on one noisy period.
+consecutive re-fits that move samples the same way (the caller compares the two proposals),
+unless its gain is more than twice the margin (:func:`confirm_resplit`): a split moves at
+once for a large change, and not back and forth on one noisy period, nor on two that pull
+opposite ways.
 
 Everything here is a pure function of numbers every rank holds alike (after a gather), so all
 ranks compute the same split without further communication, and a bad value is refused on
@@ -81,7 +90,7 @@ from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import Sequence
 
-__all__ = ["RankCost", "fit_cost", "refit_cost", "relative_spread", "timing_noise", "scale_cost",
+__all__ = ["RankCost", "fit_cost", "refit_cost", "speed_changed", "relative_spread", "timing_noise", "scale_cost",
            "costs_from_speeds", "solve_split", "step_time", "choose_split", "confirm_resplit",
            "equal_split", "split_counts", "parse_speeds", "check_speeds"]
 
@@ -89,6 +98,10 @@ __all__ = ["RankCost", "fit_cost", "refit_cost", "relative_spread", "timing_nois
 MIN_STEPS_PER_SIZE = 3
 #: a re-fit separates a_i from c_i only when its sizes differ by this fraction of the largest
 MIN_SIZE_SPREAD = 0.5
+#: a rank whose steps' error against its model changes by more than this factor from one
+#: re-fit period to the next has changed speed (its CPU share, another job): the older period
+#: is dropped. Far above the few per cent by which medians of identical periods differ.
+CHANGE_RATIO = 1.3
 
 
 # --------------------------------------------------------------------------- validation
@@ -197,12 +210,31 @@ def scale_cost(cost: RankCost, batch_sizes: Sequence[int], seconds: Sequence[flo
     return RankCost(cost.a * factor, cost.c * factor)
 
 
-def refit_cost(previous: RankCost, batch_sizes: Sequence[int], seconds: Sequence[float]) -> RankCost:
+def speed_changed(previous: RankCost, earlier: Sequence[tuple[int, float]],
+                  recent: Sequence[tuple[int, float]]) -> bool:
+    """Whether the machine changed between two periods of steps ``(samples, seconds)``: the
+    previous model's typical error (median of ``seconds / t(samples)``) differs between them by
+    more than the factor :data:`CHANGE_RATIO`. Either period with fewer than
+    :data:`MIN_STEPS_PER_SIZE` steps with samples shows no change."""
+    errors = []
+    for steps in (earlier, recent):
+        ratios = [t / previous.time(b) for b, t in steps if b > 0]
+        if len(ratios) < MIN_STEPS_PER_SIZE:
+            return False
+        errors.append(statistics.median(ratios))
+    return max(errors) > CHANGE_RATIO * min(errors)
+
+
+def refit_cost(previous: RankCost, batch_sizes: Sequence[int], seconds: Sequence[float],
+               recent: int | None = None) -> RankCost:
     """Re-fit a rank's ``t(b) = a + c b`` from its own training steps: step ``k`` computed
     ``batch_sizes[k]`` samples in ``seconds[k]``.
 
-    Steps without samples are left out (``t(0) = 0`` by definition). Every batch size seen in
-    at least :data:`MIN_STEPS_PER_SIZE` steps is a point; when the points span ``max - min >=
+    Steps without samples are left out (``t(0) = 0`` by definition). ``recent``: the last
+    ``recent`` steps are the current period, the others the one before; when the two disagree
+    (:func:`speed_changed`: the rank's speed changed, e.g. its CPU share) the older steps
+    describe a machine that is gone and only the current period is used. Every batch size seen
+    in at least :data:`MIN_STEPS_PER_SIZE` steps is a point; when the points span ``max - min >=
     MIN_SIZE_SPREAD * max``: :func:`fit_cost` of their steps (medians per size, least squares).
     Otherwise: ``previous`` scaled through all the steps (:func:`scale_cost`); with fewer than
     :data:`MIN_STEPS_PER_SIZE` steps left, ``previous`` itself.
@@ -213,6 +245,12 @@ def refit_cost(previous: RankCost, batch_sizes: Sequence[int], seconds: Sequence
     times = list(seconds)
     if len(sizes) != len(times):
         raise ValueError(f"batch_sizes has {len(sizes)} entries, seconds {len(times)}")
+    if recent is not None:
+        recent = _as_count(recent, "recent", 0)
+        split_at = max(0, len(sizes) - recent)
+        pairs = list(zip(sizes, times))
+        if speed_changed(previous, pairs[:split_at], pairs[split_at:]):
+            sizes, times = sizes[split_at:], times[split_at:]
     steps = [(b, t) for b, t in zip(sizes, times) if b > 0]
     if len(steps) < MIN_STEPS_PER_SIZE:  # a median of one or two steps is a guess
         return previous

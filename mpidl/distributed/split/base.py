@@ -50,8 +50,10 @@ class Split:
         """Every rank's marginal speed ``1 / c_i`` (samples per second)."""
         return [1.0 / cost.c for cost in self.costs]
 
-    def observe(self, count: int, seconds: float) -> None:
-        """This rank computed ``count`` samples in ``seconds`` (every step)."""
+    def observe(self, count: int, seconds: float, outside_s: float = 0.0) -> None:
+        """This rank computed ``count`` samples in ``seconds`` (every step), and spent
+        ``outside_s`` on the step's own work outside the compute (the previous optimizer
+        update, the loop): the per-step cost a split must also balance."""
 
     def after_step(self, steps: int) -> dict | None:
         """After step ``steps``: re-split when due (collective then); the change, or None."""

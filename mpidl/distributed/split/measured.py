@@ -1,6 +1,22 @@
 """The measured split (HDP): every rank's cost ``t_i(b) = a_i + c_i b`` fitted from timed passes
 of the real model, the split minimizing the slowest rank's step, and the re-fit from the
-steps themselves that may move it while training (the math: :mod:`.balance`)."""
+steps themselves that may move it while training (the math: :mod:`.balance`).
+
+A step's critical path on rank ``i`` is more than its compute: between two gradient
+reductions the rank also applies the optimizer update and runs the loop, a per-step cost
+``u_i`` that does not depend on ``b_i`` and that a slow (e.g. CPU-capped) rank pays at its
+slower rate too. The compute clock does not see it, nor does the probe (a forward and
+backward); :class:`~mpidl.distributed.DataParallel` measures it every step
+(:meth:`MeasuredSplit.observe`'s ``outside_s``), and the split balances
+``t_i(b) = (a_i + u_i) + c_i b`` (:attr:`MeasuredSplit.costs`; ``a_i, c_i`` alone are
+:attr:`MeasuredSplit.compute_costs`).
+
+Re-fitting until the split stops moving: after the start and after every move (or a move
+proposed and waiting for its confirmation) the next re-fit comes after a short period,
+:func:`settle_every` steps, so that the estimate the probe started from (without ``u_i``) is
+corrected within a few dozen steps; once a re-fit keeps the split, re-fits come every
+``rebalance_every`` steps again.
+"""
 
 from __future__ import annotations
 
@@ -12,10 +28,17 @@ from mpidl.distributed.clock import ComputeClock
 from mpidl.distributed.split import balance, probe as speed_probe
 from mpidl.distributed.split.base import Split, check_batch_fits
 
-__all__ = ["MeasuredSplit", "RECENT_STEPS", "check_options"]
+__all__ = ["MeasuredSplit", "RECENT_STEPS", "check_options", "settle_every"]
 
 #: steps whose compute times a re-fit may use (a bound on memory, not a tuning knob)
 RECENT_STEPS = 1024
+
+
+def settle_every(rebalance_every: int) -> int:
+    """Steps between re-fits while the split is settling (after the start and after a move):
+    half of ``rebalance_every``, at least two re-fit points' worth of steps
+    (``2 * MIN_STEPS_PER_SIZE``), at most ``rebalance_every``."""
+    return min(rebalance_every, max(2 * balance.MIN_STEPS_PER_SIZE, rebalance_every // 2))
 
 
 def check_options(threshold, rebalance_every) -> None:
@@ -71,10 +94,13 @@ class MeasuredSplit(Split):
         self.min_local_batch = min_local_batch
         self.rebalance_every = rebalance_every
         self.clock = clock if clock is not None else ComputeClock()
-        #: (samples, seconds) of this rank's steps since the last re-fit, and the period before
+        #: (samples, compute seconds, outside seconds) of this rank's steps since the last re-fit,
+        #: and the period before
         self._recent: deque = deque(maxlen=RECENT_STEPS)
         self._previous_period: list = []
-        self._resplit_proposed = False
+        #: the split the last re-fit proposed (gain above the margin, not yet taken), or None
+        self._resplit_proposed: list | None = None
+        self._next_refit: int | None = None
         speed_probe.warm_up(topology, probe, batch_size)
         self.costs, self.noise, self.batch_sizes = self._first_split(probe)
 
@@ -101,18 +127,42 @@ class MeasuredSplit(Split):
         split.threshold, split.min_local_batch = float(threshold), min_local_batch
         split.rebalance_every = rebalance_every
         split.clock = clock if clock is not None else ComputeClock()
-        split._recent, split._previous_period, split._resplit_proposed = deque(maxlen=RECENT_STEPS), [], False
+        split._recent, split._previous_period, split._resplit_proposed = deque(maxlen=RECENT_STEPS), [], None
+        split._next_refit = None
+        split.quotas = [(None, None)] * topology.size
         split.costs, split.noise, split.batch_sizes = costs, float(noise), batch_sizes
         split.source = source
         return split
+
+    @property
+    def costs(self) -> list:
+        """Every rank's step cost ``t_i(b) = (a_i + u_i) + c_i b``: its compute model plus its
+        measured per-step work outside the compute (what the split balances)."""
+        return [balance.RankCost(cost.a + outside, cost.c)
+                for cost, outside in zip(self.compute_costs, self.outside_s)]
+
+    @costs.setter
+    def costs(self, costs) -> None:
+        """Known step costs (the probe's, a checkpoint's): taken as compute models, with no
+        outside work measured yet (the steps measure it)."""
+        self.compute_costs = list(costs)
+        self.outside_s = [0.0] * len(self.compute_costs)
 
     def _choose(self, costs, noise) -> list[int]:
         return balance.choose_split(costs, self.batch_size, self.threshold, minimum=self.min_local_batch,
                                     noise=noise)[0]
 
     def _first_split(self, probe):
-        measure = lambda: speed_probe.measure_costs(self.topology, probe, self.clock, self.batch_size)  # noqa: E731
+        quota = speed_probe.cpu_quota()
+        measure = lambda: speed_probe.measure_costs(self.topology, probe, self.clock, self.batch_size,  # noqa: E731
+                                                    quota=quota or ())
+        throttled_before, began = speed_probe.throttled_s(), self.clock.now()
         costs, noise = measure()
+        throttled_after, elapsed = speed_probe.throttled_s(), self.clock.now() - began
+        throttled = (None if throttled_before is None or throttled_after is None or elapsed <= 0
+                     else (throttled_after - throttled_before) / elapsed)
+        #: per rank: (cores of its CPU quota or None, fraction of the probe it was throttled or None)
+        self.quotas = self.topology.world.allgather((quota[0] if quota else None, throttled))
         sizes = self._choose(costs, noise)
         equal = balance.equal_split(self.batch_size, self.topology.size)
         if sizes == equal:
@@ -124,14 +174,24 @@ class MeasuredSplit(Split):
         noise = max(noise, noise_again)
         return costs, noise, self._choose(costs, noise)
 
-    def observe(self, count: int, seconds: float) -> None:
-        self._recent.append((int(count), seconds))
+    def observe(self, count: int, seconds: float, outside_s: float = 0.0) -> None:
+        self._recent.append((int(count), seconds, max(0.0, float(outside_s))))
 
     def after_step(self, steps: int) -> dict | None:
+        """Re-fit when due: :func:`settle_every` steps after the first step seen and after a
+        re-fit that moved the split or proposed a move, else ``rebalance_every`` steps after
+        the last re-fit (the same steps on every rank, so the re-fit is collective)."""
         self.last_change = None
-        if self.rebalance_every is None or steps % self.rebalance_every != 0:
+        if self.rebalance_every is None:
             return None
-        return self.rebalance(steps)
+        if self._next_refit is None:  # the first step seen (also after a resume)
+            self._next_refit = steps - 1 + settle_every(self.rebalance_every)
+        if steps < self._next_refit:
+            return None
+        change = self.rebalance(steps)
+        settling = change is not None or self._resplit_proposed is not None
+        self._next_refit = steps + (settle_every(self.rebalance_every) if settling else self.rebalance_every)
+        return change
 
     def rebalance(self, steps: int = 0) -> dict | None:
         """Re-fit every rank's cost model from its own steps and re-split when that is
@@ -142,32 +202,44 @@ class MeasuredSplit(Split):
         Each rank re-fits from the steps since the last call and the ones of the call before
         (:func:`~.balance.refit_cost`): when its batch sizes span at least half of the
         largest, their medians separate ``a_i`` from ``c_i``; otherwise the model keeps its
-        shape and is scaled through the window's steps. A gain must pass the margin in two
-        consecutive calls, or twice the margin in one (:func:`~.balance.confirm_resplit`):
-        no move on one noisy period."""
+        shape and is scaled through the window's steps; a rank whose speed changed between the
+        two periods re-fits from the last one. ``u_i``: the median of the last period's outside
+        work. A gain must pass the margin in two consecutive calls moving samples the same way,
+        or twice the margin in one (:func:`~.balance.confirm_resplit`): no move on one noisy
+        period."""
         rank = self.topology.rank
-        window = list(self._previous_period) + list(self._recent)
-        self._previous_period = list(self._recent)
+        recent = list(self._recent)
+        window = list(self._previous_period) + recent
+        self._previous_period = recent
         self._recent.clear()
-        cost = balance.refit_cost(self.costs[rank], [b for b, _ in window], [t for _, t in window])
-        current = [t for b, t in window if b == self.batch_sizes[rank] and b > 0]
+        cost = balance.refit_cost(self.compute_costs[rank], [b for b, _, _ in window],
+                                  [t for _, t, _ in window], recent=len(recent))
+        # u_i: the median over the current period (the last steps describe the machine now)
+        outside = statistics.median(u for _, _, u in (recent or window)) if window else self.outside_s[rank]
+        current = [t + u for b, t, u in window if b == self.batch_sizes[rank] and b > 0]
         spread = balance.timing_noise(current) if current else 0.0
-        gathered = self.topology.world.allgather((cost.a, cost.c, spread))
-        self.costs = [balance.RankCost(a, c) for a, c, _ in gathered]
-        self.noise = statistics.median(s for _, _, s in gathered)
+        gathered = self.topology.world.allgather((cost.a, cost.c, outside, spread))
+        self.compute_costs = [balance.RankCost(a, c) for a, c, _, _ in gathered]
+        self.outside_s = [u for _, _, u, _ in gathered]
+        self.noise = statistics.median(s for _, _, _, s in gathered)
         old = list(self.batch_sizes)
         best = balance.solve_split(self.costs, self.batch_size, self.min_local_batch)
         predicted_old, predicted = balance.step_time(self.costs, old), balance.step_time(self.costs, best)
         gain = 1.0 - predicted / predicted_old if predicted_old > 0 else 0.0
         margin = max(self.threshold, self.noise)
-        taken = best != old and balance.confirm_resplit(gain, margin, self._resplit_proposed)
-        self._resplit_proposed = best != old and gain > margin and not taken
+        # a proposal confirms only one that moves samples the same way (a positive dot product
+        # of the two moves): two noisy periods pulling opposite ways confirm nothing
+        before = self._resplit_proposed
+        same_way = before is not None and sum((n - o) * (p - o) for n, o, p in zip(best, old, before)) > 0
+        taken = best != old and balance.confirm_resplit(gain, margin, same_way)
+        self._resplit_proposed = best if best != old and gain > margin and not taken else None
         if not taken:
             return None
         self.batch_sizes = best
         self.last_change = {"step": steps, "old": old, "new": best, "predicted_old_s": predicted_old,
                             "predicted_new_s": predicted, "gain": gain, "margin": margin,
-                            "costs": [[c.a, c.c] for c in self.costs], "noise": self.noise}
+                            "costs": [[c.a, c.c] for c in self.costs], "outside_s": list(self.outside_s),
+                            "noise": self.noise}
         return self.last_change
 
     def describe(self) -> str:
@@ -176,12 +248,23 @@ class MeasuredSplit(Split):
             speeds = ", ".join(f"{s:.3g}" for s in self.speeds)
             return (f"split ({self.source} speeds [{speeds}], re-fitted from the steps every "
                     f"{self.rebalance_every}): batch sizes {self.batch_sizes}")
+        quotas = ""
+        if any(cores is not None for cores, _ in self.quotas):
+            def quota(cores, throttled):
+                if cores is None:
+                    return "none"
+                return f"{cores:.3g} cores" + ("" if throttled is None else
+                                               f" (throttled {100 * throttled:.0f} % of the probe)")
+            quotas = "; CPU quota " + ", ".join(quota(cores, throttled) for cores, throttled in self.quotas)
         times = [cost.time(b) for cost, b in zip(self.costs, self.batch_sizes)]
         equal = balance.step_time(self.costs, balance.equal_split(self.batch_size, self.topology.size))
         a = ", ".join(f"{cost.a * 1e3:.3g}" for cost in self.costs)
+        u = ", ".join(f"{outside * 1e3:.3g}" for outside in self.outside_s)
         c = ", ".join(f"{cost.c * 1e3:.3g}" for cost in self.costs)
         t = ", ".join(f"{x * 1e3:.3g}" for x in times)
-        return (f"split (measured cost t_i(b) = a_i + c_i b; a [{a}] ms, c [{c}] ms/sample): "
+        return (f"split (measured cost t_i(b) = a_i + c_i b; a [{a}] ms (of which outside the compute "
+                f"[{u}] ms), c [{c}] ms/sample): "
                 f"batch sizes {self.batch_sizes}, predicted step [{t}] ms (equal split "
                 f"{equal * 1e3:.3g} ms; kept unless {100 * max(self.threshold, self.noise):.3g} % "
-                f"faster: threshold {100 * self.threshold:g} %, measurement noise {100 * self.noise:.3g} %)")
+                f"faster: threshold {100 * self.threshold:g} %, measurement noise {100 * self.noise:.3g} %)"
+                f"{quotas}")
