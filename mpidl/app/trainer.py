@@ -545,13 +545,24 @@ class Trainer:
 
     # ------------------------------------------------------------------ the run
     def run(self) -> dict:
-        """Train; returns the final record (also written as the metrics ``end`` event)."""
-        cfg, dp = self.cfg, self.dp
-        t_start = time.perf_counter()
-        stopped, last, epoch = "completed", None, self.start_epoch
+        """Train; returns the final record (also written as the metrics ``end`` event).
+
+        The failure bound's thread runs for the training only: it is stopped however ``run``
+        ends, so that a process that goes on after it (a notebook, a test, a loop that caught
+        the exception) is not ended later by a bound nobody marks any more."""
         if self.watchdog is not None:
             self.printer.info(self.watchdog.describe())
             self.watchdog.start()
+        try:
+            return self._train()
+        finally:
+            if self.watchdog is not None:  # training is over: MPI_Finalize is not bounded here
+                self.watchdog.stop()
+
+    def _train(self) -> dict:
+        cfg, dp = self.cfg, self.dp
+        t_start = time.perf_counter()
+        stopped, last, epoch = "completed", None, self.start_epoch
         for epoch in range(self.start_epoch, cfg.epochs):
             first = self.start_step_in_epoch if epoch == self.start_epoch else 0
             epoch_first_step = dp.steps - first  # the global step of this epoch's first batch
@@ -578,8 +589,6 @@ class Trainer:
         self.stop_on_log_failure()
         self.metrics.close()
         self.timing.close()
-        if self.watchdog is not None:  # training is over: MPI_Finalize is not bounded here
-            self.watchdog.stop()
         dp.close()  # frees what the exchange holds (the node-shared window); the model stays usable
         return end
 

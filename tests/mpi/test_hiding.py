@@ -200,6 +200,7 @@ BLOCK_MODELS = {"resnet8": {"widths": (4, 8, 8)}, "vit": {"dim": 8, "depth": 2, 
 X_8x8 = np.random.default_rng(1).standard_normal((N, 3, 8, 8))  # resnet8 needs 8 x 8 pixels
 
 
+@pytest.mark.mpi(min_size=2)  # one rank exchanges nothing: no overlap is built
 @pytest.mark.parametrize("name", sorted(BLOCK_MODELS))
 @pytest.mark.parametrize("strategy, ranks_per_node", [("flat", None), ("hierarchical", max(1, P // 2))],
                          ids=["flat", "hierarchical-2nodes"])
