@@ -92,6 +92,8 @@ def test_nan_at_step_0_from_the_data_says_so():
     message = same_error_everywhere(trainer.run, NonFiniteGradient)
     assert "at step 0, caused by the data" in message and f"sample {bad} of ArrayDataset" in message
     assert "1 sample(s) of this step's batch" in message
+    # The failure bound's thread ended with the run: a process that goes on is not ended later.
+    assert trainer.watchdog is None or not trainer.watchdog._thread.is_alive()
 
 
 @pytest.mark.mpi
