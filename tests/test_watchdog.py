@@ -175,3 +175,21 @@ def test_heartbeats_cross_udp_and_a_stopped_rank_falls_silent():
             d.stop()
     assert ended == []
     assert not any(t.name == "mpidl-failure-bound" and t.is_alive() for t in threading.enumerate())
+
+
+def test_stop_wakes_the_thread_at_once(monkeypatch):
+    """``stop()`` does not wait out the thread's ``select`` (every run's end would pay up to a
+    heartbeat period): with a ``select`` that would wait 60 s, the thread is gone when
+    ``stop()`` returns (it joins for at most ``2 x period + 1`` = 5 s)."""
+    import mpidl.distributed.watchdog as watchdog_module  # noqa: PLC0415
+
+    real_select = watchdog_module.select.select
+    monkeypatch.setattr(watchdog_module.select, "select", lambda r, w, x, _timeout: real_select(r, w, x, 60.0))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.setblocking(False)
+    dog = ProgressWatchdog(0, ["h0"], [sock.getsockname()], sock, 1000.0, end=lambda message: None)
+    dog.start()
+    time.sleep(0.5)  # the thread is in its select by now (it would still be woken if not)
+    dog.stop()
+    assert not dog._thread.is_alive()

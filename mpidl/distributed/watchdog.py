@@ -261,6 +261,11 @@ class ProgressWatchdog:
     def stop(self) -> None:
         """At the end of training (the final writes and MPI_Finalize are not watched)."""
         self._stop.set()
+        if self._sock is not None:  # wake the thread from its select now, not a period later
+            try:
+                self._sock.sendto(b"", ("127.0.0.1", self._sock.getsockname()[1]))
+            except OSError:
+                pass
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.period_s + 1)
         if self._sock is not None:
