@@ -23,8 +23,11 @@
 #   6. the failure bound, with the MPI's time-out off, under python -m mpidl.guard: (MPICH)
 #      host 2's ranks SIGKILLed under mpiexec -disable-auto-cleanup, and (both) host 2 frozen
 #      for good: exit code 3 within 30 s / 45 s, and the message names host 2.
-#   7. Open MPI only: grow back (tests/test_grow.py -k another_host): a lost rank replaced by
-#      one that joins on host 2 (--replace-with), the final parameters those of a fault-free run.
+#   7. (CLUSTER_FAULTS=all, Open MPI only) grow back (tests/test_grow.py -k another_host): a
+#      lost rank replaced by one that joins on host 2 (--replace-with), the final parameters
+#      those of a fault-free run. Not in CI's run: on this 2-host cluster it fails in most runs
+#      with prterun's "PRTE has lost communication with a remote daemon" (host 1's) right after
+#      the rank is killed, before the join (docs/failures.md, Grow back, limits).
 # CLUSTER_FAULTS=all adds (b) link cut for 3 s and restored, (c) host 2 frozen for good,
 # (e) host 2's link lowered to 50 Mbit/s in training; each prints its time to end.
 # Exit code 0 when every check passes, 1 when one fails, 77 when no cluster can run here
@@ -324,12 +327,12 @@ if [[ "${CLUSTER_FAULTS:-}" == all ]]; then
     bash jobs/cluster.sh --name "$NAME" link node2 1gbit
 fi
 
-if [[ "$kind" == openmpi ]]; then
+if [[ "$kind" == openmpi && "${CLUSTER_FAULTS:-}" == all ]]; then
     say "7. grow back (Open MPI, ULFM): 2 ranks on host 1, rank 1 killed at step 4, 1 rank joins on host 2 (--replace-with); final parameters = a fault-free run (<= 1e-12)"
     MPIDL_CLUSTER=$NAME "$PY" -m pytest -q -p no:cacheprovider tests/test_grow.py -k another_host \
         || fail "growing back onto host 2 failed"
 else
-    say "7. grow back skipped: it needs Open MPI with ULFM (the MPICH wheel has none: docs/failures.md)"
+    say "7. grow back not run: it needs Open MPI with ULFM and CLUSTER_FAULTS=all (flaky here: see the header)"
 fi
 
 say "all cluster checks passed ($kind)"
