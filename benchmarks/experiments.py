@@ -800,7 +800,7 @@ def node(ctx: Context) -> dict:
              "must move (each node needs the other's partial sum once per step, whatever MPICH "
              "does inside), and it equals what `hierarchical` measures on its leaders. Two ratios "
              "are given: *per node* (a leader's measured inter-node bytes / that estimate), and "
-             "*DESIGN.md's count* (flat moves every rank's buffer across the node boundary every "
+             "*the all-ranks count* (flat moves every rank's buffer across the node boundary every "
              "step: 4 ranks x S x b, the sum of flat's measured world counters; node moves one "
              "buffer per node every K' steps: 2 leaders x the measured inter-node bytes), for "
              "which the expected factor is K' x ranks per node = 2 K'.", ""]
@@ -913,14 +913,14 @@ def node(ctx: Context) -> dict:
                  md_table(["strategy", "steps/epoch (S)", "inter-node calls/epoch",
                            "expected calls/epoch (S or ceil(S/K'))", "inter-node bytes/epoch (per leader)",
                            "world bytes/epoch (per rank)", "intra-node bytes/epoch (per rank)",
-                           "inter-node vs flat (per node)", "vs flat (DESIGN.md count)",
-                           "vs flat (DESIGN.md count, decimal)"], table), "",
-                 f"Goal 'node K'=50 inter-node bytes <= 1/100 of flat (DESIGN.md's count)': {verdict}.", "",
+                           "inter-node vs flat (per node)", "vs flat (all-ranks count)",
+                           "vs flat (all-ranks count, decimal)"], table), "",
+                 f"Goal 'node K'=50 inter-node bytes <= 1/100 of flat (the all-ranks count)': {verdict}.", "",
                  f"Accuracy after {plan.node_epochs} epoch(s), mean ± std over seeds "
                  f"{', '.join(map(str, plan.node_seeds))}; delta vs flat paired by seed, in points; "
                  "each K''s accuracy cost next to its traffic saving:", "",
                  md_table(["strategy", "OA %", "AA %", "kappa", "OA - flat OA (points)",
-                           "inter-node bytes vs flat (per node)", "vs flat (DESIGN.md count)",
+                           "inter-node bytes vs flat (per node)", "vs flat (all-ranks count)",
                            "same OA under the link emulation"], acc_rows), "",
                  "Epoch time (s), median [min-max] over the timed epochs (all but the first) of the seed-0 run:", "",
                  md_table(["strategy", *link_hdr], time_rows), "",
@@ -933,13 +933,13 @@ def node(ctx: Context) -> dict:
     body += ["## Reading the tables", "",
              f"- Steady state: a node-based leader makes one inter-node call every K' steps where "
              f"hierarchical makes one every step, so its inter-node bytes are 1/K' of flat's per "
-             f"node, and 1/(2K') by DESIGN.md's count on 2 ranks per node. With S = {NODE_STEPS} "
+             f"node, and 1/(2K') by the all-ranks count on 2 ranks per node. With S = {NODE_STEPS} "
              f"steps per epoch, a multiple of every K', the measured calls per epoch are exactly "
              f"S/K' (the epoch-end sync coincides with a K' sync and is skipped).",
              "- K'=1 syncs the parameters after every step: the same inter-node traffic as "
              "hierarchical (parameters instead of gradients), a different algorithm (parameter "
              "averaging after local updates).",
-             "- Goals: node K'=50 inter-node bytes <= 1/100 of flat (by DESIGN.md's count) on 2x2; "
+             "- Goals: node K'=50 inter-node bytes <= 1/100 of flat (by the all-ranks count) on 2x2; "
              "OA within 1 point of flat.", ""]
     path = ctx.out / ("node_quick.md" if ctx.args.quick else "node.md")
     node_figure(ctx, rows_json)

@@ -1,4 +1,4 @@
-"""The distributed strategies reproduce single-rank training (DESIGN.md, "Math").
+"""The distributed strategies reproduce single-rank training (docs/design.md, "The three ideas").
 
 float64, ``hsicnn`` (no batch norm), uneven speeds 1, 2, ..., P so the ranks' batches differ,
 and a dataset whose size is not a multiple of the global batch so the last, smaller batch is
