@@ -7,9 +7,9 @@ them the state, and the job goes on with every rank at the same global batch. Ea
 once without a fault, and compares the final parameters (<= 1e-12: the global batches are the
 same, only the split and so the order of the sums differs).
 
-``MPIDL_CLUSTER=NAME`` (a jobs/cluster.sh cluster of 2 hosts or more) runs the real-host case:
-the 2 ranks start on host 1, rank 1 dies, and 1 rank joins on host 2 (a host of the
-allocation without ranks). ``tests/cluster_stage.sh`` runs it under Open MPI.
+``MPIDL_CLUSTER=NAME`` (a jobs/cluster.sh cluster of 3 hosts or more) runs the real-host case:
+a rank on each of hosts 1 and 2, host 2's rank dies, and 1 rank joins on host 3 (a host of
+the allocation without ranks). ``tests/cluster_stage.sh`` runs it under Open MPI.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import h5py
 import numpy as np
 import pytest
 
-from launcher import CLUSTER_ENV, OPENMPI, available, cluster_command, default_mpiexec, flavor, mpiexec, run_tagged
+from launcher import (CLUSTER_ENV, OPENMPI, available, cluster_command, cluster_state, default_mpiexec, flavor, mpiexec,
+                      run_tagged)
 from mpidl.app.config import ConfigError, parse_config
 
 LAUNCH_TIMEOUT_S = 240
@@ -97,9 +98,10 @@ def _grow_and_compare(tmp_path, cmd_of, ranks: int, victim: int, host: str, stra
     # The joined rank leaves without MPI_Finalize (it crashes across hosts, disconnecting from
     # the dead): Open MPI's mpiexec may return 1 for it. The result is the end record.
     assert rc in (0, 1), out[-3000:]
-    (failure,) = _records(metrics, "failure")
-    (join,) = _records(metrics, "join")
-    (end,) = _records(metrics, "end")
+    records = {event: _records(metrics, event) for event in ("failure", "join", "end")}
+    assert all(len(found) == 1 for found in records.values()), (
+        f"records {', '.join(f'{k}: {len(v)}' for k, v in records.items())}; rc {rc}:\n{out[-3000:]}")
+    (failure,), (join,), (end,) = records["failure"], records["join"], records["end"]
     assert (failure["step"], failure["lost_ranks"]) == (step, [victim]), out[-3000:]
     assert (join["step"], join["host"], join["ranks"], join["joined_ids"]) == (step, host, ranks, [ranks])
     assert sum(join["batch_sizes"]) == 24 and len(join["batch_sizes"]) == ranks
@@ -126,17 +128,27 @@ def test_a_rank_joins_on_this_host_and_the_run_ends_as_without_a_fault(tmp_path,
 
 
 @pytest.mark.launcher
-def test_a_rank_joins_on_another_host_and_the_run_ends_as_without_a_fault(tmp_path, tiny_data):
-    """Real hosts: 2 ranks on host 1 (host 2 in the allocation, without ranks), rank 1 dies at
-    step 4, 1 rank joins on host 2; flat, float64."""
+@pytest.mark.parametrize("strategy", ["flat", "hierarchical"])
+def test_a_lost_host_is_replaced_by_a_spare_host_and_the_run_ends_as_without_a_fault(tmp_path, tiny_data, strategy):
+    """Real hosts: 1 rank on each of hosts 1 and 2, host 3 a spare of the allocation (in
+    mpiexec's ``--host`` list, no rank); host 2's only rank dies at step 4 (the host is lost),
+    1 rank joins on host 3; float64.
+
+    Not the 2-host case (2 ranks on host 1, one of them killed, a rank joining on host 2):
+    there Open MPI 5.0.11's daemon of host 1, which then holds a dead rank beside a rank that
+    takes part in the spawn, aborts in its PMIx server in many runs
+    (``benchmarks/ulfm_spawn_probe.py`` shows it without mpidl; docs/failures.md)."""
     _needs_ulfm()
     name = os.environ.get(CLUSTER_ENV, "").strip()
     if not name:
-        pytest.skip(f"needs real hosts: a jobs/cluster.sh cluster of 2 hosts or more, and {CLUSTER_ENV}=NAME")
+        pytest.skip(f"needs real hosts: a jobs/cluster.sh cluster of 3 hosts or more, and {CLUSTER_ENV}=NAME")
+    hosts = int(cluster_state(name)["HOSTS"])
+    if hosts < 3:
+        pytest.skip(f"needs 3 hosts (2 with ranks, 1 spare); cluster {name} has {hosts}")
     exe = default_mpiexec()
 
-    def command(ranks, program):  # ranks fill host 1 first; host 2 stays free for the join
-        return cluster_command(name, OPENMPI, exe, ranks, [2, 2], program, ft="ulfm")
+    def command(ranks, program):  # one rank on each of hosts 1 and 2; host 3 stays free for the join
+        return cluster_command(name, OPENMPI, exe, ranks, [1, 1, 1], program, ft="ulfm")
 
-    join = _grow_and_compare(tmp_path, command, 2, 1, f"{name}-node2", "flat", tiny_data)
+    join = _grow_and_compare(tmp_path, command, 2, 1, f"{name}-node3", strategy, tiny_data)
     assert join["hosts"] == 2 and join["node_sizes"] == [1, 1]
