@@ -23,12 +23,14 @@
 #   6. the failure bound, with the MPI's time-out off, under python -m mpidl.guard: (MPICH)
 #      host 2's ranks SIGKILLed under mpiexec -disable-auto-cleanup, and (both) host 2 frozen
 #      for good: exit code 3 within 30 s / 45 s, and the message names host 2.
-#   7. (Open MPI) grow back on real hosts (tests/test_grow.py -k spare_host) on a second cluster
-#      `${NAME:0:7}g` of 3 hosts: a rank on each of hosts 1 and 2, host 2's rank killed, a rank
-#      joins on host 3 (--replace-with, a spare of the allocation); flat and hierarchical,
-#      the final parameters those of a fault-free run (float64, <= 1e-12). Not the 2-host
-#      case of a lone rank killed beside a survivor that spawns: Open MPI 5.0.11's daemon of
-#      that host aborts in its PMIx server in many of those runs (docs/failures.md, Grow back;
+#   7. (CLUSTER_FAULTS=all, Open MPI) grow back on real hosts (tests/test_grow.py -k spare_host)
+#      on a second cluster `${NAME:0:7}g` of 3 hosts: a rank on each of hosts 1 and 2, host 2's
+#      rank killed, a rank joining on host 3 (--replace-with, a spare of the allocation); flat
+#      and hierarchical, the final parameters those of a fault-free run (float64, <= 1e-12).
+#      Not in CI's run: Open MPI 5.0.11's daemon of the survivors' host aborts in its PMIx
+#      server in the spawn's connect in some runs (the test failed in 2 of 76 runs here, one with
+#      prterun's lost-daemon message; far more often when that daemon also
+#      holds a dead rank), and prterun ends the job (docs/failures.md, Grow back, limits;
 #      benchmarks/ulfm_spawn_probe.py shows it without mpidl).
 # CLUSTER_FAULTS=all adds (b) link cut for 3 s and restored, (c) host 2 frozen for good,
 # (e) host 2's link lowered to 50 Mbit/s in training; each prints its time to end.
@@ -330,7 +332,7 @@ if [[ "${CLUSTER_FAULTS:-}" == all ]]; then
     bash jobs/cluster.sh --name "$NAME" link node2 1gbit
 fi
 
-if [[ "$kind" == openmpi ]]; then
+if [[ "$kind" == openmpi && "${CLUSTER_FAULTS:-}" == all ]]; then
     say "7. grow back (Open MPI, ULFM) on cluster ${NAME:0:7}g: a rank on each of hosts 1 and 2, host 2's rank killed at step 4, 1 rank joins on spare host 3 (--replace-with); final parameters = a fault-free run (<= 1e-12)"
     GROW=${NAME:0:7}g  # a cluster name has at most 8 characters
     bash jobs/cluster.sh --name "$GROW" start --hosts 3 --ranks 2 --rate 1gbit
@@ -338,7 +340,7 @@ if [[ "$kind" == openmpi ]]; then
         || fail "growing back onto spare host 3 failed"
     bash jobs/cluster.sh --name "$GROW" stop
 else
-    say "7. grow back: Open MPI only (MPICH has no usable ULFM; --replace-with is refused at set-up there)"
+    say "7. grow back not run: it needs Open MPI with ULFM and CLUSTER_FAULTS=all (Open MPI's daemon aborts in some runs: see the header)"
 fi
 
 say "all cluster checks passed ($kind)"
