@@ -10,9 +10,10 @@ its own ``eth0`` (shaped by ``tc tbf`` to the table's rate), its own host name a
 core (cpuset), its CPU share set by a cgroup; 1 rank per host unless a row says ``2x2``. The
 inter-host traffic is TCP (``UCX_TLS=tcp,self``) through the shaped link; the bytes are the
 kernel's counters of each host's ``eth0`` around the run (``/sys/class/net/eth0/statistics``),
-beside mpidl's own per-level counters from its metrics file. Rows alternate within each round
-(round 1: A B C..., round 2: A B C..., ...), every figure is the median over the rounds with
-``[min-max]``; the load average before each run is kept in the JSON.
+beside mpidl's own per-level counters from its metrics file. Rows alternate within each round,
+each round starting one row later (round 1: A B C, round 2: B C A, ...); every figure is the
+median over the rounds with ``[min-max]``; the load average before each run is kept in the
+JSON.
 
 Nothing in these tables is emulated: no ``--emulate-link``, no ``--emulate-slowdown``, no fake
 hosts, no ``MPIDL_RANKS_PER_NODE``. The machine's 2 cores are shared with other work, so the
@@ -111,12 +112,14 @@ def run_row(cluster: Cluster, row: Row, work: Path, tag: str, timeout: float, du
 
 def run_rounds(cluster: Cluster, rows: list[Row], rounds: int, work: Path, tag: str, timeout: float,
                only: list | None = None) -> list[dict]:
-    """``rounds`` alternating rounds of ``rows`` (A B C, A B C, ...): every run's record;
-    ``only``: the labels to run (all when empty)."""
+    """``rounds`` alternating rounds of ``rows``, each round starting one row later (A B C,
+    B C A, C A B, ...) so that no row always runs first after a pause or right after the same
+    neighbour: every run's record; ``only``: the labels to run (all when empty)."""
     rows = [r for r in rows if not only or r.label in only]
     out = []
     for r in range(rounds):
-        for i, row in enumerate(rows):
+        start = r % len(rows) if rows else 0
+        for i, row in [(i, rows[i]) for i in range(start, len(rows))] + [(i, rows[i]) for i in range(start)]:
             rec = run_row(cluster, row, work, f"{tag}_r{r}_{i}", timeout)
             rec["round"] = r
             out.append(rec)

@@ -14,7 +14,7 @@
 #         10.77.X.1 as NAME-head; R ranks/CPUs per host (default 2: the MPI host list and
 #         Slurm's CPUs); RATE a tc rate per host (default 1gbit; `none` unshaped; one value for
 #         all hosts or one per host); SHARE the host's CPU in cores (cgroup cpu quota; `none`,
-#         the default, for no limit); --own-core: a core of its own per host (cpuset) when
+#         the default, or a share of at least the host's cpuset, for no limit); --own-core: a core of its own per host (cpuset) when
 #         the machine has at least N cores (auto, the default); X the third byte of the subnet
 #         (default: derived from NAME); --slurm: a slurmctld on the head and a slurmd per host.
 #         Idempotent: an identical cluster that is up is left as it is. Any failure removes
@@ -117,6 +117,19 @@ shape() {  # shape NETNS_OR_- DEV RATE: tbf on DEV (in NETNS, or the head for -)
 
 host_cgroups() { local c; for c in "${CG_ROOTS[@]}"; do echo "$c/$CG/node$1"; done; }
 
+cpuset_cores() {  # LIST: the number of CPUs of a cpuset list such as 0-3,6 (0 when empty)
+    local n=0 part
+    local IFS=,
+    for part in $1; do
+        if [[ "$part" =~ ^([0-9]+)-([0-9]+)$ ]]; then
+            n=$(( n + BASH_REMATCH[2] - BASH_REMATCH[1] + 1 ))
+        elif [[ "$part" =~ ^[0-9]+$ ]]; then
+            n=$(( n + 1 ))
+        fi
+    done
+    echo "$n"
+}
+
 set_cpu_share() {  # I SHARE: cpu quota in cores per period (none: no limit)
     local dir=/sys/fs/cgroup/cpu/$CG/node$1 share=$2 quota
     if [[ "$share" == none ]]; then
@@ -124,6 +137,16 @@ set_cpu_share() {  # I SHARE: cpu quota in cores per period (none: no limit)
         return 0
     fi
     [[ "$share" =~ ^[0-9]+(\.[0-9]+)?$ ]] || die "CPU share '$share': a number of cores (e.g. 0.5) or none"
+    # A share of at least the host's cpuset is no limit, and a quota there is not free: CFS
+    # bandwidth control throttled a one-thread process under a quota of exactly its one core
+    # for 0.5-0.6 ms of each 12 ms step (5-7 %, measured: docs/results_cluster.md). So a
+    # share of the whole cpuset sets no quota.
+    local cores
+    cores=$(cpuset_cores "$(cat "/sys/fs/cgroup/cpuset/$CG/node$1/cpuset.cpus" 2>/dev/null)")
+    if (( cores > 0 )) && awk -v s="$share" -v c="$cores" 'BEGIN { exit !(s >= c) }'; then
+        echo -1 > "$dir/cpu.cfs_quota_us"
+        return 0
+    fi
     # The quota is enforced per period: a half-core host runs a whole period's half at full
     # speed, then stops. With the kernel's default 100 ms that stop is longer than a training
     # step, so steps alternate between full speed and stalled; with 10 ms the host behaves as

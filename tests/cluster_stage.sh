@@ -5,6 +5,7 @@
 # Brings up cluster `mpidlci` (2 hosts x 2 CPUs, 1 Gbit/s links, a Slurm when it can be run)
 # and removes it at the end, also when a check fails (trap). Then, each launched as the job
 # scripts launch (jobs/launcher.sh with MPIDL_CLUSTER, or sbatch):
+#   0. `cluster.sh cpu`: half a core sets a quota, the host's whole cpuset none;
 #   1. flat and hierarchical across the 2 hosts equal one process (float64, <= 1e-10:
 #      tests/mpi/test_training_equivalence.py, 1 rank per host);
 #   2. the node strategy (2 hosts x 2 ranks, K'=1): the bytes the kernel saw leave host 1 in
@@ -81,6 +82,17 @@ trap cleanup EXIT
 bash jobs/cluster.sh --name "$NAME" start --hosts 2 --ranks 2 --rate 1gbit "${slurm[@]}"
 eval "$(bash jobs/cluster.sh --name "$NAME" env)"
 export MPIDL_CLUSTER=$NAME
+
+# 0. CPU shares: half a core is a quota; a share of the host's whole cpuset is none (a quota of
+#    exactly its cores only throttles).
+share_shown() { bash jobs/cluster.sh --name "$NAME" status | awk -v h="$NAME-node1" '$1 == h { for (i = 1; i < NF; i++) if ($i == "cpu") print $(i + 1) }'; }
+cores_of_host1=$(bash jobs/cluster.sh --name "$NAME" status | awk -v h="$NAME-node1" '$1 == h { for (i = 1; i < NF; i++) if ($i == "cores") print $(i + 1) }' \
+    | awk -F, '{ n = 0; for (i = 1; i <= NF; i++) { split($i, r, "-"); n += (r[2] == "" ? 1 : r[2] - r[1] + 1) } print n }')
+bash jobs/cluster.sh --name "$NAME" cpu 1 0.5 > /dev/null
+[[ "$(share_shown)" == 0.50 ]] || fail "cpu 1 0.5: host 1's share shows '$(share_shown)', not 0.50"
+bash jobs/cluster.sh --name "$NAME" cpu 1 "$cores_of_host1" > /dev/null
+[[ "$(share_shown)" == none ]] || fail "cpu 1 $cores_of_host1 (its whole cpuset): a quota of $(share_shown) is set"
+bash jobs/cluster.sh --name "$NAME" cpu 1 none > /dev/null
 
 "$PY" - "$WORK/tiny.h5" <<'EOF'
 import sys
