@@ -74,7 +74,9 @@ of the machine that the noise of their median does not show, it must do so in tw
 consecutive re-fits that move samples the same way (the caller compares the two proposals),
 unless its gain is more than twice the margin (:func:`confirm_resplit`): a split moves at
 once for a large change, and not back and forth on one noisy period, nor on two that pull
-opposite ways.
+opposite ways. The one-period shortcut needs the margin to know how much periods differ
+(``drift_known``: the caller has compared periods at an unchanged split): before that, a
+margin from the spread within one period is no guard against a slow period.
 
 Everything here is a pure function of numbers every rank holds alike (after a gather), so all
 ranks compute the same split without further communication, and a bad value is refused on
@@ -351,15 +353,16 @@ def choose_split(costs: Sequence[RankCost], total: int, threshold: float = 0.05,
     return reference, reference_time
 
 
-def confirm_resplit(gain: float, margin: float, proposed_before: bool) -> bool:
+def confirm_resplit(gain: float, margin: float, proposed_before: bool, drift_known: bool = True) -> bool:
     """Whether a re-split predicted to make the step ``gain`` (a fraction) faster than the
     current split is taken: its gain passes the margin (``max(threshold, noise)``) and the
     previous re-fit's proposal did too (``proposed_before``), or its gain is more than twice
-    the margin (see the module docstring)."""
+    the margin and the margin includes the drift between periods (``drift_known``; see the
+    module docstring)."""
     for value, name in ((gain, "gain"), (margin, "margin")):
         if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
             raise ValueError(f"{name} must be a finite number, got {value!r}")
-    return gain > 2.0 * margin or (gain > margin and bool(proposed_before))
+    return (gain > 2.0 * margin and bool(drift_known)) or (gain > margin and bool(proposed_before))
 
 
 def split_counts(total: int, proportions: Sequence[float]) -> list[int]:

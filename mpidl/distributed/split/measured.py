@@ -11,6 +11,12 @@ backward); :class:`~mpidl.distributed.DataParallel` measures it every step
 ``t_i(b) = (a_i + u_i) + c_i b`` (:attr:`MeasuredSplit.costs`; ``a_i, c_i`` alone are
 :attr:`MeasuredSplit.compute_costs`).
 
+The margin a re-split must pass covers two kinds of noise: the spread of the steps within a
+period (:func:`~.balance.timing_noise`), and how much a rank's step at an unchanged batch size
+moves from one period to the next (:func:`period_drift`: another process taking turns on the
+core, a hypervisor's neighbour). The second does not shrink with more steps per period, and a
+margin without it moves the split of two identical hosts back and forth.
+
 Re-fitting until the split stops moving: after the start and after every move (or a move
 proposed and waiting for its confirmation) the next re-fit comes after a short period,
 :func:`settle_every` steps, so that the estimate the probe started from (without ``u_i``) is
@@ -28,10 +34,26 @@ from mpidl.distributed.clock import ComputeClock
 from mpidl.distributed.split import balance, probe as speed_probe
 from mpidl.distributed.split.base import Split, check_batch_fits
 
-__all__ = ["MeasuredSplit", "RECENT_STEPS", "check_options", "settle_every"]
+__all__ = ["MeasuredSplit", "DRIFT_PERIODS", "MIN_DRIFT_PERIODS", "RECENT_STEPS", "check_options", "period_drift", "settle_every"]
 
 #: steps whose compute times a re-fit may use (a bound on memory, not a tuning knob)
 RECENT_STEPS = 1024
+#: period-to-period changes a rank's drift is the median of (the last re-fits at an unchanged size)
+DRIFT_PERIODS = 5
+#: changes a rank must have measured before its drift enters the margin, and every rank before
+#: one period's gain may move the split alone
+MIN_DRIFT_PERIODS = 2
+
+
+def period_drift(previous, recent, batch_size: int) -> float | None:
+    """``|median(recent) / median(previous) - 1|`` of this rank's step times ``t + u`` at
+    ``batch_size`` in two consecutive periods of ``(samples, compute s, outside s)``; None when
+    either period has no step at that size (the split moved in between)."""
+    before = [t + u for b, t, u in previous if b == batch_size and b > 0]
+    now = [t + u for b, t, u in recent if b == batch_size and b > 0]
+    if not before or not now or statistics.median(before) <= 0:
+        return None
+    return abs(statistics.median(now) / statistics.median(before) - 1.0)
 
 
 def settle_every(rebalance_every: int) -> int:
@@ -98,6 +120,8 @@ class MeasuredSplit(Split):
         #: and the period before
         self._recent: deque = deque(maxlen=RECENT_STEPS)
         self._previous_period: list = []
+        #: this rank's last period-to-period changes at an unchanged batch size (period_drift)
+        self._drifts: deque = deque(maxlen=DRIFT_PERIODS)
         #: the split the last re-fit proposed (gain above the margin, not yet taken), or None
         self._resplit_proposed: list | None = None
         self._next_refit: int | None = None
@@ -128,6 +152,7 @@ class MeasuredSplit(Split):
         split.rebalance_every = rebalance_every
         split.clock = clock if clock is not None else ComputeClock()
         split._recent, split._previous_period, split._resplit_proposed = deque(maxlen=RECENT_STEPS), [], None
+        split._drifts = deque(maxlen=DRIFT_PERIODS)
         split._next_refit = None
         split.quotas = [(None, None)] * topology.size
         split.costs, split.noise, split.batch_sizes = costs, float(noise), batch_sizes
@@ -204,24 +229,44 @@ class MeasuredSplit(Split):
         largest, their medians separate ``a_i`` from ``c_i``; otherwise the model keeps its
         shape and is scaled through the window's steps; a rank whose speed changed between the
         two periods re-fits from the last one. ``u_i``: the median of the last period's outside
-        work. A gain must pass the margin in two consecutive calls moving samples the same way,
-        or twice the margin in one (:func:`~.balance.confirm_resplit`): no move on one noisy
+        work. The margin is ``max(threshold, noise)``, ``noise`` the larger of the ranks'
+        median spread within the window and their largest drift between periods (1.4826 x the
+        median of the last :data:`DRIFT_PERIODS` values of :func:`period_drift`: their standard
+        deviation, as for normal errors, but untouched by one real change of speed). A gain must pass the margin in two consecutive calls moving samples the same way,
+        or twice the margin in one once every rank has measured the drift between
+        :data:`MIN_DRIFT_PERIODS` pairs of periods (:func:`~.balance.confirm_resplit`): no move on one noisy
         period."""
         rank = self.topology.rank
-        recent = list(self._recent)
-        window = list(self._previous_period) + recent
+        recent, previous = list(self._recent), list(self._previous_period)
+        window = previous + recent
+        drift = period_drift(previous, recent, self.batch_sizes[rank])
+        if drift is not None:
+            self._drifts.append(drift)
         self._previous_period = recent
         self._recent.clear()
         cost = balance.refit_cost(self.compute_costs[rank], [b for b, _, _ in window],
                                   [t for _, t, _ in window], recent=len(recent))
         # u_i: the median over the current period (the last steps describe the machine now)
         outside = statistics.median(u for _, _, u in (recent or window)) if window else self.outside_s[rank]
-        current = [t + u for b, t, u in window if b == self.batch_sizes[rank] and b > 0]
+        # the spread of the steps at the current split, from the last period alone when the
+        # rank's speed changed (two machines' steps together are no measure of either's noise)
+        changed = balance.speed_changed(self.compute_costs[rank], [(b, t) for b, t, _ in previous],
+                                        [(b, t) for b, t, _ in recent])
+        current = [t + u for b, t, u in (recent if changed else window) if b == self.batch_sizes[rank] and b > 0]
         spread = balance.timing_noise(current) if current else 0.0
-        gathered = self.topology.world.allgather((cost.a, cost.c, outside, spread))
-        self.compute_costs = [balance.RankCost(a, c) for a, c, _, _ in gathered]
-        self.outside_s = [u for _, _, u, _ in gathered]
-        self.noise = statistics.median(s for _, _, _, s in gathered)
+        # the standard deviation of the change between periods, robustly: 1.4826 x the
+        # median absolute change (as for normal errors), untouched by one real speed change
+        # (from MIN_DRIFT_PERIODS changes on: one change alone is mostly the two medians' own noise)
+        typical_drift = (1.4826 * statistics.median(self._drifts) if len(self._drifts) >= MIN_DRIFT_PERIODS
+                         else 0.0)
+        gathered = self.topology.world.allgather((cost.a, cost.c, outside, spread, typical_drift,
+                                                  len(self._drifts)))
+        self.compute_costs = [balance.RankCost(a, c) for a, c, *_ in gathered]
+        self.outside_s = [u for _, _, u, *_ in gathered]
+        # the spread within a period: the ranks' median; the drift between periods: the
+        # largest, since one wandering rank is enough to make the fitted costs differ
+        self.noise = max(statistics.median(g[3] for g in gathered), max(g[4] for g in gathered))
+        drift_known = min(g[5] for g in gathered) >= MIN_DRIFT_PERIODS
         old = list(self.batch_sizes)
         best = balance.solve_split(self.costs, self.batch_size, self.min_local_batch)
         predicted_old, predicted = balance.step_time(self.costs, old), balance.step_time(self.costs, best)
@@ -231,7 +276,7 @@ class MeasuredSplit(Split):
         # of the two moves): two noisy periods pulling opposite ways confirm nothing
         before = self._resplit_proposed
         same_way = before is not None and sum((n - o) * (p - o) for n, o, p in zip(best, old, before)) > 0
-        taken = best != old and balance.confirm_resplit(gain, margin, same_way)
+        taken = best != old and balance.confirm_resplit(gain, margin, same_way, drift_known)
         self._resplit_proposed = best if best != old and gain > margin and not taken else None
         if not taken:
             return None
