@@ -63,21 +63,25 @@ class Row:
 # --------------------------------------------------------------------------------------------
 
 
-def read_epochs(path: Path) -> tuple[list[dict], dict | None]:
-    """The epoch records and the start record of a metrics file (mpidl's or the peer's)."""
-    epochs, start = [], None
+def read_records(path: Path, event: str) -> list[dict]:
+    """The records of a metrics file (mpidl's or the peer's) whose ``event`` is ``event``."""
     if not path.is_file():
-        return epochs, start
+        return []
+    out = []
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
             rec = json.loads(line)
         except ValueError:
             continue
-        if rec.get("event") == "epoch":
-            epochs.append(rec)
-        elif rec.get("event") == "start":
-            start = rec
-    return epochs, start
+        if isinstance(rec, dict) and rec.get("event") == event:
+            out.append(rec)
+    return out
+
+
+def read_epochs(path: Path) -> tuple[list[dict], dict | None]:
+    """The epoch records and the start record of a metrics file (mpidl's or the peer's)."""
+    starts = read_records(path, "start")
+    return read_records(path, "epoch"), (starts[-1] if starts else None)
 
 
 def command(cluster: Cluster, row: Row, metrics: Path, extra: list | None = None) -> list:
@@ -101,6 +105,9 @@ def run_row(cluster: Cluster, row: Row, work: Path, tag: str, timeout: float, du
     else:
         rec = during(cmd, metrics, work / f"{tag}.log")
     epochs, start = read_epochs(metrics)
+    # the moves of a re-balanced split: the step, the new batch sizes, the gain and margin
+    rec["rebalances"] = [{k: r.get(k) for k in ("step", "old", "new", "gain", "margin")}
+                         for r in read_records(metrics, "rebalance")]
     rec.update({"label": row.label, "kind": row.kind, "sizes": row.sizes, "epochs": epochs,
                 "model_bytes": (start or {}).get("num_params", 0) * 4,
                 "command": common.shown(cmd).replace(str(work) + "/", "")})
@@ -415,9 +422,10 @@ def summarize_hdp(runs: list[dict]) -> tuple[list, dict]:
     for lab in labels:
         rs = by[lab]
         if not rs:
-            rows.append([lab] + ["failed"] * 6)
+            rows.append([lab] + ["failed"] * 7)
             continue
         splits = sorted({":".join(map(str, r["epochs"][-1].get("batch_sizes", []))) for r in rs})
+        moves = ", ".join(str(len(r["rebalances"])) if "rebalances" in r else "?" for r in rs)
         e = [epoch_s(r) for r in rs]
         # The machine's speed drifts between rounds; within one round the row and the best
         # split ran minutes apart, so their ratio there is the steadier figure.
@@ -425,7 +433,7 @@ def summarize_hdp(runs: list[dict]) -> tuple[list, dict]:
         same_round = [epoch_s(r) / best_in[r["round"]] for r in rs if r["round"] in best_in]
         summary[lab] = {"epoch_s": common.median(e), "final_oa": common.median([final_oa(r) for r in rs]),
                         "splits": splits, "per_round_ratio": same_round}
-        rows.append([lab, ", ".join(splits), ms(e, 1, 2), ratio_str(common.median(e), best),
+        rows.append([lab, ", ".join(splits), moves, ms(e, 1, 2), ratio_str(common.median(e), best),
                      ms(same_round, 1, 2) if same_round else "n/a",
                      ms([final_oa(r) for r in rs], 100, 2), str(len(rs))])
     return rows, summary
@@ -528,20 +536,25 @@ def change_section(rate: str, share: str, change: dict) -> list[str]:
         change_rows.append([rec["round"] + 1, " -> ".join(":".join(map(str, e.get("batch_sizes", []))) for e in rec["epochs"]),
                             " / ".join(f"{e['time_s']:.2f}" for e in rec["epochs"]),
                             ", ".join(f"{e['time_s'] / best_epoch:.2f}" for e in rec["epochs"][2:]),
-                            "not within 5 %" if rec["steps_back"] is None else str(rec["steps_back"])])
+                            "not within 5 %" if rec["steps_back"] is None else str(rec["steps_back"]),
+                            ", ".join(f"{m['step']}: {':'.join(map(str, m['new']))} (gain {100 * m['gain']:.0f} %, "
+                                      f"margin {100 * m['margin']:.0f} %)" for m in rec.get("rebalances", []))
+                            if "rebalances" in rec else "not recorded"])
     return [f"## A share lowered mid-run: host 2 1.0 -> {share} after epoch 2 (link {rate})", "",
             load_line(sweep_runs + change_runs) + ".", "",
             f"Best fixed split at 1.0 / {share} (sweep, 3 epochs each, median of epochs 2-3):", "",
             common.md_table(["split", "epoch s", "slowest rank's compute ms/step (median)"], rows), "",
             f"Best: {best} ({best_epoch:.2f} s per epoch, {1e3 * best_step:.1f} ms slowest-rank compute per step). "
             f"`--speeds auto --rebalance` runs ({steps_per} steps per epoch; re-fit every 20 steps; "
-            f"the change lands at the start of epoch 3):", "",
+            f"the change lands at the start of epoch 3, step {2 * steps_per + 1}):", "",
             common.md_table(["round", "split per epoch", "epoch s per epoch", "epochs 3.. / best fixed epoch",
-                             "steps after the change until the slowest-rank compute (median of 10) <= 1.05 x best's"],
+                             "steps after the change until the slowest-rank compute (median of 10) <= 1.05 x best's",
+                             "moves of the split (step: new split)"],
                             change_rows), "", "Commands:", "", *commands_block(sweep_runs + change_runs)]
 
 
-HDP_HEADERS = ["row", "split chosen (last epoch, per run)", "epoch s (median of epochs 2..E)", "/ best fixed split",
+HDP_HEADERS = ["row", "split chosen (last epoch, per run)", "moves of the split (per run; ? not recorded)",
+               "epoch s (median of epochs 2..E)", "/ best fixed split",
                "/ best fixed split in the same round", "final test OA %", "runs"]
 
 
