@@ -96,9 +96,10 @@ class MeasuredSplit(Split):
         Every ``rebalance_every`` steps, re-fit the cost models from the ranks' own steps and
         re-split when the gain is confirmed (:meth:`rebalance`).
     Construction is collective (it measures); :meth:`from_costs` starts from known cost
-    models instead. An uneven first split is measured twice before it is taken: a rank descheduled by another process during its probe passes looks slow in
-    all of them alike, so their spread does not reveal it; a rank that is really slower is
-    slower the second time too. The split then follows the two fits averaged.
+    models instead. An uneven first split is measured twice before it is taken: a rank
+    descheduled by another process during its probe passes looks slow in all of them alike,
+    so their spread does not reveal it; a rank that is really slower is slower the second
+    time too. The split then follows the two fits averaged.
     """
 
     source = "measured"
@@ -232,10 +233,11 @@ class MeasuredSplit(Split):
         work. The margin is ``max(threshold, noise)``, ``noise`` the larger of the ranks'
         median spread within the window and their largest drift between periods (1.4826 x the
         median of the last :data:`DRIFT_PERIODS` values of :func:`period_drift`: their standard
-        deviation, as for normal errors, but untouched by one real change of speed). A gain must pass the margin in two consecutive calls moving samples the same way,
-        or twice the margin in one once every rank has measured the drift between
-        :data:`MIN_DRIFT_PERIODS` pairs of periods (:func:`~.balance.confirm_resplit`): no move on one noisy
-        period."""
+        deviation, as for normal errors, but untouched by one real change of speed). A gain
+        must pass the margin in two consecutive calls moving samples the same way, or twice
+        the margin in one once every rank has measured the drift between
+        :data:`MIN_DRIFT_PERIODS` pairs of periods (:func:`~.balance.confirm_resplit`): no
+        move on one noisy period."""
         rank = self.topology.rank
         recent, previous = list(self._recent), list(self._previous_period)
         window = previous + recent
