@@ -16,6 +16,11 @@ For ``--speeds auto --rebalance`` also its ratio to the fixed row nearest the sp
 with, in the same round: how much of its gap is the split it chose and how much the rest.
 The fixed rows are the control: the same noise applies to them, and one of them is the best
 by construction.
+
+Last, per split (the fixed rows, and the auto row's epochs by the split they ran), the median
+per step of each rank's compute, idle wait and exchange (the metrics' ``comp_s``, ``idle_s``,
+``comm_s`` over the epoch's steps) and of the whole step: where the step's time goes as the
+split moves.
 """
 from __future__ import annotations
 
@@ -85,6 +90,25 @@ def table_lines(table: dict) -> list[str]:
     return out
 
 
+def split_lines(table: dict, min_epochs: int = 4) -> list[str]:
+    per_split: dict[str, list[list[float]]] = {}
+    for r in (r for r in table["runs"] if r.get("epochs")):
+        for before, e in zip(r["epochs"], r["epochs"][1:]):
+            n = max(e["step"] - before["step"], 1)  # the epoch's steps
+            label = ("fixed " if split_of(r["label"]) else "auto ") + ":".join(map(str, e["batch_sizes"]))
+            per_split.setdefault(label, []).append(
+                [1e3 * x / n for x in (*e["comp_s"], *e["idle_s"], *e["comm_s"], e["time_s"])])
+    ranks = len(next(iter(per_split.values()))[0]) // 3 if per_split else 0
+    heads = [f"{q} {i + 1}" for q in ("compute", "idle", "exchange") for i in range(ranks)]
+    out = ["", "ms per step (median over epochs 2..E of each epoch's mean):",
+           "| split | epochs | " + " | ".join(heads) + " | step |", "|---" * (len(heads) + 3) + "|"]
+    for label, rows in sorted(per_split.items(), key=lambda kv: (int(kv[0].split()[1].split(":")[0]), kv[0])):
+        if len(rows) >= min_epochs:
+            cells = [f"{statistics.median(row[k] for row in rows):.1f}" for k in range(len(rows[0]))]
+            out.append(f"| {label} | {len(rows)} | " + " | ".join(cells) + " |")
+    return out
+
+
 def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
@@ -93,7 +117,7 @@ def main(argv: list[str]) -> int:
         print(f"## {path}")
         for table in json.loads(Path(path).read_text())["tables"]:
             if "runs" in table:
-                print("\n".join(table_lines(table)))
+                print("\n".join(table_lines(table) + split_lines(table)))
         print()
     return 0
 
