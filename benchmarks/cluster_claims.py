@@ -63,25 +63,25 @@ class Row:
 # --------------------------------------------------------------------------------------------
 
 
-def read_records(path: Path, event: str) -> list[dict]:
-    """The records of a metrics file (mpidl's or the peer's) whose ``event`` is ``event``."""
+def read_records(path: Path) -> dict[str, list[dict]]:
+    """The records of a metrics file (mpidl's or the peer's), by their ``event``, in one pass."""
+    out: dict[str, list[dict]] = {}
     if not path.is_file():
-        return []
-    out = []
+        return out
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
             rec = json.loads(line)
         except ValueError:
             continue
-        if isinstance(rec, dict) and rec.get("event") == event:
-            out.append(rec)
+        if isinstance(rec, dict):
+            out.setdefault(rec.get("event"), []).append(rec)
     return out
 
 
 def read_epochs(path: Path) -> tuple[list[dict], dict | None]:
-    """The epoch records and the start record of a metrics file (mpidl's or the peer's)."""
-    starts = read_records(path, "start")
-    return read_records(path, "epoch"), (starts[-1] if starts else None)
+    """The epoch records and the (last) start record of a metrics file."""
+    records = read_records(path)
+    return records.get("epoch", []), (records.get("start") or [None])[-1]
 
 
 def command(cluster: Cluster, row: Row, metrics: Path, extra: list | None = None) -> list:
@@ -104,10 +104,11 @@ def run_row(cluster: Cluster, row: Row, work: Path, tag: str, timeout: float, du
         rec = run_measured(cluster, cmd, work / f"{tag}.log", timeout)
     else:
         rec = during(cmd, metrics, work / f"{tag}.log")
-    epochs, start = read_epochs(metrics)
+    records = read_records(metrics)
+    epochs, start = records.get("epoch", []), (records.get("start") or [None])[-1]
     # the moves of a re-balanced split: the step, the new batch sizes, the gain and margin
     rec["rebalances"] = [{k: r.get(k) for k in ("step", "old", "new", "gain", "margin")}
-                         for r in read_records(metrics, "rebalance")]
+                         for r in records.get("rebalance", [])]
     rec.update({"label": row.label, "kind": row.kind, "sizes": row.sizes, "epochs": epochs,
                 "model_bytes": (start or {}).get("num_params", 0) * 4,
                 "command": common.shown(cmd).replace(str(work) + "/", "")})

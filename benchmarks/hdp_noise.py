@@ -78,9 +78,8 @@ def table_lines(table: dict) -> list[str]:
             continue
         lo, hi = bootstrap_median(ratios)
         sigma = robust_sigma(ratios)
-        need = rounds_needed(sigma) if sigma > 0 else 0
         out.append(f"| {lab} | {statistics.median(ratios):.3f} [{lo:.3f}-{hi:.3f}] | {sigma:.3f} | "
-                   f"{need if lab != best else 'n/a'} | {len(ratios)} |")
+                   f"{rounds_needed(sigma) if lab != best else 'n/a'} | {len(ratios)} |")
     for r in (r for r in runs if "--rebalance" in r["label"]):
         end = tuple(r["epochs"][-1].get("batch_sizes", []))
         nearest = min(fixed, key=lambda lab: abs(split_of(lab)[0] - end[0])) if len(end) == 2 else None
@@ -92,13 +91,14 @@ def table_lines(table: dict) -> list[str]:
 
 def split_lines(table: dict, min_epochs: int = 4) -> list[str]:
     per_split: dict[str, list[list[float]]] = {}
+    ranks = 0
     for r in (r for r in table["runs"] if r.get("epochs")):
+        ranks = len(r["epochs"][0]["comp_s"])
         for before, e in zip(r["epochs"], r["epochs"][1:]):
             n = max(e["step"] - before["step"], 1)  # the epoch's steps
             label = ("fixed " if split_of(r["label"]) else "auto ") + ":".join(map(str, e["batch_sizes"]))
             per_split.setdefault(label, []).append(
                 [1e3 * x / n for x in (*e["comp_s"], *e["idle_s"], *e["comm_s"], e["time_s"])])
-    ranks = len(next(iter(per_split.values()))[0]) // 3 if per_split else 0
     heads = [f"{q} {i + 1}" for q in ("compute", "idle", "exchange") for i in range(ranks)]
     out = ["", "ms per step (median over epochs 2..E of each epoch's mean):",
            "| split | epochs | " + " | ".join(heads) + " | step |", "|---" * (len(heads) + 3) + "|"]
